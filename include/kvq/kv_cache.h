@@ -1,0 +1,82 @@
+// The KV cache interface. The model never touches cache storage: it appends each layer's new K/V
+// and asks the cache to attend for that layer's queries. f32/f16/bf16 are dense baselines; the
+// compressed formats (per-token int8/int4/int3/int2 in a rotated basis, KIVI, exact sink/recent
+// windows) live behind the same interface and attend directly on the compressed form.
+// (Interface shape after llama.cpp's llama_memory_i, STYLE.md habit 7.)
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvq/thread_pool.h"
+
+namespace kvq {
+
+struct kv_cache_params {
+  int n_layer = 0;
+  int n_kv_head = 0;
+  int head_dim = 0;
+  int n_ctx = 0;  // positions per sequence (tokens); append past it is an error
+  int n_seq = 1;  // independent sequences (seq_id in [0, n_seq))
+  std::string type_k = "f16";  // see kv_type_names()
+  std::string type_v = "f16";
+  // Options of the compressed formats (ignored by f32/f16/bf16):
+  int group_size = 0;               // elements per scale along head_dim; 0 = default (32 or head_dim)
+  std::string rotation = "auto";    // none|hadamard|srht|srft|auto (auto: hadamard for <= 4 bits)
+  int sink = 0;                     // first `sink` tokens kept exact (f16)
+  int recent = 0;                   // last `recent` tokens kept exact (f16)
+  int kivi_group = 32;              // KIVI: tokens per per-channel K group
+  int kivi_residual = 32;           // KIVI: max exact recent tokens before a group is quantized
+  bool channel_scale = false;       // per-channel scale λ calibrated on the prompt
+  uint64_t seed = 0x6b7671;         // seed of random signs (srht/srft)
+};
+
+// Per-step statistics a cache may report (certified mode fills these; others leave zeros).
+struct kv_cache_stats {
+  uint64_t attend_calls = 0;
+  uint64_t heads_certified = 0, heads_partial = 0, heads_exact = 0;
+};
+
+class kv_cache {
+ public:
+  virtual ~kv_cache() = default;
+  virtual const kv_cache_params& params() const = 0;
+
+  // Appends n_tokens new positions [n_pos(seq_id), n_pos(seq_id) + n_tokens) to layer il.
+  // k, v: [n_tokens, n_kv_head, head_dim] f32, K after RoPE. Every layer must receive the same
+  // tokens; n_pos() advances when the last layer has appended. Throws invalid_input when the
+  // sequence would exceed n_ctx, or for non-finite values if the format cannot store them.
+  virtual void append(int il, int seq_id, int n_tokens, const float* k, const float* v) = 0;
+
+  // Causal attention for layer il: query t (t < n_tokens) sits at position pos0 + t and attends
+  // to cache positions [0, pos0 + t] of seq_id (which must already be appended).
+  // q: [n_tokens, n_head, head_dim] f32 after RoPE; GQA: query head h uses kv head
+  // h / (n_head / n_kv_head). scale: usually 1/sqrt(head_dim). out: [n_tokens, n_head, head_dim].
+  virtual void attend(int il, int seq_id, int pos0, int n_tokens, int n_head, const float* q,
+                      float scale, float* out, thread_pool& pool) = 0;
+
+  virtual int n_pos(int seq_id) const = 0;          // positions stored (all layers)
+  virtual void clear(int seq_id) = 0;               // forget every position of seq_id
+  virtual void truncate(int seq_id, int n_pos) = 0; // keep positions [0, n_pos)
+
+  virtual size_t bytes() const = 0;        // bytes allocated now (all layers, K and V, all tiers)
+  virtual size_t bytes_used() const = 0;   // bytes holding stored positions
+  virtual kv_cache_stats stats() const { return {}; }
+  virtual std::string describe() const = 0;  // e.g. "K q4 (hadamard, g32) / V q4 (hadamard, g32)"
+};
+
+// Creates a cache; validates the params up front (unknown type, unsupported head_dim for the
+// format, bad group size) with an error naming the field and value, e.g.
+// "[kv_cache] unknown K cache type 'q5' (supported: f32, f16, bf16, q8, q4, ...)".
+std::unique_ptr<kv_cache> make_kv_cache(const kv_cache_params& p);
+
+// All type names accepted by type_k / type_v.
+std::vector<std::string> kv_type_names();
+
+// Asymptotic storage per token of the whole model (all layers, K and V) in bytes, for a cache
+// with these params (exact, as allocated per token away from group/page boundaries).
+double kv_bytes_per_token(const kv_cache_params& p);
+
+}  // namespace kvq

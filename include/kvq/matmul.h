@@ -1,0 +1,38 @@
+// Weight matrices kept in their stored GGUF format (no f32 copy of quantized weights) and the
+// products the model needs. Layout follows ggml: a 2-D weight has ne = {n_in, n_out}; row r
+// (n_in contiguous elements, in blocks of the type) produces output r.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "kvq/gguf.h"
+#include "kvq/thread_pool.h"
+
+namespace kvq {
+
+// A view of a 2-D weight in its stored format. Supported types: f32, f16, bf16, q8_0, q4_0.
+struct weight_view {
+  ggml_type type = ggml_type::f32;
+  int64_t n_in = 0;    // ne[0]
+  int64_t n_out = 0;   // ne[1]
+  const uint8_t* data = nullptr;
+  size_t row_bytes = 0;
+  std::string name;
+};
+
+// Builds a view of `t`, checking the type is supported (error names tensor, type and the
+// supported list) and that ne[0] is a multiple of the type's block size.
+weight_view make_weight_view(const gguf_tensor_info& t);
+
+// y[t, r] = sum_i W[r, i] * x[t, i]   for t < n_tokens, r < n_out.
+// x: [n_tokens, n_in] f32, y: [n_tokens, n_out] f32. Threads over rows (and tokens).
+// SIMD tier chosen at run time (cpu.h); f32/f16/bf16 with n_tokens >= 16 may use OpenBLAS.
+void matmul(const weight_view& w, const float* x, int64_t n_tokens, float* y, thread_pool& pool);
+
+// Reference (scalar, float64 accumulation) used by tests.
+void matmul_ref(const weight_view& w, const float* x, int64_t n_tokens, float* y);
+
+// Copies row `r` of `w` into out[n_in] as f32 (used for embeddings lookup).
+void weight_row_to_f32(const weight_view& w, int64_t r, float* out);
+
+}  // namespace kvq

@@ -1,0 +1,40 @@
+// A fixed pool of worker threads for data-parallel loops (the calling thread participates).
+#pragma once
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace kvq {
+
+class thread_pool {
+ public:
+  // n_threads: total threads including the caller; <= 0 means hardware_concurrency().
+  explicit thread_pool(int n_threads = 0);
+  ~thread_pool();
+  thread_pool(const thread_pool&) = delete;
+  thread_pool& operator=(const thread_pool&) = delete;
+
+  int size() const { return n_threads_; }
+  // Runs fn(i, thread_index) for i in [0, n) split into contiguous ranges; blocks until done.
+  // Exceptions thrown by fn are rethrown in the caller (the first one).
+  void parallel_for(int64_t n, const std::function<void(int64_t, int)>& fn);
+  // Runs fn(thread_index, n_threads) once on every thread.
+  void run_on_all(const std::function<void(int, int)>& fn);
+
+ private:
+  void worker(int tid);
+  int n_threads_;
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_start_, cv_done_;
+  const std::function<void(int, int)>* job_ = nullptr;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+  std::exception_ptr first_error_;
+};
+
+}  // namespace kvq
