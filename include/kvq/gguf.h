@@ -20,12 +20,18 @@ enum class ggml_type : uint32_t {
   q2_k = 10, q3_k = 11, q4_k = 12, q5_k = 13, q6_k = 14, q8_k = 15,
   iq2_xxs = 16, iq2_xs = 17, iq3_xxs = 18, iq1_s = 19, iq4_nl = 20, iq3_s = 21, iq2_s = 22,
   iq4_xs = 23, i8 = 24, i16 = 25, i32 = 26, i64 = 27, f64 = 28, iq1_m = 29, bf16 = 30,
+  tq1_0 = 34, tq2_0 = 35, mxfp4 = 39,
 };
 const char* ggml_type_name(ggml_type t);  // "q4_0", or "type<N>" for unknown ids
 // Block size in elements and bytes per block for the types kvq can hold (f32, f16, bf16, q8_0,
 // q4_0); 0 for others.
 int64_t ggml_block_elems(ggml_type t);
 int64_t ggml_block_bytes(ggml_type t);
+// Storage block size (elements, bytes) of every ggml type id whose layout is known (all the ids
+// above, including the k-quants and i-quants kvq cannot compute with); 0 for unknown ids. Used to
+// validate tensor extents at open.
+int64_t ggml_storage_block_elems(ggml_type t);
+int64_t ggml_storage_block_bytes(ggml_type t);
 
 enum class gguf_value_type : uint32_t {
   u8 = 0, i8 = 1, u16 = 2, i16 = 3, u32 = 4, i32 = 5, f32 = 6, boolean = 7, string = 8,
@@ -41,6 +47,9 @@ struct gguf_value {
   std::vector<std::string> arr_str;
   std::vector<int64_t> arr_int;    // all signed/unsigned integer and bool elements
   std::vector<double> arr_float;   // f32/f64 elements
+  // arrays: number of elements. An array of arrays (elem_type == array) is bounds-checked at
+  // open but its contents are not kept: only arr_n is filled.
+  uint64_t arr_n = 0;
 };
 
 struct gguf_tensor_info {
@@ -52,6 +61,8 @@ struct gguf_tensor_info {
   const uint8_t* data = nullptr;  // points into the mapping
   int64_t n_elements() const;
 };
+
+const char* gguf_value_type_name(gguf_value_type t);  // "u32", "string", "array", ...
 
 class gguf_file {
  public:
