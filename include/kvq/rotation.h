@@ -6,10 +6,13 @@
 // the sign-randomized FFT, SRFT).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace kvq {
+
+struct real_fft_plan;  // private (src/rotation/real_fft.h): srft twiddles, immutable
 
 enum class rotation_kind {
   none,      // identity
@@ -29,6 +32,7 @@ struct rotation {
   int head_dim = 0;
   int block = 0;               // Hadamard block size (power of two dividing head_dim)
   std::vector<float> signs;    // [head_dim] ±1 for srht/srft, empty otherwise
+  std::shared_ptr<const real_fft_plan> fft;  // srft only, built by make(); shared, so copies stay cheap
 
   // Throws unsupported "[rotation] srft needs an even head_dim, got 7" etc. head_dim must be >= 1.
   static rotation make(rotation_kind kind, int head_dim, uint64_t seed);
