@@ -1,1 +1,82 @@
-int main() { return 0; }
+// kvq: LLM inference with a compressed KV cache. Subcommands are registered by tools/cmd_*.cpp.
+// Exit codes: 0 success, 2 bad input (flags, files, unsupported model/format), 1 internal error.
+#include <cstdio>
+#include <fstream>
+#include <map>
+
+#include "cli.h"
+#include "kvq/error.h"
+
+namespace kvq::cli {
+
+std::vector<command>& registry() {
+  static std::vector<command> r;
+  return r;
+}
+
+void add_kv_flags(CLI::App* app, kv_cache_params& p) {
+  const std::string types = [] {
+    std::string s;
+    for (const auto& t : kv_type_names()) s += (s.empty() ? "" : ", ") + t;
+    return s;
+  }();
+  app->add_option("-ctk,--cache-type-k", p.type_k, "KV cache type for K (" + types + ")")->capture_default_str();
+  app->add_option("-ctv,--cache-type-v", p.type_v, "KV cache type for V (" + types + ")")->capture_default_str();
+  app->add_option("--kv-rot", p.rotation, "rotation before quantizing: none|hadamard|srht|srft|auto")->capture_default_str();
+  app->add_option("--kv-group", p.group_size, "elements per scale along head_dim (0 = default: 32 or head_dim)")->capture_default_str();
+  app->add_option("--kv-sink", p.sink, "first N tokens kept exact (f16)")->capture_default_str();
+  app->add_option("--kv-recent", p.recent, "last N tokens kept exact (f16)")->capture_default_str();
+  app->add_option("--kv-kivi-group", p.kivi_group, "KIVI: tokens per per-channel K group")->capture_default_str();
+  app->add_option("--kv-residual", p.kivi_residual, "KIVI: exact recent tokens kept before quantizing a group")->capture_default_str();
+  app->add_flag("--kv-channel-scale", p.channel_scale, "calibrate a per-channel scale on the prompt before quantizing");
+  app->add_option("--kv-seed", p.seed, "seed of the random signs of srht/srft")->capture_default_str();
+}
+
+void write_file_atomic(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) fail(errc::io, "[io] cannot open '" + tmp + "' for writing");
+    f.write(text.data(), (std::streamsize)text.size());
+    if (!f) {
+      std::remove(tmp.c_str());
+      fail(errc::io, "[io] write to '" + tmp + "' failed");
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    fail(errc::io, "[io] cannot rename '" + tmp + "' to '" + path + "'");
+  }
+}
+
+}  // namespace kvq::cli
+
+int main(int argc, char** argv) {
+  using namespace kvq;
+  CLI::App app{"kvq: LLM inference with a compressed KV cache"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "kvq 0.1.0");
+  std::map<std::string, std::function<int()>> runners;
+  for (auto& c : cli::registry()) {
+    CLI::App* sub = app.add_subcommand(c.name, c.help);
+    runners[c.name] = c.setup(sub);
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+  try {
+    for (auto* sub : app.get_subcommands()) return runners.at(sub->get_name())();
+  } catch (const kvq::error& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return e.code() == errc::internal ? 1 : 2;
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "error: internal: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

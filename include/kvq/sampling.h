@@ -1,0 +1,36 @@
+// Token sampling over a logits row, in llama.cpp's default chain order:
+// top-k -> top-p -> min-p -> temperature -> draw (temp <= 0: greedy argmax, first max wins).
+// Sources: top-p (Holtzman et al. 2020, arXiv:1904.09751, §3.1); min-p (Nguyen et al. 2024,
+// arXiv:2407.01082).
+#pragma once
+#include <cstdint>
+#include <random>
+#include <vector>
+
+namespace kvq {
+
+struct sampling_params {
+  float temp = 0.8f;    // <= 0: greedy
+  int top_k = 40;       // <= 0: off
+  float top_p = 0.95f;  // >= 1: off
+  float min_p = 0.05f;  // <= 0: off
+  uint64_t seed = 0xFFFFFFFFu;  // 0xFFFFFFFF: random seed (as llama.cpp's LLAMA_DEFAULT_SEED)
+};
+
+class sampler {
+ public:
+  // Throws invalid_input for NaN temperature, top_p outside (0, 1], min_p outside [0, 1].
+  explicit sampler(const sampling_params& p);
+  // logits: [n_vocab] f32. Returns the chosen token id. Throws invalid_input when every logit is
+  // NaN or -Inf.
+  int32_t sample(const float* logits, int32_t n_vocab);
+  uint64_t seed() const { return seed_; }
+
+ private:
+  sampling_params p_;
+  uint64_t seed_;
+  std::mt19937 rng_;
+  std::vector<std::pair<float, int32_t>> cand_;  // scratch
+};
+
+}  // namespace kvq

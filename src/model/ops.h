@@ -1,0 +1,21 @@
+// Small dense ops of the transformer block (f32, row-wise). Private to the model layer.
+#pragma once
+#include <cstdint>
+
+namespace kvq::ops {
+
+// out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i], for one row of n elements (out may alias x).
+void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out);
+
+// SwiGLU: out[i] = silu(gate[i]) * up[i].
+void swiglu(const float* gate, const float* up, int64_t n, float* out);
+
+// RoPE on one head vector x[head_dim] at position pos; rotates the first n_rot dims.
+// inv_freq[i] (i < n_rot/2) = freq_scale * base^(-2i/n_rot) (optionally / rope_freqs[i]).
+// neox: pairs (i, i + n_rot/2); otherwise pairs (2i, 2i+1).
+void rope(float* x, int n_rot, const float* inv_freq, int pos, bool neox);
+
+// true when every x[i] is finite.
+bool all_finite(const float* x, int64_t n);
+
+}  // namespace kvq::ops

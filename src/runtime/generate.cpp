@@ -1,0 +1,87 @@
+#include "kvq/generate.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "kvq/error.h"
+
+namespace kvq {
+
+int resolve_n_ctx(const model& m, int n_ctx) {
+  const int train = m.hparams().n_ctx_train;
+  if (n_ctx < 0) fail_input("[generate] context size -c " + std::to_string(n_ctx) + " must be >= 0");
+  if (n_ctx == 0) return std::min(train, 4096);
+  if (n_ctx > train)
+    fail_input("[generate] context size -c " + std::to_string(n_ctx) + " exceeds the model's training context " +
+               std::to_string(train) + " (" + m.hparams().arch + ".context_length)");
+  return n_ctx;
+}
+
+generate_result generate(model& m, const tokenizer& tok, const generate_params& p,
+                         const std::function<void(const std::string&)>& on_piece) {
+  using clock = std::chrono::steady_clock;
+  generate_result r;
+  if (p.prompt.empty()) fail_input("[generate] the prompt is empty (give one with -p)");
+  if (p.n_batch <= 0) fail_input("[generate] batch size " + std::to_string(p.n_batch) + " must be > 0");
+  r.n_ctx = resolve_n_ctx(m, p.n_ctx);
+
+  kv_cache_params cp = p.cache;
+  const kv_cache_params shape = m.cache_params(r.n_ctx);
+  cp.n_layer = shape.n_layer;
+  cp.n_kv_head = shape.n_kv_head;
+  cp.head_dim = shape.head_dim;
+  cp.n_ctx = r.n_ctx;
+  cp.n_seq = 1;
+  std::unique_ptr<kv_cache> cache = make_kv_cache(cp);  // validates types before any work
+
+  r.prompt_ids = tok.encode(p.prompt, p.add_bos && tok.add_bos_default(), /*parse_special=*/true);
+  if (r.prompt_ids.empty()) fail_input("[generate] the prompt tokenized to zero tokens");
+  if ((int)r.prompt_ids.size() > r.n_ctx)
+    fail_input("[generate] the prompt has " + std::to_string(r.prompt_ids.size()) +
+               " tokens, more than the context size " + std::to_string(r.n_ctx) + " (raise -c)");
+
+  sampler smp(p.sampling);
+  r.seed = smp.seed();
+  thread_pool pool(p.n_threads);
+  const int n_vocab = m.hparams().n_vocab;
+  std::vector<float> logits(n_vocab);
+
+  const auto t0 = clock::now();
+  const int n_prompt = (int)r.prompt_ids.size();
+  for (int i = 0; i < n_prompt; i += p.n_batch) {
+    const int nb = std::min(p.n_batch, n_prompt - i);
+    m.forward(std::span<const int32_t>(r.prompt_ids.data() + i, nb), i, 0, *cache, pool, logits.data(), false);
+  }
+  const auto t1 = clock::now();
+  r.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
+
+  int pos = n_prompt;
+  r.stop_reason = "n_predict";
+  for (int i = 0; p.n_predict < 0 || i < p.n_predict; ++i) {
+    const int32_t id = smp.sample(logits.data(), n_vocab);
+    if (!p.ignore_eos && tok.is_eog(id)) { r.stop_reason = "eog"; break; }
+    r.ids.push_back(id);
+    if (on_piece) on_piece(tok.token_to_piece(id));
+    if (p.n_predict >= 0 && i + 1 == p.n_predict) break;  // no forward needed for the last token
+    if (pos >= r.n_ctx) { r.stop_reason = "context_full"; break; }
+    m.forward(std::span<const int32_t>(&id, 1), pos, 0, *cache, pool, logits.data(), false);
+    ++pos;
+  }
+  const auto t2 = clock::now();
+  r.decode_seconds = std::chrono::duration<double>(t2 - t1).count();
+  r.text = tok.decode(r.ids);
+  r.prefill_tokens_per_s = r.prefill_seconds > 0 ? n_prompt / r.prefill_seconds : 0;
+  // Decode steps = forwards after the prompt (the last sampled token needs none).
+  const int n_steps = std::max(0, pos - n_prompt);
+  r.decode_tokens_per_s = r.decode_seconds > 0 ? n_steps / r.decode_seconds : 0;
+  r.kv_bytes = cache->bytes();
+  r.kv_bytes_used = cache->bytes_used();
+  r.kv_bytes_per_token = kv_bytes_per_token(cp);
+  kv_cache_params f16 = cp;
+  f16.type_k = f16.type_v = "f16";
+  r.kv_bytes_per_token_f16 = kv_bytes_per_token(f16);
+  r.kv_describe = cache->describe();
+  return r;
+}
+
+}  // namespace kvq

@@ -1,0 +1,35 @@
+// Shared pieces of the kvq command-line tool: subcommand registry and the KV-cache flags.
+// Tools are thin: they parse flags, call the library, print.
+#pragma once
+#include <CLI/CLI.hpp>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kvq/kv_cache.h"
+
+namespace kvq::cli {
+
+// A subcommand: `setup` adds its options to `app` and returns the function that runs it
+// (returning the process exit code).
+struct command {
+  std::string name;
+  std::string help;
+  std::function<std::function<int()>(CLI::App* app)> setup;
+};
+
+std::vector<command>& registry();
+struct registrar {
+  explicit registrar(command c) { registry().push_back(std::move(c)); }
+};
+
+// -ctk/--cache-type-k, -ctv/--cache-type-v, --kv-rot, --kv-group, --kv-sink, --kv-recent,
+// --kv-kivi-group, --kv-residual, --kv-channel-scale, --kv-seed.
+void add_kv_flags(CLI::App* app, kv_cache_params& p);
+
+// Writes `text` to `path` atomically (temp file + rename), so a failure never leaves a
+// half-written file. Throws kvq::error(io).
+void write_file_atomic(const std::string& path, const std::string& text);
+
+}  // namespace kvq::cli

@@ -1,0 +1,90 @@
+// kvq generate: text generation with a (compressed) KV cache, llama.cpp-style flags.
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "cli.h"
+#include "kvq/generate.h"
+
+namespace kvq::cli {
+namespace {
+
+struct generate_opts {
+  std::string model_path;
+  generate_params p;
+  bool json = false;
+};
+
+int run_generate(generate_opts& o) {
+  auto m = model::load(o.model_path);
+  auto tok = tokenizer::from_gguf(m->gguf());
+  generate_result r;
+  if (o.json) {
+    r = generate(*m, *tok, o.p);
+  } else {
+    std::fputs(o.p.prompt.c_str(), stdout);
+    std::fflush(stdout);
+    r = generate(*m, *tok, o.p, [](const std::string& piece) {
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+    });
+    std::fputs("\n", stdout);
+  }
+  const double ratio = r.kv_bytes_per_token > 0 ? r.kv_bytes_per_token_f16 / r.kv_bytes_per_token : 0;
+  if (o.json) {
+    nlohmann::json j;
+    j["model"] = o.model_path;
+    j["prompt"] = o.p.prompt;
+    j["prompt_ids"] = r.prompt_ids;
+    j["ids"] = r.ids;
+    j["text"] = r.text;
+    j["stop_reason"] = r.stop_reason;
+    j["seed"] = r.seed;
+    j["n_ctx"] = r.n_ctx;
+    j["n_prompt"] = r.prompt_ids.size();
+    j["n_generated"] = r.ids.size();
+    j["prefill_seconds"] = r.prefill_seconds;
+    j["decode_seconds"] = r.decode_seconds;
+    j["prefill_tokens_per_s"] = r.prefill_tokens_per_s;
+    j["decode_tokens_per_s"] = r.decode_tokens_per_s;
+    j["kv_cache"] = r.kv_describe;
+    j["kv_type_k"] = o.p.cache.type_k;
+    j["kv_type_v"] = o.p.cache.type_v;
+    j["kv_bytes_per_token"] = r.kv_bytes_per_token;
+    j["kv_bytes_per_token_f16"] = r.kv_bytes_per_token_f16;
+    j["kv_compression_vs_f16"] = ratio;
+    j["kv_bytes_allocated"] = r.kv_bytes;
+    j["kv_bytes_used"] = r.kv_bytes_used;
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::fprintf(stderr,
+                 "\n[kvq] prompt %zu tokens, generated %zu tokens (stop: %s, seed %llu)\n"
+                 "[kvq] prefill %.1f tok/s, decode %.1f tok/s\n"
+                 "[kvq] KV cache %s: %.1f bytes/token (f16: %.1f, %.2fx smaller), %zu bytes used, %zu allocated (n_ctx %d)\n",
+                 r.prompt_ids.size(), r.ids.size(), r.stop_reason.c_str(), (unsigned long long)r.seed,
+                 r.prefill_tokens_per_s, r.decode_tokens_per_s, r.kv_describe.c_str(), r.kv_bytes_per_token,
+                 r.kv_bytes_per_token_f16, ratio, r.kv_bytes_used, r.kv_bytes, r.n_ctx);
+  }
+  return 0;
+}
+
+const registrar reg{{"generate", "generate text from a prompt", [](CLI::App* app) {
+  auto o = std::make_shared<generate_opts>();
+  app->add_option("-m,--model", o->model_path, "GGUF model file")->required();
+  app->add_option("-p,--prompt", o->p.prompt, "prompt text")->required();
+  app->add_option("-n,--n-predict", o->p.n_predict, "tokens to generate (-1: until end of generation)")->capture_default_str();
+  app->add_option("-c,--ctx-size", o->p.n_ctx, "context size in tokens (0: min(model, 4096))")->capture_default_str();
+  app->add_option("-b,--batch-size", o->p.n_batch, "prompt tokens per prefill pass")->capture_default_str();
+  app->add_option("-t,--threads", o->p.n_threads, "threads (0: all)")->capture_default_str();
+  app->add_option("--temp", o->p.sampling.temp, "temperature (<= 0: greedy)")->capture_default_str();
+  app->add_option("--top-k", o->p.sampling.top_k, "top-k (<= 0: off)")->capture_default_str();
+  app->add_option("--top-p", o->p.sampling.top_p, "top-p (1: off)")->capture_default_str();
+  app->add_option("--min-p", o->p.sampling.min_p, "min-p (0: off)")->capture_default_str();
+  app->add_option("-s,--seed", o->p.sampling.seed, "RNG seed (0xFFFFFFFF: random)")->capture_default_str();
+  app->add_flag("--ignore-eos", o->p.ignore_eos, "keep generating after end-of-generation tokens");
+  app->add_flag("--json", o->json, "print one JSON object instead of streaming text");
+  add_kv_flags(app, o->p.cache);
+  return [o] { return run_generate(*o); };
+}}};
+
+}  // namespace
+}  // namespace kvq::cli

@@ -1,0 +1,96 @@
+// kvq info: architecture, shapes and KV bytes/token of every cache type.
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "cli.h"
+#include "kvq/error.h"
+#include "kvq/generate.h"
+#include "kvq/model.h"
+
+namespace kvq::cli {
+namespace {
+
+struct info_opts {
+  std::string model_path;
+  int n_ctx = 0;
+  bool json = false;
+  kv_cache_params kv;
+};
+
+int run_info(info_opts& o) {
+  auto m = model::load(o.model_path);
+  const model_hparams& hp = m->hparams();
+  const int n_ctx = resolve_n_ctx(*m, o.n_ctx);
+  kv_cache_params base = o.kv;
+  const kv_cache_params shape = m->cache_params(n_ctx);
+  base.n_layer = shape.n_layer;
+  base.n_kv_head = shape.n_kv_head;
+  base.head_dim = shape.head_dim;
+  base.n_ctx = n_ctx;
+  kv_cache_params f16 = base;
+  f16.type_k = f16.type_v = "f16";
+  const double f16_bpt = kv_bytes_per_token(f16);
+
+  nlohmann::json rows = nlohmann::json::array();
+  for (const std::string& t : kv_type_names()) {
+    kv_cache_params p = base;
+    p.type_k = p.type_v = t;
+    nlohmann::json row{{"type", t}};
+    try {
+      const double bpt = kv_bytes_per_token(p);
+      row["bytes_per_token"] = bpt;
+      row["ratio_to_f16"] = f16_bpt / bpt;
+      row["bytes_at_n_ctx"] = bpt * n_ctx;
+    } catch (const kvq::error& e) {
+      row["error"] = e.what();
+    }
+    rows.push_back(row);
+  }
+  if (o.json) {
+    nlohmann::json j{{"model", o.model_path}, {"arch", hp.arch}, {"name", hp.name}, {"n_vocab", hp.n_vocab},
+                     {"n_embd", hp.n_embd}, {"n_layer", hp.n_layer}, {"n_head", hp.n_head},
+                     {"n_kv_head", hp.n_kv_head}, {"head_dim", hp.head_dim}, {"n_ff", hp.n_ff},
+                     {"n_ctx_train", hp.n_ctx_train}, {"n_rot", hp.n_rot}, {"rope_freq_base", hp.rope_freq_base},
+                     {"rope", hp.rope == rope_type::neox ? "neox" : "norm"}, {"rms_eps", hp.rms_eps},
+                     {"attn_scale", hp.attn_scale}, {"tied_output", hp.tied_output}, {"n_params", hp.n_params},
+                     {"n_ctx", n_ctx}, {"kv_types", rows}};
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  std::printf("model        %s\n", o.model_path.c_str());
+  std::printf("arch         %s%s%s\n", hp.arch.c_str(), hp.name.empty() ? "" : "  name: ", hp.name.c_str());
+  std::printf("params       %lld\n", (long long)hp.n_params);
+  std::printf("n_vocab %d  n_embd %d  n_layer %d  n_ff %d\n", hp.n_vocab, hp.n_embd, hp.n_layer, hp.n_ff);
+  std::printf("n_head %d  n_kv_head %d (GQA %d:1)  head_dim %d\n", hp.n_head, hp.n_kv_head, hp.n_head / hp.n_kv_head, hp.head_dim);
+  std::printf("RoPE %s  n_rot %d  freq_base %g  freq_scale %g\n", hp.rope == rope_type::neox ? "neox" : "norm", hp.n_rot,
+              hp.rope_freq_base, hp.rope_freq_scale);
+  std::printf("rms_eps %g  attn_scale %g  output %s  n_ctx_train %d\n", hp.rms_eps, hp.attn_scale,
+              hp.tied_output ? "tied" : "separate", hp.n_ctx_train);
+  std::printf("\nKV cache at n_ctx %d (K and V the same type; options: rot %s, group %d, sink %d, recent %d)\n", n_ctx,
+              base.rotation.c_str(), base.group_size, base.sink, base.recent);
+  std::printf("%-10s %14s %10s %16s\n", "type", "bytes/token", "vs f16", "bytes at n_ctx");
+  for (const auto& r : rows) {
+    if (r.contains("error")) {
+      std::printf("%-10s %s\n", r["type"].get<std::string>().c_str(), r["error"].get<std::string>().c_str());
+      continue;
+    }
+    std::printf("%-10s %14.2f %9.2fx %16.0f\n", r["type"].get<std::string>().c_str(), r["bytes_per_token"].get<double>(),
+                r["ratio_to_f16"].get<double>(), r["bytes_at_n_ctx"].get<double>());
+  }
+  return 0;
+}
+
+const registrar reg{{"info", "print the model's architecture, shapes and KV bytes/token per cache type", [](CLI::App* app) {
+  auto o = std::make_shared<info_opts>();
+  app->add_option("-m,--model", o->model_path, "GGUF model file")->required();
+  app->add_option("-c,--ctx-size", o->n_ctx, "context size for the totals (0: min(model, 4096))");
+  app->add_flag("--json", o->json, "print JSON");
+  app->add_option("--kv-rot", o->kv.rotation, "rotation (affects nothing in size)");
+  app->add_option("--kv-group", o->kv.group_size, "group size along head_dim (0 = default)");
+  app->add_option("--kv-sink", o->kv.sink, "exact sink tokens");
+  app->add_option("--kv-recent", o->kv.recent, "exact recent tokens");
+  return [o] { return run_info(*o); };
+}}};
+
+}  // namespace
+}  // namespace kvq::cli
