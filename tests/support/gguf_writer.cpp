@@ -12,13 +12,15 @@ namespace {
 
 template <class T>
 void app(std::vector<uint8_t>& b, T v) {
-  uint8_t tmp[sizeof(T)];
-  std::memcpy(tmp, &v, sizeof(T));
-  b.insert(b.end(), tmp, tmp + sizeof(T));
+  const size_t at = b.size();
+  b.resize(at + sizeof(T));
+  std::memcpy(b.data() + at, &v, sizeof(T));
 }
 void app_str(std::vector<uint8_t>& b, const std::string& s) {
   app<uint64_t>(b, s.size());
-  b.insert(b.end(), s.begin(), s.end());
+  const size_t at = b.size();
+  b.resize(at + s.size());
+  if (!s.empty()) std::memcpy(b.data() + at, s.data(), s.size());
 }
 template <class T>
 std::vector<uint8_t> scalar(gguf_value_type t, T v) {
@@ -123,14 +125,16 @@ void gguf_writer::add_tensor_f32(const std::string& name, const std::vector<int6
 
 std::vector<uint8_t> gguf_writer::bytes() const {
   std::vector<uint8_t> b;
-  b.insert(b.end(), {'G', 'G', 'U', 'F'});
+  app<uint32_t>(b, 0x46554747u);  // "GGUF" little-endian
   app<uint32_t>(b, version_);
   app<uint64_t>(b, tensors_.size());
   const bool write_align = alignment_ != 32;
   app<uint64_t>(b, kv_.size() + (write_align ? 1 : 0));
   for (const kv& e : kv_) {
     app_str(b, e.key);
-    b.insert(b.end(), e.typed_value.begin(), e.typed_value.end());
+    const size_t at = b.size();
+    b.resize(at + e.typed_value.size());
+    std::memcpy(b.data() + at, e.typed_value.data(), e.typed_value.size());
   }
   if (write_align) {
     app_str(b, "general.alignment");
