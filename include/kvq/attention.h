@@ -1,0 +1,106 @@
+// Attention building blocks shared by every KV cache and every kernel tier (CPU and CUDA).
+//
+// attn_state is the online-softmax accumulator of one query head over one partition of the keys
+// (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; FlashAttention,
+// Dao et al. 2022, §3.1; FlashDecoding split-KV): m = max score seen, d = sum_j exp(s_j - m),
+// o[head_dim] = sum_j exp(s_j - m) v_j (unnormalised). Partitions (threads, split-K chunks, the
+// exact sink/recent windows and the quantized body) are combined with merge(), which is
+// associative and commutative up to f32 rounding. An empty partition (d == 0, m == -inf) merges
+// as weight 0 and never produces NaN. (STYLE.md habit 5, after FlashInfer's state_t.)
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace kvq {
+
+struct attn_state {
+  float m = -std::numeric_limits<float>::infinity();  // running max of scaled scores
+  float d = 0.0f;                                     // sum_j exp(s_j - m)
+  float* o = nullptr;                                 // [head_dim] sum_j exp(s_j - m) v_j
+  int head_dim = 0;
+
+  // An empty state over caller-owned o_buf[head_dim] (zeroed here).
+  static attn_state empty(float* o_buf, int head_dim) {
+    attn_state s;
+    s.o = o_buf;
+    s.head_dim = head_dim;
+    for (int i = 0; i < head_dim; ++i) o_buf[i] = 0.0f;
+    return s;
+  }
+  bool is_empty() const { return !(d > 0.0f); }
+
+  // this <- this ⊕ b (b.head_dim must equal head_dim). Empty b is a no-op; empty this copies b.
+  void merge(const attn_state& b) {
+    if (b.is_empty()) return;
+    if (is_empty()) {
+      m = b.m;
+      d = b.d;
+      for (int i = 0; i < head_dim; ++i) o[i] = b.o[i];
+      return;
+    }
+    const float mn = m > b.m ? m : b.m;
+    const float wa = std::exp(m - mn), wb = std::exp(b.m - mn);
+    m = mn;
+    d = d * wa + b.d * wb;
+    for (int i = 0; i < head_dim; ++i) o[i] = o[i] * wa + b.o[i] * wb;
+  }
+
+  // Rescales the state to a new maximum m_new >= m (used before adding a block of scores).
+  // Returns the factor applied to d and o.
+  float rescale_to(float m_new) {
+    if (m_new <= m) return 1.0f;
+    const float w = is_empty() ? 0.0f : std::exp(m - m_new);
+    m = m_new;
+    d *= w;
+    for (int i = 0; i < head_dim; ++i) o[i] *= w;
+    return w;
+  }
+
+  // out[head_dim] = o / d; zeros for an empty state (attention over no keys).
+  void finalize(float* out) const {
+    if (is_empty()) {
+      for (int i = 0; i < head_dim; ++i) out[i] = 0.0f;
+      return;
+    }
+    const float inv = 1.0f / d;
+    for (int i = 0; i < head_dim; ++i) out[i] = o[i] * inv;
+  }
+};
+
+// Element type of a dense (exact) K or V row.
+enum class kv_elem : uint8_t { f32, f16, bf16, count };
+inline int kv_elem_bytes(kv_elem e) { return e == kv_elem::f32 ? 4 : 2; }
+
+// A dense K/V view of one kv head (STYLE.md habit 3: kernels take views). Row p (p in
+// [0, n_pos)) of K is at k + p * row_stride elements; same for V. Position of row p is pos_begin + p.
+struct kv_dense_view {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  kv_elem type_k = kv_elem::f32, type_v = kv_elem::f32;
+  int64_t row_stride = 0;  // elements between consecutive positions
+  int pos_begin = 0;       // absolute position of row 0
+  int n_pos = 0;           // rows in this view
+  int head_dim = 0;
+};
+
+// The queries of the GQA group that shares one kv head. Query token t (t < n_tokens), group member
+// g (g < n_group) is at q + t * stride_t + g * head_dim, sits at absolute position pos0 + t and
+// attends (causally) to positions <= pos0 + t. Scores are scale * q·k.
+struct attn_query_view {
+  const float* q = nullptr;
+  int64_t stride_t = 0;  // elements between consecutive query tokens
+  int n_tokens = 0;
+  int n_group = 0;
+  int head_dim = 0;
+  int pos0 = 0;
+  float scale = 1.0f;
+};
+
+// Adds the dense view's contribution to states[t * n_group + g] (causal: only positions
+// <= pos0 + t). Scalar reference tier (float64-free, f32 accumulation in blocks of 64 keys).
+void attn_dense_ref(const kv_dense_view& kv, const attn_query_view& q, attn_state* states);
+// Same contract; runtime-dispatched to the best tier (AVX2 when available).
+void attn_dense(const kv_dense_view& kv, const attn_query_view& q, attn_state* states);
+
+}  // namespace kvq

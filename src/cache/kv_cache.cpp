@@ -1,0 +1,52 @@
+// make_kv_cache(): validates params and picks the implementation (STYLE.md habit 7).
+#include <string>
+
+#include "cache/kv_cache_impl.h"
+#include "kvq/error.h"
+
+namespace kvq {
+
+static std::string joined_type_names() {
+  std::string s;
+  for (const auto& t : kv_type_names()) s += (s.empty() ? "" : ", ") + t;
+  return s;
+}
+
+std::vector<std::string> kv_type_names() { return {"f32", "f16", "bf16"}; }
+
+kv_elem dense_elem_of(const std::string& type) {
+  if (type == "f32") return kv_elem::f32;
+  if (type == "f16") return kv_elem::f16;
+  if (type == "bf16") return kv_elem::bf16;
+  return kv_elem::count;
+}
+
+void validate_cache_shape(const kv_cache_params& p) {
+  auto need = [](int v, const char* field) {
+    if (v < 1) fail_input(std::string("[kv_cache] ") + field + " must be >= 1, got " + std::to_string(v));
+  };
+  need(p.n_layer, "n_layer");
+  need(p.n_kv_head, "n_kv_head");
+  need(p.head_dim, "head_dim");
+  need(p.n_ctx, "n_ctx");
+  need(p.n_seq, "n_seq");
+  for (const auto* side : {&p.type_k, &p.type_v}) {
+    bool known = false;
+    for (const auto& t : kv_type_names()) known = known || t == *side;
+    if (!known)
+      fail_input(std::string("[kv_cache] unknown ") + (side == &p.type_k ? "K" : "V") + " cache type '" +
+                 *side + "' (supported: " + joined_type_names() + ")");
+  }
+}
+
+std::unique_ptr<kv_cache> make_kv_cache(const kv_cache_params& p) {
+  validate_cache_shape(p);
+  return make_kv_cache_dense(p);
+}
+
+double kv_bytes_per_token(const kv_cache_params& p) {
+  validate_cache_shape(p);
+  return kv_bytes_per_token_dense(p);
+}
+
+}  // namespace kvq

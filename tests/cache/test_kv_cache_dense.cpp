@@ -1,0 +1,156 @@
+// Dense f32/f16/bf16 caches against a float64 causal GQA attention reference.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kvq/error.h"
+#include "kvq/f16.h"
+#include "kvq/kv_cache.h"
+
+namespace kvq {
+namespace {
+
+float round_to(const std::string& type, float x) {
+  if (type == "f16") return f16_to_f32(f32_to_f16(x));
+  if (type == "bf16") return bf16_to_f32(f32_to_bf16(x));
+  return x;
+}
+
+// out[t, h, :] = softmax_j(scale q·k_j) v_j over j <= pos0 + t, in float64.
+std::vector<double> attend_f64(const std::vector<float>& k, const std::vector<float>& v, const float* q,
+                               int n_kv_head, int hd, int pos0, int n_tokens, int n_head, float scale) {
+  std::vector<double> out((size_t)n_tokens * n_head * hd, 0.0);
+  const int grp = n_head / n_kv_head;
+  for (int t = 0; t < n_tokens; ++t)
+    for (int h = 0; h < n_head; ++h) {
+      const int hk = h / grp, n = pos0 + t + 1;
+      std::vector<double> s(n);
+      double mx = -1e300;
+      for (int j = 0; j < n; ++j) {
+        double a = 0;
+        for (int i = 0; i < hd; ++i)
+          a += (double)q[((size_t)t * n_head + h) * hd + i] * k[((size_t)j * n_kv_head + hk) * hd + i];
+        s[j] = a * scale;
+        mx = std::max(mx, s[j]);
+      }
+      double den = 0;
+      for (int j = 0; j < n; ++j) den += (s[j] = std::exp(s[j] - mx));
+      for (int j = 0; j < n; ++j)
+        for (int i = 0; i < hd; ++i)
+          out[((size_t)t * n_head + h) * hd + i] += s[j] / den * v[((size_t)j * n_kv_head + hk) * hd + i];
+    }
+  return out;
+}
+
+struct dense_case {
+  std::string tk, tv;
+  int hd, n_kv_head, grp;
+};
+
+class dense_cache : public ::testing::TestWithParam<dense_case> {};
+
+TEST_P(dense_cache, matches_f64_reference) {
+  const auto c = GetParam();
+  kv_cache_params p;
+  p.n_layer = 2;
+  p.n_kv_head = c.n_kv_head;
+  p.head_dim = c.hd;
+  p.n_ctx = 300;
+  p.n_seq = 2;
+  p.type_k = c.tk;
+  p.type_v = c.tv;
+  auto cache = make_kv_cache(p);
+  const int n_head = c.n_kv_head * c.grp;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  // seq 1 gets 3 chunks (prefill 150, 1, 96) to exercise append at an offset
+  const int chunks[] = {150, 1, 96};
+  std::vector<float> kall, vall;  // rounded copies [n_pos, n_kv_head, hd] of layer 1
+  thread_pool pool(2);
+  int pos = 0;
+  for (int n : chunks) {
+    const size_t sz = (size_t)n * c.n_kv_head * c.hd;
+    std::vector<float> k0(sz), v0(sz), k1(sz), v1(sz), q((size_t)n * n_head * c.hd);
+    for (auto* b : {&k0, &v0, &k1, &v1, &q})
+      for (auto& x : *b) x = nd(rng) * 2.0f;
+    cache->append(0, 1, n, k0.data(), v0.data());
+    EXPECT_EQ(cache->n_pos(1), pos);  // advances only once the last layer appended
+    cache->append(1, 1, n, k1.data(), v1.data());
+    for (float x : k1) kall.push_back(round_to(c.tk, x));
+    for (float x : v1) vall.push_back(round_to(c.tv, x));
+    std::vector<float> out(q.size());
+    const float scale = 1.0f / std::sqrt((float)c.hd);
+    cache->attend(1, 1, pos, n, n_head, q.data(), scale, out.data(), pool);
+    const auto ref = attend_f64(kall, vall, q.data(), c.n_kv_head, c.hd, pos, n, n_head, scale);
+    double max_err = 0, max_ref = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      max_err = std::max(max_err, std::abs(out[i] - ref[i]));
+      max_ref = std::max(max_ref, std::abs(ref[i]));
+    }
+    EXPECT_LT(max_err, 2e-5 * std::max(1.0, max_ref)) << c.tk << "/" << c.tv << " chunk " << n;
+    pos += n;
+    EXPECT_EQ(cache->n_pos(1), pos);
+  }
+  EXPECT_EQ(cache->n_pos(0), 0);
+  const size_t ek = c.tk == "f32" ? 4 : 2, ev = c.tv == "f32" ? 4 : 2;
+  EXPECT_EQ(cache->bytes(), (size_t)2 * 2 * c.n_kv_head * 300 * c.hd * (ek + ev));
+  EXPECT_EQ(cache->bytes_used(), (size_t)2 * pos * c.n_kv_head * c.hd * (ek + ev));
+  EXPECT_DOUBLE_EQ(kv_bytes_per_token(p), 2.0 * c.n_kv_head * c.hd * (ek + ev));
+}
+
+INSTANTIATE_TEST_SUITE_P(types, dense_cache,
+                         ::testing::Values(dense_case{"f32", "f32", 64, 2, 4}, dense_case{"f16", "f16", 128, 1, 7},
+                                           dense_case{"bf16", "bf16", 80, 2, 1}, dense_case{"f16", "f32", 8, 3, 2},
+                                           dense_case{"f32", "bf16", 96, 1, 8}));
+
+TEST(kv_cache, unknown_type_is_named) {
+  kv_cache_params p;
+  p.n_layer = 1;
+  p.n_kv_head = 1;
+  p.head_dim = 64;
+  p.n_ctx = 16;
+  p.type_k = "q5";
+  try {
+    make_kv_cache(p);
+    FAIL() << "no error";
+  } catch (const error& e) {
+    EXPECT_EQ(e.code(), errc::invalid_input);
+    EXPECT_NE(std::string(e.what()).find("[kv_cache] unknown K cache type 'q5' (supported: f32, f16"),
+              std::string::npos)
+        << e.what();
+  }
+  p.type_k = "f16";
+  p.type_v = "zz";
+  EXPECT_THROW(make_kv_cache(p), error);
+  p.type_v = "f16";
+  p.head_dim = 0;
+  EXPECT_THROW(make_kv_cache(p), error);
+}
+
+TEST(kv_cache, overflow_truncate_clear) {
+  kv_cache_params p;
+  p.n_layer = 1;
+  p.n_kv_head = 1;
+  p.head_dim = 4;
+  p.n_ctx = 4;
+  auto c = make_kv_cache(p);
+  std::vector<float> k(4 * 5, 1.0f), v(4 * 5, 2.0f);
+  c->append(0, 0, 3, k.data(), v.data());
+  EXPECT_THROW(c->append(0, 0, 2, k.data(), v.data()), error);
+  EXPECT_EQ(c->n_pos(0), 3);
+  c->truncate(0, 1);
+  EXPECT_EQ(c->n_pos(0), 1);
+  c->append(0, 0, 3, k.data(), v.data());
+  EXPECT_EQ(c->n_pos(0), 4);
+  c->clear(0);
+  EXPECT_EQ(c->n_pos(0), 0);
+  EXPECT_EQ(c->bytes_used(), 0u);
+  thread_pool pool(1);
+  std::vector<float> q(4, 1.0f), out(4);
+  EXPECT_THROW(c->attend(0, 0, 0, 1, 1, q.data(), 0.5f, out.data(), pool), error);
+}
+
+}  // namespace
+}  // namespace kvq
