@@ -21,16 +21,20 @@ inline float f16_to_f32(uint16_t h) {
     mant &= 0x3ff;
     return f32_from_bits(sign | (uint32_t)(127 - 15 - e) << 23 | mant << 13);
   }
-  if (exp == 31) return f32_from_bits(sign | 0x7f800000u | mant << 13);
+  if (exp == 31)  // Inf, or NaN quieted with its payload kept (as F16C's vcvtph2ps does)
+    return f32_from_bits(sign | 0x7f800000u | mant << 13 | (mant ? 0x400000u : 0));
   return f32_from_bits(sign | (exp + 127 - 15) << 23 | mant << 13);
 }
 
-// f32 -> binary16, round to nearest even; overflow -> Inf, NaN stays NaN.
+// f32 -> binary16, round to nearest even; overflow -> Inf, NaN stays NaN. Both directions are
+// bit-identical to the F16C instructions (tests/core/test_f16_avx2.cpp checks all inputs).
 inline uint16_t f32_to_f16(float f) {
   const uint32_t x = bits_from_f32(f);
   const uint32_t sign = (x >> 16) & 0x8000;
   const uint32_t ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000u ? 0x200 : 0));
+  if (ax > 0x7f800000u)  // NaN: quiet, top payload bits kept (as F16C's vcvtps2ph does)
+    return (uint16_t)(sign | 0x7e00 | ((ax >> 13) & 0x3ff));
+  if (ax == 0x7f800000u) return (uint16_t)(sign | 0x7c00);
   if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00);  // rounds to >= 65520 -> Inf
   if (ax < 0x38800000u) {                                   // subnormal or zero in f16
     if (ax < 0x33000000u) return (uint16_t)sign;            // < 2^-25 rounds to 0
