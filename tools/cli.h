@@ -24,7 +24,7 @@ struct registrar {
   explicit registrar(command c) { registry().push_back(std::move(c)); }
 };
 
-// -ctk/--cache-type-k, -ctv/--cache-type-v, --kv-rot, --kv-group, --kv-sink, --kv-recent,
+// --cache-type-k (-ctk), --cache-type-v (-ctv), --kv-rot, --kv-group, --kv-sink, --kv-recent,
 // --kv-kivi-group, --kv-residual, --kv-channel-scale, --kv-seed.
 void add_kv_flags(CLI::App* app, kv_cache_params& p);
 

@@ -1,5 +1,6 @@
 // kvq: LLM inference with a compressed KV cache. Subcommands are registered by tools/cmd_*.cpp.
 // Exit codes: 0 success, 2 bad input (flags, files, unsupported model/format), 1 internal error.
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -20,8 +21,8 @@ void add_kv_flags(CLI::App* app, kv_cache_params& p) {
     for (const auto& t : kv_type_names()) s += (s.empty() ? "" : ", ") + t;
     return s;
   }();
-  app->add_option("-ctk,--cache-type-k", p.type_k, "KV cache type for K (" + types + ")")->capture_default_str();
-  app->add_option("-ctv,--cache-type-v", p.type_v, "KV cache type for V (" + types + ")")->capture_default_str();
+  app->add_option("--cache-type-k", p.type_k, "KV cache type for K, alias -ctk (" + types + ")")->capture_default_str();
+  app->add_option("--cache-type-v", p.type_v, "KV cache type for V, alias -ctv (" + types + ")")->capture_default_str();
   app->add_option("--kv-rot", p.rotation, "rotation before quantizing: none|hadamard|srht|srft|auto")->capture_default_str();
   app->add_option("--kv-group", p.group_size, "elements per scale along head_dim (0 = default: 32 or head_dim)")->capture_default_str();
   app->add_option("--kv-sink", p.sink, "first N tokens kept exact (f16)")->capture_default_str();
@@ -51,6 +52,23 @@ void write_file_atomic(const std::string& path, const std::string& text) {
 
 }  // namespace kvq::cli
 
+// llama.cpp spells some flags with one dash and several letters (-ctk); CLI11 reads "-ctk" as
+// "-c tk", so these are rewritten to their long names before parsing.
+static std::vector<std::string> rewrite_llama_style_flags(int argc, char** argv) {
+  static const std::map<std::string, std::string> alias = {
+      {"-ctk", "--cache-type-k"}, {"-ctv", "--cache-type-v"}};
+  std::vector<std::string> args;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    const size_t eq = a.find('=');
+    const auto it = alias.find(a.substr(0, eq));
+    if (it != alias.end()) a = it->second + (eq == std::string::npos ? "" : a.substr(eq));
+    args.push_back(a);
+  }
+  std::reverse(args.begin(), args.end());  // CLI11 takes the arguments reversed
+  return args;
+}
+
 int main(int argc, char** argv) {
   using namespace kvq;
   CLI::App app{"kvq: LLM inference with a compressed KV cache"};
@@ -62,7 +80,8 @@ int main(int argc, char** argv) {
     runners[c.name] = c.setup(sub);
   }
   try {
-    app.parse(argc, argv);
+    auto args = rewrite_llama_style_flags(argc, argv);
+    app.parse(args);
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);
     return rc == 0 ? 0 : 2;

@@ -1,0 +1,132 @@
+// kvq perplexity: PPL and KL divergence of a KV-cache configuration (llama.cpp's protocol).
+#include <unistd.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "cli.h"
+#include "kvq/perplexity.h"
+
+namespace kvq::cli {
+namespace {
+
+struct perplexity_opts {
+  std::string model_path, text_path;
+  perplexity_params p;
+  bool json = false, no_progress = false;
+};
+
+// Progress bar on stderr: redrawn in place on a terminal, one line per ~10% otherwise.
+perplexity_progress progress_bar(bool enabled) {
+  if (!enabled) return {};
+  const bool tty = ::isatty(2);
+  auto last_decile = std::make_shared<int>(-1);
+  return [tty, last_decile](int done, int total, int64_t tokens, double s) {
+    const double frac = (double)done / total;
+    const int decile = (int)(frac * 10);
+    if (!tty && decile == *last_decile && done != total) return;
+    *last_decile = decile;
+    const double tps = s > 0 ? tokens / s : 0;
+    const double eta = done > 0 ? s * (total - done) / done : 0;
+    const int width = 30, fill = (int)(frac * width);
+    std::string bar(fill, '#');
+    bar.resize(width, '.');
+    std::fprintf(stderr, "%s[%s] %d/%d chunks, %.0f tok/s, ETA %.0fs%s", tty ? "\r" : "", bar.c_str(), done,
+                 total, tps, eta, tty ? (done == total ? "\n" : "") : "\n");
+    std::fflush(stderr);
+  };
+}
+
+nlohmann::json to_json(const perplexity_opts& o, const perplexity_result& r) {
+  nlohmann::json j;
+  j["model"] = o.model_path;
+  j["text"] = o.text_path;
+  j["n_ctx"] = r.n_ctx;
+  j["n_batch"] = r.n_batch;
+  j["n_tokens"] = r.n_tokens;
+  j["n_chunk"] = r.n_chunk;
+  j["n_scored_per_chunk"] = r.n_scored_per_chunk;
+  j["n_scored"] = r.ppl.n_scored;
+  j["kv_type_k"] = o.p.cache.type_k;
+  j["kv_type_v"] = o.p.cache.type_v;
+  j["kv_cache"] = r.kv_describe;
+  j["kv_bytes_per_token"] = r.kv_bytes_per_token;
+  j["kv_bytes_per_token_f16"] = r.kv_bytes_per_token_f16;
+  j["ppl"] = r.ppl.ppl;
+  j["ppl_err"] = r.ppl.ppl_err;
+  j["nll_mean"] = r.ppl.nll_mean;
+  j["seconds"] = r.seconds;
+  j["tokens_per_s"] = r.tokens_per_s;
+  if (r.has_kld) {
+    const kld_stats& k = r.kld;
+    j["kld"] = {{"base", k.base_desc}, {"top_k", k.top_k}, {"n", k.n},
+                {"mean", k.mean}, {"mean_err", k.mean_err}, {"median", k.median}, {"p90", k.p90},
+                {"p99", k.p99}, {"p99_9", k.p99_9}, {"max", k.max}, {"min", k.min},
+                {"same_top1_pct", k.same_top1_pct}, {"same_top1_err", k.same_top1_err},
+                {"rms_dp_pct", k.rms_dp_pct}, {"rms_dp_err", k.rms_dp_err},
+                {"ppl_base", k.ppl_base}, {"ppl_base_err", k.ppl_base_err},
+                {"dppl_pct", k.dppl_pct}, {"dppl_err", k.dppl_err}};
+  }
+  return j;
+}
+
+int run_perplexity(perplexity_opts& o) {
+  auto m = model::load(o.model_path);
+  auto tok = tokenizer::from_gguf(m->gguf());
+  const std::string text = read_text_file(o.text_path);
+  const auto ids = perplexity_tokenize(*tok, text);
+  if (!o.json || !o.no_progress)
+    std::fprintf(stderr, "[kvq] %s: %zu tokens; chunks of %d tokens, last %d positions scored\n",
+                 o.text_path.c_str(), ids.size(), o.p.n_ctx, o.p.n_ctx - 1 - o.p.n_ctx / 2);
+  const perplexity_result r = perplexity(*m, ids, perplexity_bos(*tok), o.p, progress_bar(!o.no_progress));
+  if (o.json) {
+    std::printf("%s\n", to_json(o, r).dump().c_str());
+    return 0;
+  }
+  std::printf("model %s, KV cache %s (%.1f bytes/token, f16 %.1f)\n", o.model_path.c_str(), r.kv_describe.c_str(),
+              r.kv_bytes_per_token, r.kv_bytes_per_token_f16);
+  std::printf("%d chunks of %d tokens, %lld scored tokens, %.1f s (%.0f tok/s)\n", r.n_chunk, r.n_ctx,
+              (long long)r.ppl.n_scored, r.seconds, r.tokens_per_s);
+  std::printf("Final estimate: PPL = %.4f +/- %.5f\n", r.ppl.ppl, r.ppl.ppl_err);
+  if (r.has_kld) {
+    const kld_stats& k = r.kld;
+    std::printf("\nKL divergence vs %s%s, %lld tokens\n", k.base_desc.c_str(),
+                k.top_k > 0 ? (" (top-" + std::to_string(k.top_k) + " + rest)").c_str() : "", (long long)k.n);
+    std::printf("PPL(base)        %10.4f +/- %.5f\n", k.ppl_base, k.ppl_base_err);
+    std::printf("dPPL             %+10.4f %% +/- %.4f %%\n", k.dppl_pct, k.dppl_err);
+    std::printf("Mean KLD         %10.6f +/- %.6f\n", k.mean, k.mean_err);
+    std::printf("Median KLD       %10.6f\n", k.median);
+    std::printf("90.0%%   KLD      %10.6f\n", k.p90);
+    std::printf("99.0%%   KLD      %10.6f\n", k.p99);
+    std::printf("99.9%%   KLD      %10.6f\n", k.p99_9);
+    std::printf("Maximum KLD      %10.6f\n", k.max);
+    std::printf("Same top-1       %10.3f %% +/- %.3f %%\n", k.same_top1_pct, k.same_top1_err);
+    std::printf("RMS dp           %10.3f %% +/- %.3f %%\n", k.rms_dp_pct, k.rms_dp_err);
+  }
+  return 0;
+}
+
+const registrar reg{{"perplexity", "perplexity and KL divergence of a KV cache type (llama.cpp protocol)",
+                     [](CLI::App* app) {
+  auto o = std::make_shared<perplexity_opts>();
+  app->add_option("-m,--model", o->model_path, "GGUF model file")->required();
+  app->add_option("-f,--file", o->text_path, "text file to evaluate")->required();
+  app->add_option("-c,--ctx-size", o->p.n_ctx, "tokens per chunk")->capture_default_str();
+  app->add_option("-b,--batch-size", o->p.n_batch, "tokens per forward pass (0: whole chunk)")->capture_default_str();
+  app->add_option("--chunks", o->p.n_chunks, "evaluate at most N chunks (-1: all)")->capture_default_str();
+  app->add_option("-t,--threads", o->p.n_threads, "threads (0: all)")->capture_default_str();
+  app->add_option("--kl-base", o->p.kl_base_out, "write this run's log-probs as a KL base file");
+  app->add_option("--kl-compare", o->p.kl_base_in, "report KL divergence against a KL base file");
+  app->add_option("--compare", o->p.compare_type,
+                  "report KL divergence against a second cache of this type (K and V), run side by side");
+  app->add_option("--kl-top-k", o->p.kl_top_k,
+                  "records of the KL base file: -1 auto (full vocab up to 1024, else 128), 0 full, K top-K")
+      ->capture_default_str();
+  app->add_flag("--json", o->json, "print one JSON object with every figure");
+  app->add_flag("--no-progress", o->no_progress, "no progress bar on stderr");
+  add_kv_flags(app, o->p.cache);
+  return [o] { return run_perplexity(*o); };
+}}};
+
+}  // namespace
+}  // namespace kvq::cli
