@@ -30,7 +30,7 @@ const char* rotation_name(rotation_kind k);
 struct rotation {
   rotation_kind kind = rotation_kind::none;
   int head_dim = 0;
-  int block = 0;               // Hadamard block size (power of two dividing head_dim)
+  int block = 0;               // Hadamard block size (power of two dividing head_dim); 0 for none/srft
   std::vector<float> signs;    // [head_dim] ±1 for srht/srft, empty otherwise
   std::shared_ptr<const real_fft_plan> fft;  // srft only, built by make(); shared, so copies stay cheap
 
