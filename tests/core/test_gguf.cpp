@@ -32,7 +32,7 @@ std::string open_error(const std::vector<uint8_t>& bytes, const std::string& nam
   const std::string p = tmp_path(name);
   {
     FILE* fp = std::fopen(p.c_str(), "wb");
-    std::fwrite(bytes.data(), 1, bytes.size(), fp);
+    if (!bytes.empty()) std::fwrite(bytes.data(), 1, bytes.size(), fp);
     std::fclose(fp);
   }
   std::string msg;

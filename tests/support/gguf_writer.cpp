@@ -99,10 +99,12 @@ void gguf_writer::set_arr_arr_i32(const std::string& k, const std::vector<std::v
 
 void gguf_writer::add_tensor(const std::string& name, ggml_type type, const std::vector<int64_t>& ne,
                              const std::vector<uint8_t>& data) {
-  int64_t n = 1;
-  for (int64_t d : ne) n *= d;
   const int64_t blk = ggml_storage_block_elems(type);
-  if (blk > 0) {
+  if (blk > 0) {  // unknown type ids (and absurd shapes for them) are written unchecked
+    int64_t n = 1;
+    for (int64_t d : ne)
+      if (d <= 0 || __builtin_mul_overflow(n, d, &n))
+        throw std::invalid_argument("gguf_writer: " + name + ": bad shape");
     if (ne.empty() || ne[0] % blk != 0)
       throw std::invalid_argument("gguf_writer: " + name + ": ne[0] not a multiple of the block size");
     if ((int64_t)data.size() != n / blk * ggml_storage_block_bytes(type))
