@@ -47,18 +47,25 @@ template <class L, int R, int T>
 inline void tile_float(const uint8_t* w0, size_t row_bytes, const float* x0, int64_t n_in, float* y0,
                        int64_t n_out) {
   __m256 acc[R][T];
+  #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   const int64_t n8 = n_in & ~(int64_t)7;
   for (int64_t i = 0; i < n8; i += 8) {
     __m256 xv[T];
+    #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_ps(x0 + t * n_in + i);
+    #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m256 wv = L::v8(w0 + r * row_bytes, i);
+      #pragma GCC unroll 16
       for (int t = 0; t < T; ++t) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
       float s = hsum(acc[r][t]);
       for (int64_t i = n8; i < n_in; ++i) s += L::s1(w0 + r * row_bytes, i) * x0[t * n_in + i];
@@ -78,7 +85,8 @@ void rows_float(const matmul_task& task, int64_t r0, int64_t r1) {
     for (; r < r1; ++r) tile_float<L, 1, 1>(wrow(r), rb, task.x, n_in, task.y + r, n_out);
     return;
   }
-  // Prefill: token chunks whose x fits in ~128 KiB of L2, rows in tiles of 4, tokens in tiles of 3.
+  // Prefill: token chunks whose x fits in ~128 KiB of L2, rows in tiles of 4, tokens in tiles of 3
+  // (12 accumulators + 3 x vectors + 1 weight vector = the 16 ymm registers).
   constexpr int R = 4, T = 3;
   const int64_t tc = std::max<int64_t>(T, (32768 / std::max<int64_t>(n_in, 1)) / T * T);
   for (int64_t t0 = 0; t0 < n_tok; t0 += tc) {
@@ -135,13 +143,17 @@ template <class L, int R, int T>
 inline void tile_quant(const uint8_t* w0, size_t row_bytes, const block_q8_x* xq0, int64_t nb,
                        float* y0, int64_t n_out) {
   __m256 acc[R][T];
+  #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       float dw;
       const __m256i wq = L::q32(w0 + r * row_bytes, b, &dw);
       const __m256i aw = _mm256_sign_epi8(wq, wq);
+      #pragma GCC unroll 16
       for (int t = 0; t < T; ++t) {
         const block_q8_x& xb = xq0[t * nb + b];
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.qs));
@@ -149,7 +161,9 @@ inline void tile_quant(const uint8_t* w0, size_t row_bytes, const block_q8_x* xq
       }
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) y0[t * n_out + r] = hsum(acc[r][t]);
 }
 
@@ -160,17 +174,22 @@ void rows_quant(const matmul_task& task, int64_t r0, int64_t r1) {
   const size_t rb = w.row_bytes;
   auto wrow = [&](int64_t r) { return w.data + (size_t)r * rb; };
   constexpr int R = 4, T = 2;
-  int64_t r = r0;
-  for (; r + R <= r1; r += R) {
-    int64_t t = 0;
-    for (; t + T <= n_tok; t += T)
-      tile_quant<L, R, T>(wrow(r), rb, task.xq + t * nb, nb, task.y + t * n_out + r, n_out);
-    for (; t < n_tok; ++t)
-      tile_quant<L, R, 1>(wrow(r), rb, task.xq + t * nb, nb, task.y + t * n_out + r, n_out);
+  // Token chunks whose quantized x (36 bytes per 32 values) stays in ~16 KiB of L1.
+  const int64_t tc = std::max<int64_t>(T, (16384 / (nb * (int64_t)sizeof(block_q8_x))) / T * T);
+  for (int64_t t0 = 0; t0 < n_tok; t0 += tc) {
+    const int64_t t1 = std::min(n_tok, t0 + tc);
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) {
+      int64_t t = t0;
+      for (; t + T <= t1; t += T)
+        tile_quant<L, R, T>(wrow(r), rb, task.xq + t * nb, nb, task.y + t * n_out + r, n_out);
+      for (; t < t1; ++t)
+        tile_quant<L, R, 1>(wrow(r), rb, task.xq + t * nb, nb, task.y + t * n_out + r, n_out);
+    }
+    for (; r < r1; ++r)
+      for (int64_t t = t0; t < t1; ++t)
+        tile_quant<L, 1, 1>(wrow(r), rb, task.xq + t * nb, nb, task.y + t * n_out + r, n_out);
   }
-  for (; r < r1; ++r)
-    for (int64_t t = 0; t < n_tok; ++t)
-      tile_quant<L, 1, 1>(wrow(r), rb, task.xq + t * nb, nb, task.y + t * n_out + r, n_out);
 }
 
 }  // namespace
