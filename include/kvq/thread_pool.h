@@ -1,7 +1,12 @@
 // A fixed pool of worker threads for data-parallel loops (the calling thread participates).
+// Decode steps issue dozens of small parallel loops per token, so workers spin briefly on an atomic
+// job counter before sleeping on a condition variable (as ggml's threadpool does); the spin is
+// bounded so that an idle pool does not burn a core.
 #pragma once
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -29,11 +34,12 @@ class thread_pool {
   int n_threads_;
   std::vector<std::thread> threads_;
   std::mutex mu_;
-  std::condition_variable cv_start_, cv_done_;
+  std::condition_variable cv_start_;
   const std::function<void(int, int)>* job_ = nullptr;
-  uint64_t generation_ = 0;
-  int pending_ = 0;
-  bool stop_ = false;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> pending_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<bool> stop_{false};
   std::exception_ptr first_error_;
 };
 
