@@ -6,6 +6,7 @@
 // O(n log n) (no rescans of the whole text per merge).
 #pragma once
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -14,6 +15,12 @@
 namespace kvq::tok {
 
 // `text` is already escaped (' ' -> U+2581) and prefixed as the caller wants. Appends to `out`.
-void spm_tokenize(const vocab& v, std::string_view text, std::vector<int32_t>& out);
+// segment = false runs llama.cpp's literal single-heap loop over the whole text (the reference
+// for tests); segment = true first cuts the text where no token can span (see vocab::spm_pairs)
+// and gives identical ids.
+void spm_tokenize(const vocab& v, std::string_view text, std::vector<int32_t>& out, bool segment = true);
+
+// Fills v.spm_pairs from the token strings.
+void build_spm_pairs(vocab& v);
 
 }  // namespace kvq::tok

@@ -48,6 +48,7 @@ class gguf_tokenizer final : public tokenizer {
     }
     v_.load_common(f);
     if (pre) bpe_.emplace(f, v_, *pre);
+    else build_spm_pairs(v_);
   }
 
   std::vector<int32_t> encode(std::string_view text, bool add_bos, bool parse_special) const override {

@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "kvq/gguf.h"
@@ -64,6 +65,9 @@ struct vocab {
   std::vector<int32_t> special_by_length;  // control/user-defined/unknown ids, longest text first
   std::vector<std::string> piece;          // [n_vocab] llama token_to_piece(special=true)
   int32_t byte_token[256];                 // SPM byte fallback id per byte value (-1: none)
+  // SPM: every pair of adjacent characters inside some token, each character packed as its
+  // (up to 4) UTF-8 bytes; key = first << 32 | second.
+  std::unordered_set<uint64_t> spm_pairs;
 
   int32_t n_vocab() const { return static_cast<int32_t>(text.size()); }
   int32_t find(std::string_view s) const {
