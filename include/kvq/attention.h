@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "kvq/quant.h"
+
 namespace kvq {
 
 struct attn_state {
@@ -95,6 +97,32 @@ struct attn_query_view {
   int head_dim = 0;
   int pos0 = 0;
   float scale = 1.0f;
+  // The same queries quantized to int8 (quantize_q8_ref per head), required by views whose K is
+  // per-token quantized: q8 uses the same indexing as q; q8_scale[t * q8_scale_stride_t + g].
+  const int8_t* q8 = nullptr;
+  const float* q8_scale = nullptr;
+  int64_t q8_scale_stride_t = 0;
+};
+
+// One side (K or V) of a compressed (or dense) body of one kv head. Row j (token pos_begin + j)
+// has its codes at codes + j * code_stride (bytes). Scales (f16):
+//   per_token:   row j's kv_row_scale_count values at scales + j * scale_stride;
+//   per_channel: rows [T*i, T*i + T) share scales + i * scale_stride: [head_dim] scales then
+//                [head_dim] zeros (T = group, tokens per group; row 0 starts a group);
+//   dense:       unused (codes are f32/f16/bf16 elements).
+struct kv_quant_side {
+  kv_format format = kv_format::f16;
+  const uint8_t* codes = nullptr;
+  int64_t code_stride = 0;
+  const uint16_t* scales = nullptr;
+  int64_t scale_stride = 0;
+  int group = 0;  // per_token: elements per scale along head_dim; per_channel: tokens per group
+};
+struct kv_quant_view {
+  kv_quant_side k, v;  // v.format is dense or per_token
+  int pos_begin = 0;
+  int n_pos = 0;
+  int head_dim = 0;
 };
 
 // Adds the dense view's contribution to states[t * n_group + g] (causal: only positions
@@ -102,5 +130,18 @@ struct attn_query_view {
 void attn_dense_ref(const kv_dense_view& kv, const attn_query_view& q, attn_state* states);
 // Same contract; runtime-dispatched to the best tier (AVX2 when available).
 void attn_dense(const kv_dense_view& kv, const attn_query_view& q, attn_state* states);
+
+// Fused compressed-domain attention over a quantized view, same contract as attn_dense. Per-token
+// K: scores = q8_scale * sum_groups scale * (int8(q) . codes, accumulated in i32) (+ zero terms);
+// per-channel K: float q folded with the per-channel scales; V accumulated from the packed codes
+// one row at a time (never a dequantized copy). The _ref tier is the oracle; attn_quant picks the
+// best tier at run time (KVQ_ISA lowers it). Integer dot products are bit-exact across tiers.
+void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& q, attn_state* states);
+void attn_quant(const kv_quant_view& kv, const attn_query_view& q, attn_state* states);
+
+// Baseline only (benchmarks and tests): dequantizes the whole view into f32 K/V buffers, then
+// attends in f32 with the query each kernel would see (int8-dequantized q for per-token K, f32 q
+// otherwise), so it equals attn_quant up to f32 rounding. Allocates.
+void attn_dequant_ref(const kv_quant_view& kv, const attn_query_view& q, attn_state* states);
 
 }  // namespace kvq

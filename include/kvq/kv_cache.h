@@ -31,6 +31,9 @@ struct kv_cache_params {
   int kivi_residual = 32;           // KIVI: max exact recent tokens before a group is quantized
   bool channel_scale = false;       // per-channel scale λ calibrated on the prompt
   uint64_t seed = 0x6b7671;         // seed of random signs (srht/srft)
+  // Attention path of the compressed formats: "fused" (compressed-domain kernels) or "dequant"
+  // (dequantize-then-attend; a baseline for benchmarks and tests only).
+  std::string attn_impl = "fused";
 };
 
 // Per-step statistics a cache may report (certified mode fills these; others leave zeros).

@@ -3,6 +3,7 @@
 
 #include "cache/kv_cache_impl.h"
 #include "kvq/error.h"
+#include "kvq/quant.h"
 
 namespace kvq {
 
@@ -12,7 +13,11 @@ static std::string joined_type_names() {
   return s;
 }
 
-std::vector<std::string> kv_type_names() { return {"f32", "f16", "bf16"}; }
+std::vector<std::string> kv_type_names() {
+  std::vector<std::string> names;
+  for (int f = 0; f < (int)kv_format::count; ++f) names.push_back(kv_traits((kv_format)f).name);
+  return names;
+}
 
 kv_elem dense_elem_of(const std::string& type) {
   if (type == "f32") return kv_elem::f32;
@@ -41,12 +46,20 @@ void validate_cache_shape(const kv_cache_params& p) {
 
 std::unique_ptr<kv_cache> make_kv_cache(const kv_cache_params& p) {
   validate_cache_shape(p);
-  return make_kv_cache_dense(p);
+  if (dense_elem_of(p.type_k) != kv_elem::count && dense_elem_of(p.type_v) != kv_elem::count)
+    return make_kv_cache_dense(p);
+  return make_kv_cache_quant(p);
 }
 
 double kv_bytes_per_token(const kv_cache_params& p) {
   validate_cache_shape(p);
-  return kv_bytes_per_token_dense(p);
+  if (dense_elem_of(p.type_k) != kv_elem::count && dense_elem_of(p.type_v) != kv_elem::count)
+    return kv_bytes_per_token_dense(p);
+  kv_cache_params one = p;  // geometry only: a one-position, one-sequence cache allocates little
+  one.n_ctx = 1;
+  one.n_seq = 1;
+  one.n_layer = 1;
+  return kv_bytes_per_token_quant(one) * p.n_layer;
 }
 
 }  // namespace kvq

@@ -2,6 +2,7 @@
 #pragma once
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kvq/attention.h"
 #include "kvq/kv_cache.h"
@@ -15,5 +16,12 @@ kv_elem dense_elem_of(const std::string& type);
 
 std::unique_ptr<kv_cache> make_kv_cache_dense(const kv_cache_params& p);
 double kv_bytes_per_token_dense(const kv_cache_params& p);
+// Compressed formats (either side not f32/f16/bf16).
+std::unique_ptr<kv_cache> make_kv_cache_quant(const kv_cache_params& p);
+double kv_bytes_per_token_quant(const kv_cache_params& p);
+// Every stored byte of layer il, seq seq_id of a compressed cache (codes, scales and exact rows
+// of the positions held, plus n_pos and n_comp), for tests of arrival-order invariance.
+// Throws internal for other caches.
+std::vector<uint8_t> kv_cache_stored_bytes(const kv_cache& c, int il, int seq_id);
 
 }  // namespace kvq

@@ -8,6 +8,7 @@
 #include "kvq/error.h"
 #include "kvq/f16.h"
 #include "kvq/kv_cache.h"
+#include "cache/attn_f64.h"
 
 namespace kvq {
 namespace {
@@ -18,31 +19,7 @@ float round_to(const std::string& type, float x) {
   return x;
 }
 
-// out[t, h, :] = softmax_j(scale q·k_j) v_j over j <= pos0 + t, in float64.
-std::vector<double> attend_f64(const std::vector<float>& k, const std::vector<float>& v, const float* q,
-                               int n_kv_head, int hd, int pos0, int n_tokens, int n_head, float scale) {
-  std::vector<double> out((size_t)n_tokens * n_head * hd, 0.0);
-  const int grp = n_head / n_kv_head;
-  for (int t = 0; t < n_tokens; ++t)
-    for (int h = 0; h < n_head; ++h) {
-      const int hk = h / grp, n = pos0 + t + 1;
-      std::vector<double> s(n);
-      double mx = -1e300;
-      for (int j = 0; j < n; ++j) {
-        double a = 0;
-        for (int i = 0; i < hd; ++i)
-          a += (double)q[((size_t)t * n_head + h) * hd + i] * k[((size_t)j * n_kv_head + hk) * hd + i];
-        s[j] = a * scale;
-        mx = std::max(mx, s[j]);
-      }
-      double den = 0;
-      for (int j = 0; j < n; ++j) den += (s[j] = std::exp(s[j] - mx));
-      for (int j = 0; j < n; ++j)
-        for (int i = 0; i < hd; ++i)
-          out[((size_t)t * n_head + h) * hd + i] += s[j] / den * v[((size_t)j * n_kv_head + hk) * hd + i];
-    }
-  return out;
-}
+using test::attend_f64;
 
 struct dense_case {
   std::string tk, tv;

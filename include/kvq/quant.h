@@ -1,0 +1,109 @@
+// KV cache storage formats as data (STYLE.md habit 2, after ggml's type_traits): one packed block
+// struct and one traits row per format. Bit layouts and bytes/token formulas: docs/formats.md.
+//
+// Every compressed code decodes as   value = scale * (code - code_offset) + zero
+// where `code` is the stored unsigned b-bit integer (b = 2, 3, 4) or the stored int8 (b = 8),
+// `scale` and `zero` are f16 (zero = 0 for symmetric formats).
+//
+//  per-token  (q8, q4, q3, q2; asymmetric q8a, q4a, q3a, q2a): one scale (and zero) per token per
+//     kv head per group of G elements along head_dim. Symmetric: codes in [-qmax, qmax] with
+//     qmax = 2^(b-1) - 1, scale = absmax / qmax rounded UP to f16 (so |x| / scale <= qmax and the
+//     per-element error is <= scale / 2). Asymmetric: zero = min (f16), scale = (max - zero) /
+//     (2^b - 1) rounded up to f16, codes in [0, 2^b - 1].
+//  per-channel (K of kivi8, kivi4, kivi2; KIVI, Liu et al. 2024, arXiv:2402.02750, §3.2): a group
+//     of T tokens of one kv head shares, per channel, one asymmetric scale and zero; the codes are
+//     stored per token row exactly like the asymmetric per-token codes. The V of a KIVI cache is
+//     per-token asymmetric (kivi_v of the traits row).
+//
+// Rounding (all tiers and devices must match to stay bit-exact): code = rint(x * (1.0f / scale))
+// (asymmetric: rint((x - zero) * (1.0f / scale))) in f32, round-half-to-even, then clamped; a
+// zero scale gives code offset (value 0 or zero).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace kvq {
+
+enum class kv_format : uint8_t {
+  f32, f16, bf16,           // dense baselines
+  q8, q4, q3, q2,           // per-token symmetric
+  q8a, q4a, q3a, q2a,       // per-token asymmetric (zero point)
+  kivi8, kivi4, kivi2,      // KIVI: K per-channel over T-token groups, V per-token asymmetric
+  count
+};
+
+enum class kv_layout : uint8_t { dense, per_token, per_channel, count };
+
+// ---- packed code blocks: 32 consecutive elements of one row (docs/formats.md) ----------------
+// A row of head_dim elements is a sequence of 32-element blocks; a final partial block of
+// m = head_dim % 32 elements (m a multiple of 8) uses the same layout with 32 replaced by m.
+struct block_kv8 {   // e[i] = qs[i] (int8)
+  int8_t qs[32];
+};
+struct block_kv4 {   // e[i] = qs[i] & 15, e[i + 16] = qs[i] >> 4            (i < 16)
+  uint8_t qs[16];
+};
+struct block_kv3 {   // low 2 bits as block_kv2 in ql; bit 2 of e[i] = (qh[i / 8] >> (i % 8)) & 1
+  uint8_t ql[8];
+  uint8_t qh[4];
+};
+struct block_kv2 {   // e[i + 8k] = (qs[i] >> 2k) & 3                          (i < 8, k < 4)
+  uint8_t qs[8];
+};
+static_assert(sizeof(block_kv8) == 32 && sizeof(block_kv4) == 16);
+static_assert(sizeof(block_kv3) == 12 && sizeof(block_kv2) == 8);
+
+struct kv_format_traits {
+  kv_format format;
+  const char* name;        // the -ctk / -ctv spelling
+  kv_layout layout;
+  int bits;                // bits per stored element (dense: 32 or 16)
+  bool asymmetric;         // a zero point is stored per scale group
+  int code_offset;         // value = scale * (code - code_offset) + zero
+  int code_max;            // stored code range: [code_min, code_max]
+  int code_min;
+  int block_bytes;         // bytes of one 32-element code block (sizeof the block struct); dense: 32 * bytes
+  kv_format kivi_v;        // per-channel formats: the per-token format used for V; else == format
+  bool rotate_by_default;  // "auto" rotation picks hadamard
+};
+
+const kv_format_traits& kv_traits(kv_format f);
+// Looks a -ctk/-ctv name up; returns false when unknown.
+bool find_kv_format(const std::string& name, kv_format* out);
+
+// ---- row geometry -------------------------------------------------------------------------
+// Bytes of the packed codes of one row of head_dim elements (dense: head_dim * element bytes).
+size_t kv_code_bytes(kv_format f, int head_dim);
+// f16 values stored per row for a per-token format with `group` elements per scale: the
+// head_dim/group scales, then (asymmetric) the head_dim/group zeros. 0 for dense formats.
+int kv_row_scale_count(kv_format f, int head_dim, int group);
+
+// ---- packing (bits in {2, 3, 4, 8}); n a multiple of 8 -------------------------------------
+// u[n]: codes (for 8 bits the int8 bit pattern) -> packed bytes (kv_code_bytes of n elements).
+void pack_codes(int bits, const uint8_t* u, int n, uint8_t* dst);
+void unpack_codes(int bits, const uint8_t* src, int n, uint8_t* u);
+
+// ---- scalar reference quantizers (the oracle of every tier) --------------------------------
+// One token row of one kv head: x[head_dim] -> codes[kv_code_bytes] + scales[kv_row_scale_count].
+// Requires finite |x| <= 65504 (the cache checks); group divides head_dim.
+void quantize_row_ref(kv_format f, const float* x, int head_dim, int group, uint8_t* codes,
+                      uint16_t* scales);
+void dequantize_row_ref(kv_format f, const uint8_t* codes, const uint16_t* scales, int head_dim,
+                        int group, float* y);
+
+// Per-channel (KIVI K): x[n_tokens, head_dim] -> codes[n_tokens, kv_code_bytes] (token rows) and
+// scales[2 * head_dim] (head_dim scales, then head_dim zeros).
+void quantize_channel_group_ref(kv_format f, const float* x, int n_tokens, int head_dim,
+                                uint8_t* codes, uint16_t* scales);
+void dequantize_channel_group_ref(kv_format f, const uint8_t* codes, const uint16_t* scales,
+                                  int n_tokens, int head_dim, float* y);
+
+// Dynamic int8 quantization of one query head (symmetric, absmax / 127, scale kept in f32):
+// q[i] = rint(x[i] * (1 / scale)) clamped to [-127, 127]; returns scale (0 for an all-zero x).
+float quantize_q8_ref(const float* x, int n, int8_t* q);
+
+// f16 value >= v (v >= 0, finite): the scale rounding of every format.
+uint16_t f16_round_up(float v);
+
+}  // namespace kvq

@@ -1,0 +1,658 @@
+// The compressed KV cache: per-token / KIVI formats in a rotated basis, exact f16 sink and recent
+// windows, optional per-channel scale λ, fused attention merged through attn_state.
+//
+// Positions of a sequence (per layer) are split in three parts, identical for K and V:
+//   [0, sink)                   exact (f16), never compressed
+//   [sink, sink + n_comp)       the body, compressed in whole units of U tokens (U = kivi_group
+//                               when either side is KIVI, else 1)
+//   [sink + n_comp, n)          the exact tail (f16), at most min_tail + U - 1 tokens
+// with n_comp = U * floor(max(0, n - sink - min_tail) / U), never decreasing on append. A unit is
+// quantized from the f16-rounded transformed values only, so the stored codes do not depend on how
+// the tokens arrived. See docs/formats.md ("Exact windows").
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cache/kv_cache_impl.h"
+#include "kvq/error.h"
+#include "kvq/f16.h"
+#include "kvq/quant.h"
+#include "kvq/rotation.h"
+
+namespace kvq {
+
+namespace {
+
+constexpr float kF16Max = 65504.0f;
+
+float load_elem(const uint8_t* p, kv_elem e, int i) {
+  switch (e) {
+    case kv_elem::f32: return reinterpret_cast<const float*>(p)[i];
+    case kv_elem::f16: return f16_to_f32(reinterpret_cast<const uint16_t*>(p)[i]);
+    default: return bf16_to_f32(reinterpret_cast<const uint16_t*>(p)[i]);
+  }
+}
+void store_elems(uint8_t* p, kv_elem e, const float* x, int n) {
+  switch (e) {
+    case kv_elem::f32: std::memcpy(p, x, (size_t)n * 4); break;
+    case kv_elem::f16:
+      for (int i = 0; i < n; ++i) reinterpret_cast<uint16_t*>(p)[i] = f32_to_f16(x[i]);
+      break;
+    default:
+      for (int i = 0; i < n; ++i) reinterpret_cast<uint16_t*>(p)[i] = f32_to_bf16(x[i]);
+      break;
+  }
+}
+kv_elem elem_of(kv_format f) {
+  return f == kv_format::f32 ? kv_elem::f32 : f == kv_format::bf16 ? kv_elem::bf16 : kv_elem::f16;
+}
+
+// Runs fn(item, thread) for item in [0, n) with dynamic scheduling (causal prefill items differ
+// in cost).
+template <class Fn>
+void parallel_dynamic(thread_pool& pool, int64_t n, Fn&& fn) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  pool.run_on_all([&](int tid, int) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i, tid);
+  });
+}
+
+struct side_store {
+  const char* name = "K";
+  kv_format format = kv_format::f16;  // body format (KIVI V: its per-token kivi_v format)
+  kv_format type = kv_format::f16;    // the user's type (kivi4 stays kivi4 on V)
+  const kv_format_traits* t = nullptr;
+  bool compressed = false;
+  kv_elem exact_elem = kv_elem::f16;  // sink/tail rows
+  rotation rot;
+  int group = 0;                      // per_token: elements per scale; per_channel: tokens per group
+  size_t code_row = 0;                // bytes of one body row
+  int64_t scale_stride = 0;           // f16 per row (per_token) or per group (per_channel)
+  size_t body_cap = 0, unit_cap = 0;  // rows / scale units per (layer, seq, kv head)
+  std::vector<uint8_t> codes;         // [n_layer, n_seq, n_kv_head, body_cap, code_row]
+  std::vector<uint16_t> scales;       // [n_layer, n_seq, n_kv_head, unit_cap, scale_stride]
+  std::vector<uint8_t> exact;         // [n_layer, n_seq, n_kv_head, exact_cap, head_dim] exact_elem
+  std::vector<float> lambda, mu;      // [n_layer, n_kv_head, head_dim] (channel_scale), else empty
+
+  size_t bytes() const {
+    return codes.size() + scales.size() * 2 + exact.size() + (lambda.size() + mu.size()) * sizeof(float);
+  }
+  size_t unit_of_row(size_t r) const { return t->layout == kv_layout::per_channel ? r / group : r; }
+  size_t scale_units(size_t rows) const {
+    return t->layout == kv_layout::per_channel ? rows / group : t->layout == kv_layout::per_token ? rows : 0;
+  }
+  size_t row_bytes_asymptotic(int hd) const {
+    if (t->layout == kv_layout::per_channel) return code_row;  // + 2 * 2 * hd / group (fractional)
+    return code_row + (size_t)scale_stride * 2;
+  }
+};
+
+class kv_cache_quant final : public kv_cache {
+ public:
+  explicit kv_cache_quant(const kv_cache_params& p) : p_(p) {
+    const int hd = p.head_dim;
+    if (p.sink < 0 || p.recent < 0)
+      fail_input("[kv_cache] sink and recent must be >= 0, got sink " + std::to_string(p.sink) + ", recent " +
+                 std::to_string(p.recent));
+    if (p.attn_impl != "fused" && p.attn_impl != "dequant")
+      fail_input("[kv_cache] unknown attn_impl '" + p.attn_impl + "' (supported: fused, dequant)");
+    kv_format fk, fv;
+    find_kv_format(p.type_k, &fk);
+    find_kv_format(p.type_v, &fv);
+    kivi_ = kv_traits(fk).layout == kv_layout::per_channel || kv_traits(fv).layout == kv_layout::per_channel;
+    if (kivi_) {
+      if (p.kivi_group < 1 || p.kivi_group > 4096)
+        fail_input("[kv_cache] kivi_group must be in [1, 4096], got " + std::to_string(p.kivi_group));
+      if (p.kivi_residual < 0)
+        fail_input("[kv_cache] kivi_residual must be >= 0, got " + std::to_string(p.kivi_residual));
+    }
+    unit_ = kivi_ ? p.kivi_group : 1;
+    min_tail_ = kivi_ ? std::max(p.recent, p.kivi_residual - p.kivi_group + 1) : p.recent;
+    const int body_room = std::max(0, p.n_ctx - p.sink);
+    tail_cap_ = std::min(min_tail_ + unit_ - 1, body_room);
+    exact_cap_ = std::min(p.sink, p.n_ctx) + tail_cap_;
+    const size_t heads = (size_t)p.n_layer * p.n_seq * p.n_kv_head;
+    init_side(k_, "K", fk, /*is_v=*/false, heads, body_room);
+    init_side(v_, "V", fv, /*is_v=*/true, heads, body_room);
+    state_.assign((size_t)p.n_layer * p.n_seq, {});
+    lambda_set_.assign(p.n_layer, 0);
+    (void)hd;
+  }
+
+  const kv_cache_params& params() const override { return p_; }
+
+  void append(int il, int seq_id, int n_tokens, const float* k, const float* v) override;
+  void attend(int il, int seq_id, int pos0, int n_tokens, int n_head, const float* q, float scale, float* out,
+              thread_pool& pool) override;
+
+  int n_pos(int seq_id) const override {
+    if (seq_id < 0 || seq_id >= p_.n_seq) return 0;
+    return st(p_.n_layer - 1, seq_id).n;
+  }
+  void clear(int seq_id) override {
+    check_layer_seq("clear", 0, seq_id);
+    for (int il = 0; il < p_.n_layer; ++il) st(il, seq_id) = {};
+  }
+  void truncate(int seq_id, int n_pos) override;
+
+  size_t bytes() const override { return k_.bytes() + v_.bytes(); }
+  size_t bytes_used() const override {
+    size_t b = 0;
+    for (const auto* s : {&k_, &v_})
+      for (const auto& q : state_) {
+        const size_t exact_rows = (size_t)std::min(q.n, p_.sink) + (size_t)tail_len(q);
+        b += exact_rows * p_.head_dim * kv_elem_bytes(s->exact_elem) * p_.n_kv_head;
+        b += (size_t)q.n_comp * s->code_row * p_.n_kv_head;
+        b += s->scale_units((size_t)q.n_comp) * s->scale_stride * 2 * p_.n_kv_head;
+      }
+    for (const auto* s : {&k_, &v_}) b += (s->lambda.size() + s->mu.size()) * sizeof(float);
+    return b;
+  }
+  std::string describe() const override {
+    std::string d = "K " + side_desc(k_) + " / V " + side_desc(v_);
+    if (p_.sink || p_.recent) d += "; exact sink " + std::to_string(p_.sink) + ", recent " + std::to_string(p_.recent);
+    if (kivi_) d += "; KIVI residual " + std::to_string(p_.kivi_residual);
+    if (p_.channel_scale) d += "; channel scale";
+    return d;
+  }
+
+  std::vector<uint8_t> stored_bytes(int il, int seq_id) const {
+    check_layer_seq("stored_bytes", il, seq_id);
+    const seq_state& q = st(il, seq_id);
+    std::vector<uint8_t> b;
+    auto put = [&](const void* p, size_t n) {
+      const auto* c = static_cast<const uint8_t*>(p);
+      b.insert(b.end(), c, c + n);
+    };
+    put(&q.n, sizeof q.n);
+    put(&q.n_comp, sizeof q.n_comp);
+    auto& self = const_cast<kv_cache_quant&>(*this);
+    for (int h = 0; h < p_.n_kv_head; ++h) {
+      const size_t hi = head_index(il, seq_id, h);
+      for (auto* s : {&self.k_, &self.v_}) {
+        const size_t eb = (size_t)p_.head_dim * kv_elem_bytes(s->exact_elem);
+        put(self.exact_row(*s, hi, 0), (size_t)std::min(q.n, p_.sink) * eb);
+        put(self.exact_row(*s, hi, p_.sink), (size_t)tail_len(q) * eb);
+        put(self.body_codes(*s, hi, 0), (size_t)q.n_comp * s->code_row);
+        if (s->scale_stride) put(self.body_scales(*s, hi, 0), s->scale_units(q.n_comp) * s->scale_stride * 2);
+      }
+    }
+    return b;
+  }
+
+  double bytes_per_token() const {
+    return (double)p_.n_layer * p_.n_kv_head *
+           (side_row_bytes(k_) + side_row_bytes(v_));
+  }
+
+ private:
+  struct seq_state {
+    int n = 0;       // positions stored
+    int n_comp = 0;  // body rows (positions [sink, sink + n_comp))
+  };
+
+  double side_row_bytes(const side_store& s) const {
+    if (s.t->layout == kv_layout::per_channel) return (double)s.code_row + 4.0 * p_.head_dim / s.group;
+    return (double)s.row_bytes_asymptotic(p_.head_dim);
+  }
+  std::string side_desc(const side_store& s) const {
+    std::string d = kv_traits(s.type).name;
+    if (!s.compressed) return d;
+    d += std::string(" (") + rotation_name(s.rot.kind);
+    if (s.t->layout == kv_layout::per_channel) d += ", per-channel T" + std::to_string(s.group);
+    else d += ", g" + std::to_string(s.group);
+    if (s.type != s.format) d += std::string(", ") + s.t->name;
+    return d + ")";
+  }
+
+  void init_side(side_store& s, const char* name, kv_format type, bool is_v, size_t heads, int body_room);
+  seq_state& st(int il, int seq) { return state_[(size_t)il * p_.n_seq + seq]; }
+  const seq_state& st(int il, int seq) const { return state_[(size_t)il * p_.n_seq + seq]; }
+  int tail_len(const seq_state& q) const { return std::max(0, q.n - p_.sink - q.n_comp); }
+  size_t head_index(int il, int seq, int h) const { return ((size_t)il * p_.n_seq + seq) * p_.n_kv_head + h; }
+  uint8_t* exact_row(side_store& s, size_t hi, int row) {
+    return s.exact.data() + (hi * exact_cap_ + row) * p_.head_dim * kv_elem_bytes(s.exact_elem);
+  }
+  uint8_t* body_codes(side_store& s, size_t hi, size_t row) {
+    return s.codes.data() + (hi * s.body_cap + row) * s.code_row;
+  }
+  uint16_t* body_scales(side_store& s, size_t hi, size_t unit) {
+    return s.scales.data() + (hi * s.unit_cap + unit) * s.scale_stride;
+  }
+  void check_layer_seq(const char* op, int il, int seq_id) const {
+    if (il < 0 || il >= p_.n_layer)
+      fail_input(std::string("[kv_cache] ") + op + ": layer " + std::to_string(il) + " out of range [0, " +
+                 std::to_string(p_.n_layer) + ")");
+    if (seq_id < 0 || seq_id >= p_.n_seq)
+      fail_input(std::string("[kv_cache] ") + op + ": seq_id " + std::to_string(seq_id) + " out of range [0, " +
+                 std::to_string(p_.n_seq) + ")");
+  }
+  // x[n_tokens, n_kv_head, head_dim] -> transformed (rotated, / λ, f16-rounded) into xs.
+  void transform_side(side_store& s, int il, int seq_id, int pos, int n_tokens, const float* x, float* xs);
+  void calibrate_channels(side_store& s, int il, int n_tokens, const float* x);
+  // Quantizes `n_units` units of rows x[rows, head_dim] into body rows starting at `row`.
+  void store_body(side_store& s, size_t hi, size_t row, const float* x, int n_rows);
+  void load_body_rows(side_store& s, size_t hi, size_t row0, int n_rows, float* y);
+
+  kv_cache_params p_;
+  bool kivi_ = false;
+  int unit_ = 1, min_tail_ = 0, tail_cap_ = 0, exact_cap_ = 0;
+  side_store k_, v_;
+  std::vector<seq_state> state_;     // [n_layer, n_seq]
+  std::vector<uint8_t> lambda_set_;  // [n_layer]
+  // scratch of append / attend (one call at a time per cache)
+  std::vector<float> xk_, xv_, pend_;
+  std::vector<float> qr_, q8s_, ows_;
+  std::vector<int8_t> q8_;
+  std::vector<attn_state> states_;
+};
+
+void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, bool is_v, size_t heads,
+                               int body_room) {
+  const int hd = p_.head_dim;
+  s.name = name;
+  s.type = type;
+  const auto& tt = kv_traits(type);
+  s.format = (is_v && tt.layout == kv_layout::per_channel) ? tt.kivi_v : type;
+  s.t = &kv_traits(s.format);
+  s.compressed = s.t->layout != kv_layout::dense;
+  s.exact_elem = s.compressed ? kv_elem::f16 : elem_of(s.format);
+  if (s.compressed && hd % 8 != 0)
+    fail_unsupported(std::string("[kv_cache] ") + name + " cache type '" + tt.name +
+                     "' needs head_dim divisible by 8, got " + std::to_string(hd));
+  if (s.t->layout == kv_layout::per_token) {
+    int g = p_.group_size;
+    if (g == 0) g = hd % 32 == 0 ? 32 : hd;
+    if (g < 1 || hd % g != 0 || !(g == 32 || g == 64 || g == 128 || g == hd))
+      fail_input("[kv_cache] group_size " + std::to_string(p_.group_size) +
+                 " must be 32, 64, 128 or head_dim and divide head_dim " + std::to_string(hd));
+    s.group = g;
+    s.scale_stride = kv_row_scale_count(s.format, hd, g);
+  } else if (s.t->layout == kv_layout::per_channel) {
+    s.group = p_.kivi_group;
+    s.scale_stride = 2 * hd;
+  }
+  s.code_row = kv_code_bytes(s.format, hd);
+  if (s.compressed) {
+    rotation_kind rk = rotation_kind::none;
+    if (p_.rotation == "auto") rk = tt.rotate_by_default ? rotation_kind::hadamard : rotation_kind::none;
+    else rk = parse_rotation(p_.rotation);
+    s.rot = rotation::make(rk, hd, p_.seed);
+  }
+  s.body_cap = (size_t)(body_room / unit_) * unit_;
+  s.unit_cap = s.scale_units(s.body_cap);
+  s.codes.assign(heads * s.body_cap * s.code_row, 0);
+  s.scales.assign(heads * s.unit_cap * s.scale_stride, 0);
+  s.exact.assign(heads * exact_cap_ * hd * kv_elem_bytes(s.exact_elem), 0);
+  if (p_.channel_scale && s.compressed) {
+    s.lambda.assign((size_t)p_.n_layer * p_.n_kv_head * hd, 1.0f);
+    s.mu.assign((size_t)p_.n_layer * p_.n_kv_head * hd, 0.0f);
+  }
+}
+
+void kv_cache_quant::calibrate_channels(side_store& s, int il, int n_tokens, const float* x) {
+  // On the prompt, per kv head and channel c (original basis): μ_c = mean, λ_c = the power of two
+  // nearest to the RMS of x_c - μ_c, normalised so the mean log2 λ is 0 (powers of two keep
+  // (x - μ) / λ and q * λ free of rounding). Stored: R ((x - μ) / λ). For K, μ only shifts every
+  // score of a query by q·μ, which softmax ignores; for V, μ is added back to the output (the
+  // weights sum to 1). Per-channel λ after the SRFT paper (arXiv:2605.05699); centering K as
+  // SageAttention's smoothing of K (Zhang et al. 2024, arXiv:2410.02367, §3.2).
+  const int hd = p_.head_dim, nh = p_.n_kv_head;
+  for (int h = 0; h < nh; ++h) {
+    std::vector<double> mean(hd, 0.0), rms(hd, 0.0);
+    for (int t = 0; t < n_tokens; ++t)
+      for (int c = 0; c < hd; ++c) mean[c] += x[((size_t)t * nh + h) * hd + c];
+    for (auto& m : mean) m /= n_tokens;
+    for (int t = 0; t < n_tokens; ++t)
+      for (int c = 0; c < hd; ++c) {
+        const double d = x[((size_t)t * nh + h) * hd + c] - mean[c];
+        rms[c] += d * d;
+      }
+    double mx = 0.0;
+    for (auto& r : rms) mx = std::max(mx, r = std::sqrt(r / n_tokens));
+    float* lam = &s.lambda[((size_t)il * nh + h) * hd];
+    float* mu = &s.mu[((size_t)il * nh + h) * hd];
+    for (int c = 0; c < hd; ++c) mu[c] = f16_to_f32(f32_to_f16((float)mean[c]));
+    if (!(mx > 0.0)) {
+      std::fill(lam, lam + hd, 1.0f);
+      continue;
+    }
+    std::vector<int> e(hd);
+    double mean_e = 0.0;
+    for (int c = 0; c < hd; ++c) {
+      e[c] = (int)std::lround(std::log2(std::max(rms[c], mx * 1e-3)));
+      mean_e += e[c];
+    }
+    const int shift = (int)std::lround(mean_e / hd);
+    for (int c = 0; c < hd; ++c) lam[c] = std::ldexp(1.0f, std::clamp(e[c] - shift, -20, 20));
+  }
+}
+
+void kv_cache_quant::transform_side(side_store& s, int il, int seq_id, int pos, int n_tokens, const float* x,
+                                    float* xs) {
+  const int hd = p_.head_dim, nh = p_.n_kv_head;
+  const size_t n = (size_t)n_tokens * nh * hd;
+  if (!s.compressed) {
+    std::memcpy(xs, x, n * sizeof(float));
+    return;
+  }
+  auto where = [&](size_t i) {
+    const size_t t = i / ((size_t)nh * hd), h = i / hd % nh, c = i % hd;
+    return "layer " + std::to_string(il) + ", seq " + std::to_string(seq_id) + ", position " +
+           std::to_string(pos + t) + ", kv head " + std::to_string(h) + ", channel " + std::to_string(c);
+  };
+  for (size_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i]))
+      fail_input(std::string("[kv_cache] append: non-finite ") + s.name + " value " + std::to_string(x[i]) + " at " +
+                 where(i) + " (compressed caches reject NaN/Inf)");
+  std::memcpy(xs, x, n * sizeof(float));
+  if (!s.lambda.empty()) {
+    if (!lambda_set_[il]) calibrate_channels(s, il, n_tokens, x);
+    for (int t = 0; t < n_tokens; ++t)
+      for (int h = 0; h < nh; ++h) {
+        const float* lam = &s.lambda[((size_t)il * nh + h) * hd];
+        const float* mu = &s.mu[((size_t)il * nh + h) * hd];
+        float* r = xs + ((size_t)t * nh + h) * hd;
+        for (int c = 0; c < hd; ++c) r[c] = (r[c] - mu[c]) / lam[c];
+      }
+  }
+  s.rot.forward_n(xs, (int64_t)n_tokens * nh);
+  for (size_t i = 0; i < n; ++i) {
+    if (!(std::fabs(xs[i]) <= kF16Max))
+      fail_input(std::string("[kv_cache] append: ") + s.name + " value " + std::to_string(xs[i]) + " at " + where(i) +
+                 " exceeds the f16 range (65504) after rotation/scaling");
+    xs[i] = f16_to_f32(f32_to_f16(xs[i]));
+  }
+}
+
+void kv_cache_quant::store_body(side_store& s, size_t hi, size_t row, const float* x, int n_rows) {
+  const int hd = p_.head_dim;
+  switch (s.t->layout) {
+    case kv_layout::dense:
+      for (int j = 0; j < n_rows; ++j) store_elems(body_codes(s, hi, row + j), elem_of(s.format), x + (size_t)j * hd, hd);
+      break;
+    case kv_layout::per_token:
+      for (int j = 0; j < n_rows; ++j)
+        quantize_row_ref(s.format, x + (size_t)j * hd, hd, s.group, body_codes(s, hi, row + j),
+                         body_scales(s, hi, row + j));
+      break;
+    default:
+      KVQ_ASSERT(row % s.group == 0 && n_rows % s.group == 0);
+      for (int j = 0; j < n_rows; j += s.group)
+        quantize_channel_group_ref(s.format, x + (size_t)j * hd, s.group, hd, body_codes(s, hi, row + j),
+                                   body_scales(s, hi, (row + j) / s.group));
+      break;
+  }
+}
+
+void kv_cache_quant::load_body_rows(side_store& s, size_t hi, size_t row0, int n_rows, float* y) {
+  const int hd = p_.head_dim;
+  if (s.t->layout == kv_layout::per_channel) {
+    const size_t g0 = row0 / s.group * s.group;
+    std::vector<float> tmp((size_t)s.group * hd);
+    dequantize_channel_group_ref(s.format, body_codes(s, hi, g0), body_scales(s, hi, g0 / s.group), s.group, hd,
+                                 tmp.data());
+    KVQ_ASSERT(row0 + n_rows <= g0 + s.group);
+    std::memcpy(y, &tmp[(row0 - g0) * hd], (size_t)n_rows * hd * sizeof(float));
+    return;
+  }
+  for (int j = 0; j < n_rows; ++j) {
+    if (s.t->layout == kv_layout::dense)
+      for (int i = 0; i < hd; ++i) y[(size_t)j * hd + i] = load_elem(body_codes(s, hi, row0 + j), elem_of(s.format), i);
+    else
+      dequantize_row_ref(s.format, body_codes(s, hi, row0 + j), body_scales(s, hi, row0 + j), hd, s.group,
+                         y + (size_t)j * hd);
+  }
+}
+
+void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, const float* v) {
+  check_layer_seq("append", il, seq_id);
+  if (n_tokens < 0) fail_input("[kv_cache] append: n_tokens must be >= 0, got " + std::to_string(n_tokens));
+  seq_state& q = st(il, seq_id);
+  const int expect = n_pos(seq_id);
+  if (il != p_.n_layer - 1 && q.n != expect)
+    fail_input("[kv_cache] append: layer " + std::to_string(il) + " of seq " + std::to_string(seq_id) + " holds " +
+               std::to_string(q.n) + " positions but the sequence has " + std::to_string(expect) +
+               " (every layer must append the same tokens, in layer order)");
+  if ((int64_t)q.n + n_tokens > p_.n_ctx)
+    fail_input("[kv_cache] append: seq " + std::to_string(seq_id) + " would hold " +
+               std::to_string((int64_t)q.n + n_tokens) + " positions, n_ctx is " + std::to_string(p_.n_ctx));
+  if (n_tokens == 0) return;
+  const int hd = p_.head_dim, nh = p_.n_kv_head;
+  const size_t n = (size_t)n_tokens * nh * hd;
+  xk_.resize(n);
+  xv_.resize(n);
+  // 1. validate and transform (nothing is modified before this succeeds, except λ calibration)
+  transform_side(k_, il, seq_id, q.n, n_tokens, k, xk_.data());
+  transform_side(v_, il, seq_id, q.n, n_tokens, v, xv_.data());
+  lambda_set_[il] = 1;
+  // 2. sink rows
+  const int n_new = q.n + n_tokens;
+  int t0 = 0;
+  for (; t0 < n_tokens && q.n + t0 < p_.sink; ++t0)
+    for (int h = 0; h < nh; ++h) {
+      const size_t hi = head_index(il, seq_id, h);
+      for (auto [s, x] : {std::pair{&k_, &xk_}, std::pair{&v_, &xv_}})
+        store_elems(exact_row(*s, hi, q.n + t0), s->exact_elem, x->data() + ((size_t)t0 * nh + h) * hd, hd);
+    }
+  // 3. pending = old tail + new post-sink rows; quantize whole units off the front, keep the rest
+  const int tail_old = tail_len(q);
+  const int n_pend = tail_old + (n_tokens - t0);
+  const int rule = unit_ * (std::max(0, n_new - p_.sink - min_tail_) / unit_);
+  const int n_comp_new = std::max(q.n_comp, rule);
+  const int n_quant = n_comp_new - q.n_comp;
+  KVQ_ASSERT(n_quant >= 0 && n_quant <= n_pend && n_pend - n_quant <= tail_cap_);
+  pend_.resize((size_t)n_pend * hd);
+  for (int h = 0; h < nh; ++h) {
+    const size_t hi = head_index(il, seq_id, h);
+    for (auto [s, x] : {std::pair{&k_, &xk_}, std::pair{&v_, &xv_}}) {
+      for (int j = 0; j < tail_old; ++j)
+        for (int i = 0; i < hd; ++i) pend_[(size_t)j * hd + i] = load_elem(exact_row(*s, hi, p_.sink + j), s->exact_elem, i);
+      for (int t = t0; t < n_tokens; ++t)
+        std::memcpy(&pend_[(size_t)(tail_old + t - t0) * hd], x->data() + ((size_t)t * nh + h) * hd, hd * sizeof(float));
+      if (n_quant > 0) store_body(*s, hi, q.n_comp, pend_.data(), n_quant);
+      for (int j = n_quant; j < n_pend; ++j)
+        store_elems(exact_row(*s, hi, p_.sink + j - n_quant), s->exact_elem, &pend_[(size_t)j * hd], hd);
+    }
+  }
+  q.n = n_new;
+  q.n_comp = n_comp_new;
+}
+
+void kv_cache_quant::truncate(int seq_id, int n_keep) {
+  check_layer_seq("truncate", 0, seq_id);
+  if (n_keep < 0) fail_input("[kv_cache] truncate: n_pos must be >= 0, got " + std::to_string(n_keep));
+  const int hd = p_.head_dim;
+  for (int il = 0; il < p_.n_layer; ++il) {
+    seq_state& q = st(il, seq_id);
+    if (n_keep >= q.n) continue;
+    q.n = n_keep;
+    if (q.n >= p_.sink + q.n_comp) continue;  // only the tail shrinks
+    const int body_keep = std::max(0, q.n - p_.sink);
+    const int n_comp_new = unit_ * (body_keep / unit_);
+    const int moved = body_keep - n_comp_new;  // rows of a partial unit -> back to the exact tail
+    if (moved > 0) {
+      std::vector<float> y((size_t)moved * hd);
+      for (int h = 0; h < p_.n_kv_head; ++h) {
+        const size_t hi = head_index(il, seq_id, h);
+        for (auto* s : {&k_, &v_}) {
+          load_body_rows(*s, hi, n_comp_new, moved, y.data());
+          for (int j = 0; j < moved; ++j) store_elems(exact_row(*s, hi, p_.sink + j), s->exact_elem, &y[(size_t)j * hd], hd);
+        }
+      }
+    }
+    q.n_comp = n_comp_new;
+  }
+}
+
+void kv_cache_quant::attend(int il, int seq_id, int pos0, int n_tokens, int n_head, const float* q, float scale,
+                            float* out, thread_pool& pool) {
+  check_layer_seq("attend", il, seq_id);
+  const seq_state sq = st(il, seq_id);
+  if (n_tokens < 1 || pos0 < 0 || (int64_t)pos0 + n_tokens > sq.n)
+    fail_input("[kv_cache] attend: queries at positions [" + std::to_string(pos0) + ", " +
+               std::to_string((int64_t)pos0 + n_tokens) + ") need appended positions, layer " + std::to_string(il) +
+               " of seq " + std::to_string(seq_id) + " holds " + std::to_string(sq.n));
+  if (n_head < p_.n_kv_head || n_head % p_.n_kv_head != 0)
+    fail_input("[kv_cache] attend: n_head " + std::to_string(n_head) + " is not a multiple of n_kv_head " +
+               std::to_string(p_.n_kv_head));
+  const int hd = p_.head_dim, nh = p_.n_kv_head, ng = n_head / nh;
+  const bool k_int8 = k_.t->layout == kv_layout::per_token;
+  const size_t nq = (size_t)n_tokens * n_head;
+  // 1. Q rotated once (and scaled by λ_K), then int8 per head when K is per-token quantized.
+  qr_.resize(nq * hd);
+  std::memcpy(qr_.data(), q, nq * hd * sizeof(float));
+  if (k_int8) {
+    q8_.resize(nq * hd);
+    q8s_.resize(nq);
+  }
+  pool.parallel_for(n_tokens, [&](int64_t t, int) {
+    float* r = &qr_[(size_t)t * n_head * hd];
+    if (!k_.lambda.empty())
+      for (int h = 0; h < n_head; ++h) {
+        const float* lam = &k_.lambda[((size_t)il * nh + h / ng) * hd];
+        for (int c = 0; c < hd; ++c) r[(size_t)h * hd + c] *= lam[c];
+      }
+    k_.rot.forward_n(r, n_head);
+    for (int h = 0; h < n_head; ++h) {
+      float* x = r + (size_t)h * hd;
+      if (k_int8) {
+        const size_t i = (size_t)t * n_head + h;
+        q8s_[i] = quantize_q8_ref(x, hd, &q8_[i * hd]);
+      }
+    }
+  });
+  // 2. Work items: (kv head, query tile, body chunk). Decode-like calls split the body (split-K).
+  const int tile = n_tokens <= 16 ? n_tokens : 16;
+  const int n_tiles = (n_tokens + tile - 1) / tile;
+  const int chunk_align = std::max(32, unit_);
+  int n_chunks = 1;
+  const int64_t want = 4LL * pool.size();
+  if ((int64_t)nh * n_tiles < want && sq.n_comp >= 2 * 1024) {
+    n_chunks = (int)std::min<int64_t>((want + nh * n_tiles - 1) / (nh * n_tiles), sq.n_comp / 1024);
+  }
+  int chunk_rows = sq.n_comp;
+  if (n_chunks > 1) {
+    chunk_rows = ((sq.n_comp + n_chunks - 1) / n_chunks + chunk_align - 1) / chunk_align * chunk_align;
+    n_chunks = (sq.n_comp + chunk_rows - 1) / chunk_rows;
+  }
+  states_.resize((size_t)n_chunks * nq);
+  if (n_chunks > 1) ows_.resize((size_t)(n_chunks - 1) * nq * hd);
+  const bool dequant = p_.attn_impl == "dequant";
+  const int n_sink = std::min(sq.n, p_.sink), n_tail = tail_len(sq);
+  parallel_dynamic(pool, (int64_t)nh * n_tiles * n_chunks, [&](int64_t item, int) {
+    const int c = (int)(item % n_chunks), tl = (int)(item / n_chunks % n_tiles), h = (int)(item / n_chunks / n_tiles);
+    const int ta = tl * tile, tb = std::min(n_tokens, ta + tile);
+    const size_t hi = head_index(il, seq_id, h);
+    attn_query_view qv;
+    qv.q = &qr_[((size_t)ta * n_head + (size_t)h * ng) * hd];
+    qv.stride_t = (int64_t)n_head * hd;
+    qv.n_tokens = tb - ta;
+    qv.n_group = ng;
+    qv.head_dim = hd;
+    qv.pos0 = pos0 + ta;
+    qv.scale = scale;
+    if (k_int8) {
+      qv.q8 = &q8_[((size_t)ta * n_head + (size_t)h * ng) * hd];
+      qv.q8_scale = &q8s_[(size_t)ta * n_head + (size_t)h * ng];
+      qv.q8_scale_stride_t = n_head;
+    }
+    attn_state* sts = &states_[(size_t)c * nq];
+    for (int t = ta; t < tb; ++t)
+      for (int g = 0; g < ng; ++g) {
+        const size_t i = (size_t)t * n_head + (size_t)h * ng + g;
+        float* o = c == 0 ? out + i * hd : &ows_[((size_t)(c - 1) * nq + i) * hd];
+        sts[i] = attn_state::empty(o, hd);
+      }
+    // states of this tile, contiguous per token: [t][g] -> sts[t * n_head + h * ng + g]
+    thread_local std::vector<attn_state> local;
+    thread_local std::vector<float> local_o;
+    const int nloc = (tb - ta) * ng;
+    local.resize(nloc);
+    local_o.resize((size_t)nloc * hd);
+    auto run_into_local = [&](auto&& fn) {
+      for (int i = 0; i < nloc; ++i) local[i] = attn_state::empty(&local_o[(size_t)i * hd], hd);
+      fn(local.data());
+    };
+    auto merge_local = [&](attn_state* dst_base) {
+      for (int t = ta; t < tb; ++t)
+        for (int g = 0; g < ng; ++g) dst_base[(size_t)t * n_head + (size_t)h * ng + g].merge(local[(t - ta) * ng + g]);
+    };
+    // compressed body chunk c
+    const int r0 = c * chunk_rows, r1 = std::min(sq.n_comp, r0 + chunk_rows);
+    if (r1 > r0 && p_.sink + r0 <= pos0 + tb - 1) {
+      kv_quant_view kv;
+      for (auto [side, s] : {std::pair{&kv.k, &k_}, std::pair{&kv.v, &v_}}) {
+        side->format = s->format;
+        side->codes = body_codes(*s, hi, r0);
+        side->code_stride = (int64_t)s->code_row;
+        side->scales = s->scale_stride ? body_scales(*s, hi, s->unit_of_row(r0)) : nullptr;
+        side->scale_stride = s->scale_stride;
+        side->group = s->group;
+      }
+      kv.pos_begin = p_.sink + r0;
+      kv.n_pos = r1 - r0;
+      kv.head_dim = hd;
+      run_into_local([&](attn_state* ls) { dequant ? attn_dequant_ref(kv, qv, ls) : attn_quant(kv, qv, ls); });
+      merge_local(sts);
+    }
+    // the exact windows (sink and tail), merged into chunk 0
+    if (c == 0 && (n_sink > 0 || n_tail > 0)) {
+      run_into_local([&](attn_state* ls) {
+        kv_dense_view dv;
+        dv.type_k = k_.exact_elem;
+        dv.type_v = v_.exact_elem;
+        dv.row_stride = hd;
+        dv.head_dim = hd;
+        if (n_sink > 0) {
+          dv.k = exact_row(k_, hi, 0);
+          dv.v = exact_row(v_, hi, 0);
+          dv.pos_begin = 0;
+          dv.n_pos = n_sink;
+          attn_dense(dv, qv, ls);
+        }
+        if (n_tail > 0 && p_.sink + sq.n_comp <= pos0 + tb - 1) {
+          dv.k = exact_row(k_, hi, p_.sink);
+          dv.v = exact_row(v_, hi, p_.sink);
+          dv.pos_begin = p_.sink + sq.n_comp;
+          dv.n_pos = n_tail;
+          attn_dense(dv, qv, ls);
+        }
+      });
+      merge_local(sts);
+    }
+  });
+  // 3. merge the chunks, normalise, undo λ_V and the V rotation once per head
+  pool.parallel_for(n_tokens, [&](int64_t t, int) {
+    for (int hq = 0; hq < n_head; ++hq) {
+      const size_t i = (size_t)t * n_head + hq;
+      attn_state& s0 = states_[i];
+      for (int c = 1; c < n_chunks; ++c) s0.merge(states_[(size_t)c * nq + i]);
+      s0.finalize(out + i * hd);
+    }
+    v_.rot.inverse_n(out + (size_t)t * n_head * hd, n_head);
+    if (!v_.lambda.empty())
+      for (int hq = 0; hq < n_head; ++hq) {
+        const size_t off = ((size_t)il * nh + hq / ng) * hd;
+        float* o = out + ((size_t)t * n_head + hq) * hd;
+        for (int x = 0; x < hd; ++x) o[x] = o[x] * v_.lambda[off + x] + v_.mu[off + x];
+      }
+  });
+}
+
+}  // namespace
+
+std::unique_ptr<kv_cache> make_kv_cache_quant(const kv_cache_params& p) { return std::make_unique<kv_cache_quant>(p); }
+
+std::vector<uint8_t> kv_cache_stored_bytes(const kv_cache& c, int il, int seq_id) {
+  const auto* q = dynamic_cast<const kv_cache_quant*>(&c);
+  KVQ_ASSERT(q != nullptr);
+  return q->stored_bytes(il, seq_id);
+}
+
+double kv_bytes_per_token_quant(const kv_cache_params& p) { return kv_cache_quant(p).bytes_per_token(); }
+
+}  // namespace kvq

@@ -1,0 +1,243 @@
+// Fused compressed-domain attention, scalar reference tier (the oracle of the SIMD tiers), and the
+// dequantize-then-attend baseline.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernels/attn_quant_tiers.h"
+#include "kvq/attention.h"
+#include "kvq/cpu.h"
+#include "kvq/error.h"
+#include "kvq/f16.h"
+
+namespace kvq {
+
+namespace {
+
+constexpr int kBlock = 32;  // keys per online-softmax step
+
+inline int code_int(const kv_format_traits& t, uint8_t u) { return t.bits == 8 ? (int)(int8_t)u : (int)u; }
+
+// Row r of a dense side as f32.
+void load_dense_row(const kv_quant_side& s, int r, int hd, float* y) {
+  const uint8_t* p = s.codes + (int64_t)r * s.code_stride;
+  switch (s.format) {
+    case kv_format::f32:
+      for (int i = 0; i < hd; ++i) y[i] = reinterpret_cast<const float*>(p)[i];
+      break;
+    case kv_format::f16:
+      for (int i = 0; i < hd; ++i) y[i] = f16_to_f32(reinterpret_cast<const uint16_t*>(p)[i]);
+      break;
+    default:
+      for (int i = 0; i < hd; ++i) y[i] = bf16_to_f32(reinterpret_cast<const uint16_t*>(p)[i]);
+      break;
+  }
+}
+
+}  // namespace
+
+// Row r of a V side (dense or per-token) as f32.
+void load_v_row_ref(const kv_quant_side& s, int r, int hd, float* y) {
+  const auto& t = kv_traits(s.format);
+  if (t.layout == kv_layout::dense) return load_dense_row(s, r, hd, y);
+  dequantize_row_ref(s.format, s.codes + (int64_t)r * s.code_stride, s.scales + (int64_t)r * s.scale_stride, hd,
+                     s.group, y);
+}
+
+void qk_i32_ref(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, int hd, int32_t* dots) {
+  const auto& t = kv_traits(k.format);
+  const int ng = hd / k.group;
+  uint8_t u[1024];
+  for (int j = 0; j < n_rows; ++j) {
+    unpack_codes(t.bits, k.codes + (int64_t)(r0 + j) * k.code_stride, hd, u);
+    for (int g = 0; g < ng; ++g) {
+      int32_t acc = 0;
+      for (int i = g * k.group; i < (g + 1) * k.group; ++i) acc += (int32_t)q8[i] * code_int(t, u[i]);
+      dots[j * ng + g] = acc;
+    }
+  }
+}
+
+void q8_group_sums(const int8_t* q8, int hd, int group, int32_t* sums) {
+  for (int g = 0; g < hd / group; ++g) {
+    int32_t s = 0;
+    for (int i = g * group; i < (g + 1) * group; ++i) s += q8[i];
+    sums[g] = s;
+  }
+}
+
+void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_state* states) {
+  const int hd = kv.head_dim, ng = qv.n_group, ntq = qv.n_tokens * ng;
+  const auto& tk = kv_traits(kv.k.format);
+  KVQ_ASSERT(hd <= 1024 && kv_traits(kv.v.format).layout != kv_layout::per_channel);
+  thread_local std::vector<int> limit;
+  thread_local std::vector<float> sc, fold, row;
+  thread_local std::vector<int32_t> qsum, dots;
+  limit.resize(qv.n_tokens);
+  int max_limit = 0;
+  for (int t = 0; t < qv.n_tokens; ++t) {
+    limit[t] = std::clamp(qv.pos0 + t - kv.pos_begin + 1, 0, kv.n_pos);
+    max_limit = std::max(max_limit, limit[t]);
+  }
+  if (max_limit == 0) return;
+  sc.resize((size_t)ntq * kBlock);
+  row.resize(hd);
+  const int ngk = tk.layout == kv_layout::per_token ? hd / kv.k.group : 0;
+  if (tk.layout == kv_layout::per_token) {
+    KVQ_ASSERT(qv.q8 && qv.q8_scale);
+    qsum.resize((size_t)ntq * ngk);
+    dots.resize(ngk);
+    for (int t = 0; t < qv.n_tokens; ++t)
+      for (int g = 0; g < ng; ++g)
+        q8_group_sums(qv.q8 + t * qv.stride_t + (int64_t)g * hd, hd, kv.k.group, &qsum[(size_t)(t * ng + g) * ngk]);
+  }
+  if (tk.layout == kv_layout::per_channel) fold.resize((size_t)ntq * (hd + 1));
+  int cur_group = -1;
+  uint8_t u[1024];
+  for (int p0 = 0; p0 < max_limit; p0 += kBlock) {
+    const int n = std::min(kBlock, max_limit - p0);
+    for (int j = 0; j < n; ++j) {
+      const int r = p0 + j;
+      if (tk.layout == kv_layout::per_token) {
+        const uint16_t* s = kv.k.scales + (int64_t)r * kv.k.scale_stride;
+        for (int t = 0; t < qv.n_tokens; ++t) {
+          if (r >= limit[t]) continue;
+          for (int g = 0; g < ng; ++g) {
+            const int8_t* q8 = qv.q8 + t * qv.stride_t + (int64_t)g * hd;
+            qk_i32_ref(kv.k, r, 1, q8, hd, dots.data());
+            const int32_t* qs = &qsum[(size_t)(t * ng + g) * ngk];
+            float acc = 0.0f;
+            for (int gr = 0; gr < ngk; ++gr) {
+              acc += f16_to_f32(s[gr]) * (float)(dots[gr] - tk.code_offset * qs[gr]);
+              if (tk.asymmetric) acc += f16_to_f32(s[ngk + gr]) * (float)qs[gr];
+            }
+            sc[(size_t)(t * ng + g) * kBlock + j] = acc * qv.q8_scale[t * qv.q8_scale_stride_t + g] * qv.scale;
+          }
+        }
+      } else if (tk.layout == kv_layout::per_channel) {
+        const int gi = r / kv.k.group;
+        if (gi != cur_group) {  // fold the group's per-channel scales into the float queries
+          cur_group = gi;
+          const uint16_t* s = kv.k.scales + (int64_t)gi * kv.k.scale_stride;
+          for (int t = 0; t < qv.n_tokens; ++t)
+            for (int g = 0; g < ng; ++g) {
+              const float* q = qv.q + t * qv.stride_t + (int64_t)g * hd;
+              float* a = &fold[(size_t)(t * ng + g) * (hd + 1)];
+              float b = 0.0f;
+              for (int c = 0; c < hd; ++c) {
+                const float sc_c = f16_to_f32(s[c]);
+                a[c] = q[c] * sc_c;
+                b += q[c] * (f16_to_f32(s[hd + c]) - (float)tk.code_offset * sc_c);
+              }
+              a[hd] = b;
+            }
+        }
+        unpack_codes(tk.bits, kv.k.codes + (int64_t)r * kv.k.code_stride, hd, u);
+        for (int t = 0; t < qv.n_tokens; ++t) {
+          if (r >= limit[t]) continue;
+          for (int g = 0; g < ng; ++g) {
+            const float* a = &fold[(size_t)(t * ng + g) * (hd + 1)];
+            float acc = 0.0f;
+            for (int c = 0; c < hd; ++c) acc += a[c] * (float)code_int(tk, u[c]);
+            sc[(size_t)(t * ng + g) * kBlock + j] = (acc + a[hd]) * qv.scale;
+          }
+        }
+      } else {
+        load_dense_row(kv.k, r, hd, row.data());
+        for (int t = 0; t < qv.n_tokens; ++t) {
+          if (r >= limit[t]) continue;
+          for (int g = 0; g < ng; ++g) {
+            const float* q = qv.q + t * qv.stride_t + (int64_t)g * hd;
+            float acc = 0.0f;
+            for (int i = 0; i < hd; ++i) acc += q[i] * row[i];
+            sc[(size_t)(t * ng + g) * kBlock + j] = acc * qv.scale;
+          }
+        }
+      }
+    }
+    // online softmax over the block
+    for (int t = 0; t < qv.n_tokens; ++t) {
+      const int nt = std::clamp(limit[t] - p0, 0, n);
+      if (nt == 0) continue;
+      for (int g = 0; g < ng; ++g) {
+        float* s = &sc[(size_t)(t * ng + g) * kBlock];
+        attn_state& st = states[t * ng + g];
+        float mx = s[0];
+        for (int j = 1; j < nt; ++j) mx = std::max(mx, s[j]);
+        st.rescale_to(mx);
+        for (int j = 0; j < nt; ++j) {
+          s[j] = std::exp(s[j] - st.m);
+          st.d += s[j];
+        }
+      }
+    }
+    // P·V, one V row at a time, shared by every query of the group
+    for (int j = 0; j < n; ++j) {
+      const int r = p0 + j;
+      load_v_row_ref(kv.v, r, hd, row.data());
+      for (int t = 0; t < qv.n_tokens; ++t) {
+        if (r >= limit[t]) continue;
+        for (int g = 0; g < ng; ++g) {
+          const float w = sc[(size_t)(t * ng + g) * kBlock + j];
+          float* o = states[t * ng + g].o;
+          for (int i = 0; i < hd; ++i) o[i] += w * row[i];
+        }
+      }
+    }
+  }
+}
+
+void attn_dequant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_state* states) {
+  const int hd = kv.head_dim, ng = qv.n_group;
+  const auto& tk = kv_traits(kv.k.format);
+  std::vector<float> kf((size_t)kv.n_pos * hd), vf((size_t)kv.n_pos * hd);  // [n_pos, head_dim]
+  // 1. dequantize the whole view
+  if (tk.layout == kv_layout::per_channel) {
+    for (int r0 = 0; r0 < kv.n_pos; r0 += kv.k.group) {
+      const int n = std::min(kv.k.group, kv.n_pos - r0);
+      dequantize_channel_group_ref(kv.k.format, kv.k.codes + (int64_t)r0 * kv.k.code_stride,
+                                   kv.k.scales + (int64_t)(r0 / kv.k.group) * kv.k.scale_stride, n, hd,
+                                   &kf[(size_t)r0 * hd]);
+    }
+  } else {
+    for (int r = 0; r < kv.n_pos; ++r) load_v_row_ref(kv.k, r, hd, &kf[(size_t)r * hd]);
+  }
+  for (int r = 0; r < kv.n_pos; ++r) load_v_row_ref(kv.v, r, hd, &vf[(size_t)r * hd]);
+  // 2. attend in f32 over the dequantized copy
+  std::vector<float> q(hd);
+  kv_dense_view dv;
+  dv.k = kf.data();
+  dv.v = vf.data();
+  dv.type_k = dv.type_v = kv_elem::f32;
+  dv.row_stride = hd;
+  dv.pos_begin = kv.pos_begin;
+  dv.n_pos = kv.n_pos;
+  dv.head_dim = hd;
+  for (int t = 0; t < qv.n_tokens; ++t)
+    for (int g = 0; g < ng; ++g) {
+      if (tk.layout == kv_layout::per_token) {
+        const int8_t* q8 = qv.q8 + t * qv.stride_t + (int64_t)g * hd;
+        const float s = qv.q8_scale[t * qv.q8_scale_stride_t + g];
+        for (int i = 0; i < hd; ++i) q[i] = (float)q8[i] * s;
+      } else {
+        const float* qs = qv.q + t * qv.stride_t + (int64_t)g * hd;
+        std::copy(qs, qs + hd, q.begin());
+      }
+      attn_query_view one;
+      one.q = q.data();
+      one.stride_t = hd;
+      one.n_tokens = 1;
+      one.n_group = 1;
+      one.head_dim = hd;
+      one.pos0 = qv.pos0 + t;
+      one.scale = qv.scale;
+      attn_dense_ref(dv, one, &states[t * ng + g]);
+    }
+}
+
+void attn_quant(const kv_quant_view& kv, const attn_query_view& q, attn_state* states) {
+  if (best_isa() >= isa::avx2 && attn_quant_avx2_supported(kv)) return attn_quant_avx2(kv, q, states);
+  attn_quant_ref(kv, q, states);
+}
+
+}  // namespace kvq

@@ -1,0 +1,19 @@
+// Private: pieces of the fused quantized attention shared by the tiers and their tests.
+#pragma once
+#include "kvq/attention.h"
+
+namespace kvq {
+
+// Row r of a V side (dense or per-token) dequantized to f32 y[hd].
+void load_v_row_ref(const kv_quant_side& s, int r, int hd, float* y);
+// dots[j * n_groups + g] = sum over group g of q8[i] * code[i] (stored codes, i32) for rows
+// [r0, r0 + n_rows) of a per-token side. The integer part every tier must match bit for bit.
+void qk_i32_ref(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, int hd, int32_t* dots);
+void qk_i32_avx2(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, int hd, int32_t* dots);
+// sums[g] = sum over group g of q8[i].
+void q8_group_sums(const int8_t* q8, int hd, int group, int32_t* sums);
+
+bool attn_quant_avx2_supported(const kv_quant_view& kv);
+void attn_quant_avx2(const kv_quant_view& kv, const attn_query_view& q, attn_state* states);
+
+}  // namespace kvq

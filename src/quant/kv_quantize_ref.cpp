@@ -1,0 +1,127 @@
+// Scalar reference quantizers of the KV formats: per-token rows, KIVI per-channel groups and the
+// int8 query. These are the oracle that SIMD / CUDA tiers must reproduce bit for bit.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kvq/error.h"
+#include "kvq/f16.h"
+#include "kvq/quant.h"
+
+namespace kvq {
+
+uint16_t f16_round_up(float v) {
+  uint16_t h = f32_to_f16(v);
+  if (f16_to_f32(h) < v && h < 0x7bff) ++h;  // positive: next representable value
+  return h;
+}
+
+namespace {
+
+// Quantizes n values (stride `stride` floats apart) sharing one scale (and zero) into u[n].
+void quantize_group(const kv_format_traits& t, const float* x, int n, int stride, uint8_t* u,
+                    uint16_t* scale_out, uint16_t* zero_out) {
+  if (!t.asymmetric) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[(int64_t)i * stride]));
+    const int qmax = t.code_max - t.code_offset;  // 127, 7, 3, 1
+    const uint16_t sh = f16_round_up(amax / (float)qmax);
+    const float s = f16_to_f32(sh);
+    const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+    for (int i = 0; i < n; ++i) {
+      float c = std::rint(x[(int64_t)i * stride] * inv);
+      c = std::min(std::max(c, (float)-qmax), (float)qmax);
+      u[i] = (uint8_t)(int8_t)((int)c + t.code_offset);
+    }
+    *scale_out = sh;
+    return;
+  }
+  float mn = x[0], mx = x[0];
+  for (int i = 1; i < n; ++i) {
+    mn = std::min(mn, x[(int64_t)i * stride]);
+    mx = std::max(mx, x[(int64_t)i * stride]);
+  }
+  const uint16_t zh = f32_to_f16(mn);
+  const float z = f16_to_f32(zh);
+  const int levels = t.code_max - t.code_min;  // 2^b - 1
+  const uint16_t sh = f16_round_up(std::max(0.0f, mx - z) / (float)levels);
+  const float s = f16_to_f32(sh);
+  const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+  for (int i = 0; i < n; ++i) {
+    float c = std::rint((x[(int64_t)i * stride] - z) * inv);
+    c = std::min(std::max(c, 0.0f), (float)levels);
+    u[i] = (uint8_t)(int8_t)((int)c + t.code_min);  // 8 bits: stored as c - 128
+  }
+  *scale_out = sh;
+  *zero_out = zh;
+}
+
+inline float code_value(const kv_format_traits& t, uint8_t u) {
+  return t.bits == 8 ? (float)(int8_t)u : (float)u;
+}
+
+}  // namespace
+
+void quantize_row_ref(kv_format f, const float* x, int head_dim, int group, uint8_t* codes,
+                      uint16_t* scales) {
+  const auto& t = kv_traits(f);
+  KVQ_ASSERT(t.layout == kv_layout::per_token && head_dim % group == 0 && head_dim % 8 == 0);
+  const int ng = head_dim / group;
+  uint8_t u[1024];
+  KVQ_ASSERT(head_dim <= 1024);
+  for (int g = 0; g < ng; ++g)
+    quantize_group(t, x + g * group, group, 1, u + g * group, &scales[g], t.asymmetric ? &scales[ng + g] : nullptr);
+  pack_codes(t.bits, u, head_dim, codes);
+}
+
+void dequantize_row_ref(kv_format f, const uint8_t* codes, const uint16_t* scales, int head_dim,
+                        int group, float* y) {
+  const auto& t = kv_traits(f);
+  KVQ_ASSERT(t.layout == kv_layout::per_token && head_dim % group == 0 && head_dim <= 1024);
+  const int ng = head_dim / group;
+  uint8_t u[1024];
+  unpack_codes(t.bits, codes, head_dim, u);
+  for (int g = 0; g < ng; ++g) {
+    const float s = f16_to_f32(scales[g]);
+    const float z = t.asymmetric ? f16_to_f32(scales[ng + g]) : 0.0f;
+    for (int i = g * group; i < (g + 1) * group; ++i) y[i] = s * (code_value(t, u[i]) - (float)t.code_offset) + z;
+  }
+}
+
+void quantize_channel_group_ref(kv_format f, const float* x, int n_tokens, int head_dim,
+                                uint8_t* codes, uint16_t* scales) {
+  const auto& t = kv_traits(f);
+  KVQ_ASSERT(t.layout == kv_layout::per_channel && head_dim % 8 == 0 && n_tokens >= 1);
+  std::vector<uint8_t> u((size_t)n_tokens * head_dim), col(n_tokens);
+  for (int c = 0; c < head_dim; ++c) {
+    quantize_group(t, x + c, n_tokens, head_dim, col.data(), &scales[c], &scales[head_dim + c]);
+    for (int j = 0; j < n_tokens; ++j) u[(size_t)j * head_dim + c] = col[j];
+  }
+  const size_t row = kv_code_bytes(f, head_dim);
+  for (int j = 0; j < n_tokens; ++j) pack_codes(t.bits, u.data() + (size_t)j * head_dim, head_dim, codes + j * row);
+}
+
+void dequantize_channel_group_ref(kv_format f, const uint8_t* codes, const uint16_t* scales,
+                                  int n_tokens, int head_dim, float* y) {
+  const auto& t = kv_traits(f);
+  KVQ_ASSERT(t.layout == kv_layout::per_channel && head_dim <= 1024);
+  const size_t row = kv_code_bytes(f, head_dim);
+  uint8_t u[1024];
+  for (int j = 0; j < n_tokens; ++j) {
+    unpack_codes(t.bits, codes + j * row, head_dim, u);
+    for (int c = 0; c < head_dim; ++c)
+      y[(size_t)j * head_dim + c] =
+          f16_to_f32(scales[c]) * (code_value(t, u[c]) - (float)t.code_offset) + f16_to_f32(scales[head_dim + c]);
+  }
+}
+
+float quantize_q8_ref(const float* x, int n, int8_t* q) {
+  float amax = 0.0f;
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float s = amax / 127.0f;
+  const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+  for (int i = 0; i < n; ++i) q[i] = (int8_t)std::min(std::max(std::rint(x[i] * inv), -127.0f), 127.0f);
+  return s;
+}
+
+}  // namespace kvq
