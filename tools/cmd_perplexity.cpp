@@ -75,7 +75,7 @@ int run_perplexity(perplexity_opts& o) {
   auto tok = tokenizer::from_gguf(m->gguf());
   const std::string text = read_text_file(o.text_path);
   const auto ids = perplexity_tokenize(*tok, text);
-  if (!o.json || !o.no_progress)
+  if (!o.no_progress)
     std::fprintf(stderr, "[kvq] %s: %zu tokens; chunks of %d tokens, last %d positions scored\n",
                  o.text_path.c_str(), ids.size(), o.p.n_ctx, o.p.n_ctx - 1 - o.p.n_ctx / 2);
   const perplexity_result r = perplexity(*m, ids, perplexity_bos(*tok), o.p, progress_bar(!o.no_progress));

@@ -1,0 +1,320 @@
+// kvq perplexity: llama.cpp's golden numbers, an independent float64 re-implementation of the
+// protocol and of the KL divergence, the KL base file, and bad input.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+#include "kvq/error.h"
+#include "kvq/perplexity.h"
+#include "support/data_dir.h"
+
+namespace kvq {
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* kStories = "models/stories260K/stories260K.gguf";
+const char* kTinyStories = "data/tinystories-val-794k/tinystories_val.txt";
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// llama.cpp's running PPL after chunk n ("[n]value,") from a golden llama-perplexity log.
+double golden_running_ppl(const std::string& log, int n) {
+  const std::string s = slurp(log);
+  const std::string key = "[" + std::to_string(n) + "]";
+  const size_t at = s.find(key);
+  if (at == std::string::npos) return 0;
+  return std::stod(s.substr(at + key.size(), 12));
+}
+
+std::string temp_path(const std::string& name) {
+  return (fs::temp_directory_path() / ("kvq_test_ppl_" + std::to_string(::getpid()) + "_" + name)).string();
+}
+
+struct loaded {
+  std::unique_ptr<model> m;
+  std::unique_ptr<tokenizer> tok;
+  std::vector<int32_t> ids;
+};
+
+loaded load(const std::string& model_path, const std::string& text_path) {
+  loaded l;
+  l.m = model::load(model_path);
+  l.tok = tokenizer::from_gguf(l.m->gguf());
+  l.ids = perplexity_tokenize(*l.tok, read_text_file(text_path));
+  return l;
+}
+
+// f16-cache PPL equals llama.cpp's running PPL after the same chunks (the golden logs print it
+// per chunk with 4 decimals) at -c 128, 256 and 512. The full-text numbers are in docs/quality.md.
+TEST(Perplexity, MatchesLlamaCppOnStories260K) {
+  KVQ_REQUIRE_DATA(mp, kStories);
+  KVQ_REQUIRE_DATA(tp, kTinyStories);
+  KVQ_REQUIRE_DATA(logs, "golden/stories260K/logs/perplexity_tinystories");
+  loaded l = load(mp, tp);
+  EXPECT_EQ(l.ids.size(), 393019u);  // README: 393,019 tokens including BOS
+  EXPECT_EQ(l.ids[0], 1);
+  for (auto [n_ctx, chunks] : {std::pair{128, 50}, {256, 25}, {512, 12}}) {
+    const double golden = golden_running_ppl(logs + "/c" + std::to_string(n_ctx) + "_f16_fa-on.log", chunks);
+    ASSERT_GT(golden, 1.0) << "no running PPL [" << chunks << "] in the golden log at -c " << n_ctx;
+    perplexity_params p;
+    p.n_ctx = n_ctx;
+    p.n_chunks = chunks;
+    p.n_threads = 2;
+    const perplexity_result r = perplexity(*l.m, l.ids, perplexity_bos(*l.tok), p);
+    EXPECT_EQ(r.n_chunk, chunks);
+    EXPECT_EQ(r.ppl.n_scored, (int64_t)chunks * (n_ctx / 2 - 1));
+    EXPECT_NEAR(r.ppl.ppl / golden, 1.0, 1e-3) << "-c " << n_ctx << ": kvq " << r.ppl.ppl << " llama.cpp " << golden;
+    EXPECT_NEAR(r.chunk_ppl.back(), r.ppl.ppl, 1e-12);
+  }
+}
+
+// The protocol re-implemented here in float64 from model::forward: BOS replaces each chunk's
+// first token, the last n_ctx/2 - 1 positions are scored; llama.cpp's standard error formula.
+TEST(Perplexity, ProtocolEqualsFloat64Reference) {
+  KVQ_REQUIRE_DATA(mp, kStories);
+  KVQ_REQUIRE_DATA(tp, kTinyStories);
+  loaded l = load(mp, tp);
+  const int n_ctx = 20, n_chunk = 3, V = l.m->hparams().n_vocab;
+  thread_pool pool(2);
+  double sum = 0, sum2 = 0;
+  int64_t n = 0;
+  auto cp = l.m->cache_params(n_ctx);
+  cp.type_k = cp.type_v = "f32";
+  for (int c = 0; c < n_chunk; ++c) {
+    std::vector<int32_t> chunk(l.ids.begin() + c * n_ctx, l.ids.begin() + (c + 1) * n_ctx);
+    chunk[0] = l.tok->bos();
+    auto cache = make_kv_cache(cp);
+    std::vector<float> logits((size_t)n_ctx * V);
+    l.m->forward(chunk, 0, 0, *cache, pool, logits.data(), true);
+    for (int i = n_ctx / 2; i < n_ctx - 1; ++i) {
+      const float* row = &logits[(size_t)i * V];
+      double mx = row[0], s = 0;
+      for (int v = 1; v < V; ++v) mx = std::max(mx, (double)row[v]);
+      for (int v = 0; v < V; ++v) s += std::exp(row[v] - mx);
+      const double nll = -(row[chunk[i + 1]] - mx - std::log(s));
+      sum += nll;
+      sum2 += nll * nll;
+      ++n;
+    }
+  }
+  const double mean = sum / n, ppl = std::exp(mean);
+  const double err = std::sqrt((sum2 / n - mean * mean) / (n - 1)) * ppl;
+  for (int n_batch : {0, 7}) {
+    perplexity_params p;
+    p.n_ctx = n_ctx;
+    p.n_chunks = n_chunk;
+    p.n_batch = n_batch;
+    p.cache.type_k = p.cache.type_v = "f32";
+    const perplexity_result r = perplexity(*l.m, l.ids, perplexity_bos(*l.tok), p);
+    EXPECT_EQ(r.ppl.n_scored, n);
+    EXPECT_NEAR(r.ppl.ppl, ppl, 1e-5 * ppl) << "n_batch " << n_batch;
+    EXPECT_NEAR(r.ppl.ppl_err, err, 1e-4 * err) << "n_batch " << n_batch;
+  }
+}
+
+// KL(f16 || bf16) and friends recomputed here in float64 from two forward passes per chunk.
+TEST(Perplexity, KldEqualsFloat64ReferenceAndFileEqualsSideBySide) {
+  KVQ_REQUIRE_DATA(mp, kStories);
+  KVQ_REQUIRE_DATA(tp, kTinyStories);
+  loaded l = load(mp, tp);
+  const int n_ctx = 64, n_chunk = 4, V = l.m->hparams().n_vocab;
+  thread_pool pool(2);
+  double sum_kl = 0, sum_d = 0;
+  int64_t same = 0, n = 0;
+  for (int c = 0; c < n_chunk; ++c) {
+    std::vector<int32_t> chunk(l.ids.begin() + c * n_ctx, l.ids.begin() + (c + 1) * n_ctx);
+    chunk[0] = l.tok->bos();
+    std::vector<std::vector<double>> lp(2, std::vector<double>((size_t)n_ctx * V));
+    for (int k = 0; k < 2; ++k) {
+      auto cp = l.m->cache_params(n_ctx);
+      cp.type_k = cp.type_v = k == 0 ? "f16" : "bf16";
+      auto cache = make_kv_cache(cp);
+      std::vector<float> logits((size_t)n_ctx * V);
+      l.m->forward(chunk, 0, 0, *cache, pool, logits.data(), true);
+      for (int i = 0; i < n_ctx; ++i) {
+        double mx = -1e300, s = 0;
+        for (int v = 0; v < V; ++v) mx = std::max(mx, (double)logits[(size_t)i * V + v]);
+        for (int v = 0; v < V; ++v) s += std::exp(logits[(size_t)i * V + v] - mx);
+        for (int v = 0; v < V; ++v) lp[k][(size_t)i * V + v] = logits[(size_t)i * V + v] - mx - std::log(s);
+      }
+    }
+    for (int i = n_ctx / 2; i < n_ctx - 1; ++i) {
+      const double* b = &lp[0][(size_t)i * V];
+      const double* t = &lp[1][(size_t)i * V];
+      double kl = 0;
+      int ab = 0, at = 0;
+      for (int v = 0; v < V; ++v) {
+        kl += std::exp(b[v]) * (b[v] - t[v]);
+        if (b[v] > b[ab]) ab = v;
+        if (t[v] > t[at]) at = v;
+      }
+      sum_kl += kl;
+      same += ab == at;
+      sum_d += b[chunk[i + 1]] - t[chunk[i + 1]];
+      ++n;
+    }
+  }
+  perplexity_params p;
+  p.n_ctx = n_ctx;
+  p.n_chunks = n_chunk;
+  p.cache.type_k = p.cache.type_v = "bf16";
+  p.compare_type = "f16";
+  const perplexity_result side = perplexity(*l.m, l.ids, perplexity_bos(*l.tok), p);
+  ASSERT_TRUE(side.has_kld);
+  EXPECT_EQ(side.kld.n, n);
+  EXPECT_GT(side.kld.mean, 0.0);
+  EXPECT_NEAR(side.kld.mean, sum_kl / n, 1e-3 * sum_kl / n + 1e-9);
+  EXPECT_NEAR(side.kld.same_top1_pct, 100.0 * same / n, 1e-9);
+  EXPECT_NEAR(side.kld.dppl_pct, 100 * (std::exp(sum_d / n) - 1), 1e-3);
+  EXPECT_LE(side.kld.median, side.kld.p99);
+  EXPECT_LE(side.kld.p99, side.kld.p99_9);
+  EXPECT_LE(side.kld.p99_9, side.kld.max);
+
+  // The same through a base file (full and top-16 records).
+  const std::string base = temp_path("base.kld"), base16 = temp_path("base16.kld");
+  perplexity_params w;
+  w.n_ctx = n_ctx;
+  w.n_chunks = n_chunk;
+  w.kl_base_out = base;
+  const perplexity_result wr = perplexity(*l.m, l.ids, perplexity_bos(*l.tok), w);
+  w.kl_base_out = base16;
+  w.kl_top_k = 16;
+  perplexity(*l.m, l.ids, perplexity_bos(*l.tok), w);
+  ASSERT_TRUE(fs::exists(base));
+  perplexity_params rd = p;
+  rd.compare_type.clear();
+  rd.kl_base_in = base;
+  const perplexity_result fr = perplexity(*l.m, l.ids, perplexity_bos(*l.tok), rd);
+  EXPECT_DOUBLE_EQ(fr.kld.mean, side.kld.mean);
+  EXPECT_DOUBLE_EQ(fr.kld.same_top1_pct, side.kld.same_top1_pct);
+  EXPECT_DOUBLE_EQ(fr.kld.ppl_base, wr.ppl.ppl);
+  rd.kl_base_in = base16;
+  const perplexity_result tr = perplexity(*l.m, l.ids, perplexity_bos(*l.tok), rd);
+  EXPECT_EQ(tr.kld.top_k, 16);
+  EXPECT_LE(tr.kld.mean, side.kld.mean * (1 + 1e-6));  // grouping lowers KL (log-sum inequality)
+  EXPECT_GT(tr.kld.mean, 0.5 * side.kld.mean);
+  EXPECT_DOUBLE_EQ(tr.kld.same_top1_pct, side.kld.same_top1_pct);
+  EXPECT_DOUBLE_EQ(tr.kld.ppl_base, wr.ppl.ppl);
+
+  // A cache compared with itself: KL 0, same top-1 100 %, dPPL 0.
+  perplexity_params self = rd;
+  self.cache.type_k = self.cache.type_v = "f16";
+  self.kl_base_in = base;
+  const perplexity_result sr = perplexity(*l.m, l.ids, perplexity_bos(*l.tok), self);
+  EXPECT_NEAR(sr.kld.mean, 0.0, 1e-12);
+  EXPECT_EQ(sr.kld.same_top1_pct, 100.0);
+  EXPECT_NEAR(sr.kld.dppl_pct, 0.0, 1e-9);
+  fs::remove(base);
+  fs::remove(base16);
+}
+
+template <typename F>
+std::string error_of(F&& f, errc* code = nullptr) {
+  try {
+    f();
+  } catch (const error& e) {
+    if (code) *code = e.code();
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Perplexity, BadInputIsRefusedUpFrontAndLeavesNoFile) {
+  KVQ_REQUIRE_DATA(mp, kStories);
+  KVQ_REQUIRE_DATA(tp, kTinyStories);
+  loaded l = load(mp, tp);
+  const int32_t bos = perplexity_bos(*l.tok);
+  errc code{};
+
+  const std::string empty = temp_path("empty.txt");
+  std::ofstream(empty).close();
+  EXPECT_NE(error_of([&] { read_text_file(empty); }, &code).find("is empty"), std::string::npos);
+  EXPECT_EQ(code, errc::invalid_input);
+  EXPECT_NE(error_of([&] { read_text_file(temp_path("missing.txt")); }, &code).find("cannot open"), std::string::npos);
+  EXPECT_EQ(code, errc::io);
+  fs::remove(empty);
+
+  perplexity_params p;
+  p.n_ctx = 128;
+  std::vector<int32_t> short_text(l.ids.begin(), l.ids.begin() + 100);
+  EXPECT_NE(error_of([&] { perplexity(*l.m, short_text, bos, p); }).find("fewer than one chunk"), std::string::npos);
+  p.n_ctx = l.m->hparams().n_ctx_train + 1;
+  EXPECT_NE(error_of([&] { perplexity(*l.m, l.ids, bos, p); }).find("exceeds the model's context"), std::string::npos);
+
+  // A base file from another context size, another model, a truncated file; an unwritable path.
+  const std::string base = temp_path("b.kld");
+  p.n_ctx = 32;
+  p.n_chunks = 2;
+  p.kl_base_out = base;
+  perplexity(*l.m, l.ids, bos, p);
+  perplexity_params c;
+  c.n_ctx = 64;
+  c.n_chunks = 1;
+  c.kl_base_in = base;
+  EXPECT_NE(error_of([&] { perplexity(*l.m, l.ids, bos, c); }, &code).find("context size -c 32"), std::string::npos);
+  EXPECT_EQ(code, errc::invalid_input);
+  c.n_ctx = 32;
+  c.n_chunks = 3;
+  EXPECT_NE(error_of([&] { perplexity(*l.m, l.ids, bos, c); }).find("holds 2 chunks"), std::string::npos);
+  std::vector<int32_t> other(l.ids.begin() + 1, l.ids.begin() + 2000);
+  c.n_chunks = 1;
+  EXPECT_NE(error_of([&] { perplexity(*l.m, other, bos, c); }).find("different text"), std::string::npos);
+  if (std::string tl = test::data_path("models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.gguf"); !tl.empty()) {
+    auto m2 = model::load(tl);
+    EXPECT_NE(error_of([&] { perplexity(*m2, l.ids, bos, c); }).find("was made with model"), std::string::npos);
+  }
+  const auto size = fs::file_size(base);
+  fs::resize_file(base, size - 10);
+  EXPECT_NE(error_of([&] { perplexity(*l.m, l.ids, bos, c); }).find("truncated or corrupt"), std::string::npos);
+  {
+    std::ofstream(base, std::ios::binary) << "not a kvq file at all";
+  }
+  EXPECT_NE(error_of([&] { perplexity(*l.m, l.ids, bos, c); }).find("not a kvq KL base file"), std::string::npos);
+  fs::remove(base);
+
+  // Writing: an unwritable path is an io error; a run refused after opening leaves nothing.
+  perplexity_params w;
+  w.n_ctx = 32;
+  w.n_chunks = 1;
+  w.kl_base_out = temp_path("no/such/dir/out.kld");
+  EXPECT_FALSE(error_of([&] { perplexity(*l.m, l.ids, bos, w); }, &code).empty());
+  EXPECT_EQ(code, errc::io);
+  w.kl_base_out = temp_path("out.kld");
+  w.cache.type_k = "q5_nonexistent";
+  EXPECT_NE(error_of([&] { perplexity(*l.m, l.ids, bos, w); }).find("unknown K cache type"), std::string::npos);
+  for (const auto& e : fs::directory_iterator(fs::temp_directory_path()))
+    EXPECT_EQ(e.path().filename().string().find("kvq_test_ppl_" + std::to_string(::getpid()) + "_out.kld"),
+              std::string::npos)
+        << e.path();
+}
+
+// The tool: exit code 2 with a clear message, and no half-written KL file.
+TEST(Perplexity, CliBadInputExitsWithCode2) {
+  KVQ_REQUIRE_DATA(mp, kStories);
+  const std::string bin = test::kvq_bin();
+  if (!fs::exists(bin)) GTEST_SKIP() << "kvq binary not built: " << bin;
+  const std::string empty = temp_path("cli_empty.txt"), out = temp_path("cli_out.kld");
+  std::ofstream(empty).close();
+  auto run = [&](const std::string& args) {
+    const int rc = std::system((bin + " perplexity -m " + mp + " " + args + " > /dev/null 2>&1").c_str());
+    return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  };
+  EXPECT_EQ(run("-f " + empty + " --kl-base " + out), 2);
+  EXPECT_EQ(run("-f " + temp_path("missing.txt")), 2);
+  EXPECT_FALSE(fs::exists(out));
+  fs::remove(empty);
+}
+
+}  // namespace
+}  // namespace kvq
