@@ -20,19 +20,27 @@ struct weight_view {
   std::string name;
 };
 
-// Builds a view of `t`, checking the type is supported (error names tensor, type and the
-// supported list) and that ne[0] is a multiple of the type's block size.
+// Builds a view of `t` (1-D tensors give n_out = 1), checking the type is supported
+// (errc::unsupported naming tensor, type and the supported list), that it is 1-D or 2-D, that
+// ne[0] is a multiple of the type's block size and that the data is large enough (invalid_input).
 weight_view make_weight_view(const gguf_tensor_info& t);
 
 // y[t, r] = sum_i W[r, i] * x[t, i]   for t < n_tokens, r < n_out.
-// x: [n_tokens, n_in] f32, y: [n_tokens, n_out] f32. Threads over rows (and tokens).
-// SIMD tier chosen at run time (cpu.h); f32/f16/bf16 with n_tokens >= 16 may use OpenBLAS.
+// x: [n_tokens, n_in] f32, y: [n_tokens, n_out] f32 (must not alias x). Threads over output rows
+// (products under ~1M multiply-adds stay on the calling thread: waking workers costs more).
+// SIMD tier chosen at run time (cpu.h: AVX2+FMA+F16C, else scalar; KVQ_ISA=scalar forces scalar).
+// Numerics: f32/f16/bf16 weights are widened to f32 and accumulated in f32 with x kept in f32
+// (register-tiled kernels; measured as fast as OpenBLAS sgemm for prefill, so BLAS is not used).
+// q8_0/q4_0: x is quantized per token to 32-value int8 blocks with an f32 scale and the block dot
+// products are integer (the ggml scheme); error <= sum_i |W[r,i]| * amax(x block)/254.
+// Allocates only when a thread-local scratch buffer grows.
 void matmul(const weight_view& w, const float* x, int64_t n_tokens, float* y, thread_pool& pool);
 
 // Reference (scalar, float64 accumulation) used by tests.
 void matmul_ref(const weight_view& w, const float* x, int64_t n_tokens, float* y);
 
-// Copies row `r` of `w` into out[n_in] as f32 (used for embeddings lookup).
+// Copies row `r` of `w` into out[n_in] as f32 (used for embeddings lookup; a 1-D tensor is one
+// row). Throws invalid_input when r is out of range.
 void weight_row_to_f32(const weight_view& w, int64_t r, float* out);
 
 }  // namespace kvq
