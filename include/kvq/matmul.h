@@ -27,7 +27,7 @@ weight_view make_weight_view(const gguf_tensor_info& t);
 
 // y[t, r] = sum_i W[r, i] * x[t, i]   for t < n_tokens, r < n_out.
 // x: [n_tokens, n_in] f32, y: [n_tokens, n_out] f32 (must not alias x). Threads over output rows
-// (products under ~1M multiply-adds stay on the calling thread: waking workers costs more).
+// (products under ~128K multiply-adds stay on the calling thread: handing off costs more).
 // SIMD tier chosen at run time (cpu.h: AVX2+FMA+F16C, else scalar; KVQ_ISA=scalar forces scalar).
 // Numerics: f32/f16/bf16 weights are widened to f32 and accumulated in f32 with x kept in f32
 // (register-tiled kernels; measured as fast as OpenBLAS sgemm for prefill, so BLAS is not used).
