@@ -79,6 +79,12 @@ int main(int argc, char** argv) {
     CLI::App* sub = app.add_subcommand(c.name, c.help);
     runners[c.name] = c.setup(sub);
   }
+  if (argc > 1 && argv[1][0] != '-' && !runners.count(argv[1])) {
+    std::string names;
+    for (const auto& [name, run] : runners) names += (names.empty() ? "" : ", ") + name;
+    std::fprintf(stderr, "error: unknown command '%s' (commands: %s)\n", argv[1], names.c_str());
+    return 2;
+  }
   try {
     auto args = rewrite_llama_style_flags(argc, argv);
     app.parse(args);
