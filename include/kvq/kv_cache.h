@@ -34,6 +34,13 @@ struct kv_cache_params {
   // Attention path of the compressed formats: "fused" (compressed-domain kernels) or "dequant"
   // (dequantize-then-attend; a baseline for benchmarks and tests only).
   std::string attn_impl = "fused";
+  // Certified attention (include/kvq/certified.h, docs/certified.md): type "certified" on K/V, or
+  // certify = true on a per-token compressed format.
+  bool certify = false;
+  double certify_tol = 1e-2;     // fall back when the bound > tol * ||output||; 0 = always exact
+  std::string host_dir;          // host tier (exact f16 originals) file-backed here; "" = in RAM
+  bool certify_adapt = true;     // raise a head's precision for new tokens when its bound keeps failing
+  bool certify_measure = false;  // debug: also compute exact attention and record bound / actual error
 };
 
 // Per-step statistics a cache may report (certified mode fills these; others leave zeros).

@@ -2,6 +2,7 @@
 #include <string>
 
 #include "cache/kv_cache_impl.h"
+#include "kvq/certified.h"
 #include "kvq/error.h"
 #include "kvq/quant.h"
 
@@ -45,6 +46,7 @@ void validate_cache_shape(const kv_cache_params& p) {
 }
 
 std::unique_ptr<kv_cache> make_kv_cache(const kv_cache_params& p) {
+  if (is_certified(p)) return make_kv_cache_certified(p);  // tiered certified cache (certified.h)
   validate_cache_shape(p);
   if (dense_elem_of(p.type_k) != kv_elem::count && dense_elem_of(p.type_v) != kv_elem::count)
     return make_kv_cache_dense(p);
@@ -52,6 +54,7 @@ std::unique_ptr<kv_cache> make_kv_cache(const kv_cache_params& p) {
 }
 
 double kv_bytes_per_token(const kv_cache_params& p) {
+  if (is_certified(p)) return kv_bytes_per_token_certified(p);
   validate_cache_shape(p);
   if (dense_elem_of(p.type_k) != kv_elem::count && dense_elem_of(p.type_v) != kv_elem::count)
     return kv_bytes_per_token_dense(p);

@@ -1,0 +1,591 @@
+// The certified cache: a compressed fast tier with per-token error norms, an exact f16 host tier,
+// certified attention with the fallback ladder (src/kernels/attn_certified_ref.cpp), adaptive
+// precision per (layer, kv head), and statistics. See include/kvq/certified.h, docs/certified.md.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "cache/kv_cache_certified_host.h"
+#include "cache/kv_cache_impl.h"
+#include "kvq/certified.h"
+#include "kvq/error.h"
+#include "kvq/f16.h"
+
+namespace kvq {
+
+namespace {
+
+constexpr float kF16Max = 65504.0f;
+
+// Default formats of the "certified" type name.
+constexpr kv_format kDefaultK = kv_format::q8;
+constexpr kv_format kDefaultV = kv_format::q4;
+
+// The next precision of a side whose bound keeps failing (dense: none).
+kv_format upgrade_of(kv_format f) {
+  switch (f) {
+    case kv_format::q2: case kv_format::q3: case kv_format::q4: return kv_format::q8;
+    case kv_format::q2a: case kv_format::q3a: case kv_format::q4a: return kv_format::q8a;
+    case kv_format::q8: case kv_format::q8a: return kv_format::f16;
+    default: return f;
+  }
+}
+
+kv_format resolve_format(const std::string& name, kv_format dflt, const char* side) {
+  if (name == "certified") return dflt;
+  kv_format f;
+  if (!find_kv_format(name, &f)) {
+    std::string all = "certified";
+    for (const auto& t : kv_type_names()) all += ", " + t;
+    fail_input(std::string("[kv_cache] unknown ") + side + " cache type '" + name + "' (supported: " + all + ")");
+  }
+  if (kv_traits(f).layout == kv_layout::per_channel)
+    fail_unsupported(std::string("[kv_cache] certified cache: ") + side + " type '" + name +
+                     "' is per-channel (KIVI); certified mode supports per-token (q8 ... q2a) and dense formats");
+  return f;
+}
+
+// Log-spaced histogram for medians / percentiles of positive ratios (64 bins per decade).
+struct log_hist {
+  static constexpr int kPerDecade = 64, kLo = -15, kHi = 15;
+  static constexpr int kBins = (kHi - kLo) * kPerDecade + 2;  // + underflow, overflow
+  std::vector<uint64_t> bins = std::vector<uint64_t>(kBins, 0);
+  uint64_t n = 0;
+  void add(double x) {
+    int b;
+    if (!(x > 0)) b = 0;
+    else if (!std::isfinite(x)) b = kBins - 1;
+    else b = std::clamp((int)std::floor((std::log10(x) - kLo) * kPerDecade) + 1, 0, kBins - 1);
+    ++bins[b];
+    ++n;
+  }
+  // Geometric center of the bin holding quantile q (0 when empty).
+  double quantile(double q) const {
+    if (n == 0) return 0;
+    const uint64_t want = (uint64_t)std::ceil(q * (double)n);
+    uint64_t acc = 0;
+    for (int b = 0; b < kBins; ++b) {
+      acc += bins[b];
+      if (acc >= std::max<uint64_t>(want, 1)) {
+        if (b == 0) return 0;
+        if (b == kBins - 1) return INFINITY;
+        return std::pow(10.0, kLo + (b - 0.5) / kPerDecade);
+      }
+    }
+    return INFINITY;
+  }
+};
+
+struct side_rows {  // one side (K or V) of one (layer, seq, kv head)
+  struct seg {
+    int row_begin;
+    kv_format format;
+    size_t code_off, scale_off;
+  };
+  std::vector<uint8_t> codes;    // rows of each segment, contiguous
+  std::vector<uint16_t> scales;  // per-token scales of each segment, contiguous
+  std::vector<uint16_t> err;     // [n] ε (f16, rounded up)
+  std::vector<seg> segs;
+  size_t bytes() const { return codes.capacity() + 2 * (scales.capacity() + err.capacity()); }
+  size_t bytes_used() const { return codes.size() + 2 * (scales.size() + err.size()); }
+};
+
+struct head_adapt {  // per (layer, kv head)
+  kv_format fk = kDefaultK, fv = kDefaultV;  // formats of new tokens
+  uint64_t steps = 0, fallbacks = 0;
+  double sum_rel = 0;
+  uint64_t win_steps = 0, win_fallbacks = 0;
+  double win_key = 0, win_value = 0;  // sums of relative key(+cross) / value terms
+};
+
+class kv_cache_certified_impl final : public kv_cache_certified {
+ public:
+  explicit kv_cache_certified_impl(const kv_cache_params& p);
+
+  const kv_cache_params& params() const override { return p_; }
+  void append(int il, int seq_id, int n_tokens, const float* k, const float* v) override;
+  void attend(int il, int seq_id, int pos0, int n_tokens, int n_head, const float* q, float scale, float* out,
+              thread_pool& pool) override;
+  int n_pos(int seq_id) const override {
+    if (seq_id < 0 || seq_id >= p_.n_seq) return 0;
+    return n_[(size_t)(p_.n_layer - 1) * p_.n_seq + seq_id];
+  }
+  void clear(int seq_id) override { truncate(seq_id, 0); }
+  void truncate(int seq_id, int n_keep) override;
+  size_t bytes() const override { return tier_bytes().fast + tier_bytes().host; }
+  size_t bytes_used() const override {
+    const auto t = tier_bytes();
+    return t.fast_used + t.host_used;
+  }
+  kv_cache_stats stats() const override { return base_stats_; }
+  std::string describe() const override;
+
+  certified_tier_bytes tier_bytes() const override;
+  certified_stats certified_statistics() const override;
+  std::vector<certified_head_info> heads() const override;
+  const std::vector<cert_step>& last_steps() const override { return last_steps_; }
+  std::string summary() const override;
+
+  double bytes_per_token() const {
+    auto row = [&](kv_format f) {
+      return (double)kv_code_bytes(f, p_.head_dim) + 2.0 * kv_row_scale_count(f, p_.head_dim, group_) + 2.0;
+    };
+    return (double)p_.n_layer * p_.n_kv_head * (row(fk_) + row(fv_) + 4.0 * p_.head_dim);
+  }
+
+ private:
+  size_t head_index(int il, int seq, int h) const { return ((size_t)il * p_.n_seq + seq) * p_.n_kv_head + h; }
+  uint16_t* host_row(int il, int seq, int h, int pos) const {
+    return reinterpret_cast<uint16_t*>(host_->data()) + (head_index(il, seq, h) * p_.n_ctx + pos) * 2 * p_.head_dim;
+  }
+  void check_layer_seq(const char* op, int il, int seq_id) const;
+  void push_row(side_rows& s, kv_format f, const float* x_rot, const float* x16, double x_norm, double eta);
+  void maybe_upgrade(int il);
+  void record(int il, int n_head);
+
+  kv_cache_params p_;
+  kv_format fk_ = kDefaultK, fv_ = kDefaultV;  // base formats
+  int group_ = 0;
+  rotation rot_k_, rot_v_;
+  double eta_k_ = 0, eta_v_ = 0;
+  std::vector<side_rows> k_, v_;   // [n_layer, n_seq, n_kv_head]
+  std::vector<int> n_;             // [n_layer, n_seq] positions stored
+  std::vector<head_adapt> adapt_;  // [n_layer, n_kv_head]
+  std::unique_ptr<host_region> host_;
+  // statistics
+  kv_cache_stats base_stats_;
+  certified_stats cs_;
+  log_hist rel_hist_, ratio_hist_;
+  std::vector<std::string> upgrades_;
+  std::vector<cert_step> last_steps_;  // [n_tokens, n_head] of the last attend
+  // scratch
+  std::vector<float> xr_, x16_, qr_;
+  std::vector<double> xn_;
+};
+
+kv_cache_certified_impl::kv_cache_certified_impl(const kv_cache_params& p) : p_(p) {
+  fk_ = resolve_format(p.type_k, kDefaultK, "K");
+  fv_ = resolve_format(p.type_v, kDefaultV, "V");
+  kv_cache_params shape = p;  // the shared shape checks, with the resolved type names
+  shape.type_k = kv_traits(fk_).name;
+  shape.type_v = kv_traits(fv_).name;
+  validate_cache_shape(shape);
+  const int hd = p.head_dim;
+  if (!(p.certify_tol >= 0))
+    fail_input("[kv_cache] certify_tol (--kv-tol) must be >= 0, got " + std::to_string(p.certify_tol));
+  if (p.sink != 0 || p.recent != 0 || p.channel_scale)
+    fail_unsupported("[kv_cache] certified cache: sink/recent windows and channel_scale are not supported "
+                     "(every token is exact in the host tier already)");
+  if (hd > 1024) fail_unsupported("[kv_cache] certified cache: head_dim " + std::to_string(hd) + " > 1024");
+  const bool compressed = kv_traits(fk_).layout != kv_layout::dense || kv_traits(fv_).layout != kv_layout::dense;
+  if (compressed && hd % 8 != 0)
+    fail_unsupported("[kv_cache] certified cache: compressed formats need head_dim divisible by 8, got " +
+                     std::to_string(hd));
+  int g = p.group_size;
+  if (g == 0) g = hd % 32 == 0 ? 32 : hd;
+  if (g < 1 || hd % g != 0 || !(g == 32 || g == 64 || g == 128 || g == hd))
+    fail_input("[kv_cache] group_size " + std::to_string(p.group_size) +
+               " must be 32, 64, 128 or head_dim and divide head_dim " + std::to_string(hd));
+  group_ = g;
+  // "auto": Hadamard on every compressed side (int8 included: the default is rotated).
+  auto rot_of = [&](kv_format f) {
+    rotation_kind rk = rotation_kind::none;
+    if (kv_traits(f).layout != kv_layout::dense)
+      rk = p.rotation == "auto" ? rotation_kind::hadamard : parse_rotation(p.rotation);
+    return rotation::make(rk, hd, p.seed);
+  };
+  rot_k_ = rot_of(fk_);
+  rot_v_ = rot_of(fv_);
+  eta_k_ = rotation_rounding_bound(rot_k_);
+  eta_v_ = rotation_rounding_bound(rot_v_);
+  const size_t heads = (size_t)p.n_layer * p.n_seq * p.n_kv_head;
+  k_.resize(heads);
+  v_.resize(heads);
+  n_.assign((size_t)p.n_layer * p.n_seq, 0);
+  adapt_.assign((size_t)p.n_layer * p.n_kv_head, head_adapt{fk_, fv_});
+  host_ = std::make_unique<host_region>(heads * p.n_ctx * 2 * hd * sizeof(uint16_t), p.host_dir);
+}
+
+void kv_cache_certified_impl::check_layer_seq(const char* op, int il, int seq_id) const {
+  if (il < 0 || il >= p_.n_layer)
+    fail_input(std::string("[kv_cache] ") + op + ": layer " + std::to_string(il) + " out of range [0, " +
+               std::to_string(p_.n_layer) + ")");
+  if (seq_id < 0 || seq_id >= p_.n_seq)
+    fail_input(std::string("[kv_cache] ") + op + ": seq_id " + std::to_string(seq_id) + " out of range [0, " +
+               std::to_string(p_.n_seq) + ")");
+}
+
+std::string kv_cache_certified_impl::describe() const {
+  auto side = [&](kv_format f, const rotation& r) {
+    std::string d = kv_traits(f).name;
+    if (kv_traits(f).layout != kv_layout::dense)
+      d += std::string(" (") + rotation_name(r.kind) + ", g" + std::to_string(group_) + ")";
+    return d;
+  };
+  char tol[32];
+  std::snprintf(tol, sizeof tol, "%g", p_.certify_tol);
+  return "certified: K " + side(fk_, rot_k_) + " / V " + side(fv_, rot_v_) + "; tol " + tol + "; host f16 " +
+         (p_.host_dir.empty() ? std::string("in RAM") : "file in " + p_.host_dir) +
+         (p_.certify_measure ? "; measuring" : "");
+}
+
+void kv_cache_certified_impl::push_row(side_rows& s, kv_format f, const float* x_rot, const float* x16,
+                                       double x_norm, double eta) {
+  const int hd = p_.head_dim;
+  const auto& t = kv_traits(f);
+  const int r = (int)s.err.size();
+  if (s.segs.empty() || s.segs.back().format != f) s.segs.push_back({r, f, s.codes.size(), s.scales.size()});
+  const size_t cb = kv_code_bytes(f, hd), sb = (size_t)kv_row_scale_count(f, hd, group_);
+  const size_t c0 = s.codes.size(), s0 = s.scales.size();
+  s.codes.resize(c0 + cb);
+  s.scales.resize(s0 + sb);
+  float xh[1024];
+  uint8_t* c = s.codes.data() + c0;
+  if (t.layout == kv_layout::per_token) {
+    quantize_row_ref(f, x16, hd, group_, c, s.scales.data() + s0);
+    dequantize_row_ref(f, c, s.scales.data() + s0, hd, group_, xh);
+  } else if (f == kv_format::f32) {
+    std::memcpy(c, x_rot, (size_t)hd * 4);
+    std::memcpy(xh, x_rot, (size_t)hd * 4);
+  } else {
+    auto* h = reinterpret_cast<uint16_t*>(c);
+    for (int i = 0; i < hd; ++i) {
+      h[i] = f == kv_format::f16 ? f32_to_f16(x_rot[i]) : f32_to_bf16(x_rot[i]);
+      xh[i] = f == kv_format::f16 ? f16_to_f32(h[i]) : bf16_to_f32(h[i]);
+    }
+  }
+  s.err.push_back(cert_error_bound_f16(x_rot, xh, hd, x_norm, eta));
+}
+
+void kv_cache_certified_impl::append(int il, int seq_id, int n_tokens, const float* k, const float* v) {
+  check_layer_seq("append", il, seq_id);
+  if (n_tokens < 0) fail_input("[kv_cache] append: n_tokens must be >= 0, got " + std::to_string(n_tokens));
+  int& n = n_[(size_t)il * p_.n_seq + seq_id];
+  const int expect = n_pos(seq_id);
+  if (il != p_.n_layer - 1 && n != expect)
+    fail_input("[kv_cache] append: layer " + std::to_string(il) + " of seq " + std::to_string(seq_id) + " holds " +
+               std::to_string(n) + " positions but the sequence has " + std::to_string(expect) +
+               " (every layer must append the same tokens, in layer order)");
+  if ((int64_t)n + n_tokens > p_.n_ctx)
+    fail_input("[kv_cache] append: seq " + std::to_string(seq_id) + " would hold " +
+               std::to_string((int64_t)n + n_tokens) + " positions, n_ctx is " + std::to_string(p_.n_ctx));
+  if (n_tokens == 0) return;
+  const int hd = p_.head_dim, nh = p_.n_kv_head;
+  const size_t rows = (size_t)n_tokens * nh, m = rows * hd;
+  // 1. validate and transform everything first: x16_ = f16 originals, xr_ = fl(R x), xn_ = ||x||
+  x16_.resize(2 * m);
+  xr_.resize(2 * m);
+  xn_.resize(2 * rows);
+  for (int side = 0; side < 2; ++side) {
+    const float* x = side == 0 ? k : v;
+    const rotation& rot = side == 0 ? rot_k_ : rot_v_;
+    float* h = &x16_[side * m];
+    float* r = &xr_[side * m];
+    for (size_t i = 0; i < m; ++i) {
+      const float f = f16_to_f32(f32_to_f16(x[i]));
+      if (!std::isfinite(f))
+        fail_input(std::string("[kv_cache] append: ") + (side ? "V" : "K") + " value " + std::to_string(x[i]) +
+                   " at layer " + std::to_string(il) + ", position " + std::to_string(n + i / (nh * hd)) +
+                   ", kv head " + std::to_string(i / hd % nh) + ", channel " + std::to_string(i % hd) +
+                   " is not representable in f16 (the certified host tier stores f16 originals)");
+      h[i] = f;
+    }
+    std::memcpy(r, h, m * sizeof(float));
+    rot.forward_n(r, (int64_t)rows);
+    for (size_t i = 0; i < m; ++i)
+      if (!(std::fabs(r[i]) <= kF16Max))
+        fail_input(std::string("[kv_cache] append: ") + (side ? "V" : "K") + " value " + std::to_string(r[i]) +
+                   " at layer " + std::to_string(il) + ", position " + std::to_string(n + i / (nh * hd)) +
+                   ", kv head " + std::to_string(i / hd % nh) + " exceeds the f16 range (65504) after rotation");
+    for (size_t j = 0; j < rows; ++j) {
+      double a = 0;
+      for (int i = 0; i < hd; ++i) a += (double)h[j * hd + i] * h[j * hd + i];
+      xn_[side * rows + j] = std::sqrt(a);
+    }
+  }
+  // 2. adaptive precision decisions for this layer, then store both tiers
+  maybe_upgrade(il);
+  float x16r[1024];
+  for (int t = 0; t < n_tokens; ++t)
+    for (int hh = 0; hh < nh; ++hh) {
+      const size_t j = (size_t)t * nh + hh, hi = head_index(il, seq_id, hh);
+      uint16_t* host = host_row(il, seq_id, hh, n + t);
+      for (int i = 0; i < hd; ++i) {
+        host[i] = f32_to_f16(x16_[j * hd + i]);
+        host[hd + i] = f32_to_f16(x16_[m + j * hd + i]);
+      }
+      const head_adapt& a = adapt_[(size_t)il * nh + hh];
+      for (int side = 0; side < 2; ++side) {
+        const float* r = &xr_[side * m + j * hd];
+        for (int i = 0; i < hd; ++i) x16r[i] = f16_to_f32(f32_to_f16(r[i]));
+        push_row(side == 0 ? k_[hi] : v_[hi], side == 0 ? a.fk : a.fv, r, x16r, xn_[side * rows + j],
+                 side == 0 ? eta_k_ : eta_v_);
+      }
+    }
+  n += n_tokens;
+}
+
+void kv_cache_certified_impl::truncate(int seq_id, int n_keep) {
+  check_layer_seq("truncate", 0, seq_id);
+  if (n_keep < 0) fail_input("[kv_cache] truncate: n_pos must be >= 0, got " + std::to_string(n_keep));
+  const int hd = p_.head_dim;
+  for (int il = 0; il < p_.n_layer; ++il) {
+    int& n = n_[(size_t)il * p_.n_seq + seq_id];
+    if (n_keep >= n) continue;
+    n = n_keep;
+    for (int h = 0; h < p_.n_kv_head; ++h)
+      for (auto* s : {&k_[head_index(il, seq_id, h)], &v_[head_index(il, seq_id, h)]}) {
+        while (!s->segs.empty() && s->segs.back().row_begin >= n_keep) s->segs.pop_back();
+        if (s->segs.empty()) {
+          s->codes.clear();
+          s->scales.clear();
+        } else {
+          const auto& g = s->segs.back();
+          const size_t keep = (size_t)(n_keep - g.row_begin);
+          s->codes.resize(g.code_off + keep * kv_code_bytes(g.format, hd));
+          s->scales.resize(g.scale_off + keep * kv_row_scale_count(g.format, hd, group_));
+        }
+        s->err.resize(n_keep);
+      }
+  }
+}
+
+void kv_cache_certified_impl::attend(int il, int seq_id, int pos0, int n_tokens, int n_head, const float* q,
+                                     float scale, float* out, thread_pool& pool) {
+  check_layer_seq("attend", il, seq_id);
+  const int n_stored = n_[(size_t)il * p_.n_seq + seq_id];
+  if (n_tokens < 1 || pos0 < 0 || (int64_t)pos0 + n_tokens > n_stored)
+    fail_input("[kv_cache] attend: queries at positions [" + std::to_string(pos0) + ", " +
+               std::to_string((int64_t)pos0 + n_tokens) + ") need appended positions, layer " + std::to_string(il) +
+               " of seq " + std::to_string(seq_id) + " holds " + std::to_string(n_stored));
+  if (n_head < p_.n_kv_head || n_head % p_.n_kv_head != 0)
+    fail_input("[kv_cache] attend: n_head " + std::to_string(n_head) + " is not a multiple of n_kv_head " +
+               std::to_string(p_.n_kv_head));
+  const int hd = p_.head_dim, nh = p_.n_kv_head, ng = n_head / nh;
+  const size_t nq = (size_t)n_tokens * n_head;
+  qr_.resize(nq * hd);
+  std::memcpy(qr_.data(), q, nq * hd * sizeof(float));
+  rot_k_.forward_n(qr_.data(), (int64_t)nq);
+  last_steps_.resize(nq);
+  // Work items (kv head, query tile): the tile bounds the per-thread score scratch.
+  const int64_t n_max = (int64_t)pos0 + n_tokens;
+  const int tile = (int)std::clamp<int64_t>((int64_t(1) << 19) / std::max<int64_t>(1, ng * n_max), 1, 16);
+  const int n_tiles = (n_tokens + tile - 1) / tile;
+  cert_options opt;
+  opt.tol = p_.certify_tol;
+  opt.measure = p_.certify_measure;
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = (int64_t)nh * n_tiles;
+  pool.run_on_all([&](int, int) {
+    thread_local std::vector<cert_segment> segs;
+    thread_local std::vector<cert_step> steps;
+    for (int64_t item = next.fetch_add(1); item < n_items; item = next.fetch_add(1)) {
+      const int h = (int)(item / n_tiles), tl = (int)(item % n_tiles);
+      const int ta = tl * tile, tb = std::min(n_tokens, ta + tile);
+      const size_t hi = head_index(il, seq_id, h);
+      segs.clear();
+      cert_kv_view kv;
+      for (auto [view, rows, rot] : {std::tuple{&kv.k, &k_[hi], &rot_k_}, std::tuple{&kv.v, &v_[hi], &rot_v_}}) {
+        view->err = rows->err.data();
+        view->rot = rot;
+        view->n_segs = (int)rows->segs.size();
+      }
+      for (const auto* rows : {&k_[hi], &v_[hi]})
+        for (const auto& g : rows->segs) {
+          cert_segment cs;
+          cs.row_begin = g.row_begin;
+          cs.format = g.format;
+          cs.codes = rows->codes.data() + g.code_off;
+          cs.code_stride = (int64_t)kv_code_bytes(g.format, hd);
+          cs.scales = rows->scales.data() + g.scale_off;
+          cs.scale_stride = kv_row_scale_count(g.format, hd, group_);
+          cs.group = group_;
+          segs.push_back(cs);
+        }
+      kv.k.segs = segs.data();
+      kv.v.segs = segs.data() + kv.k.n_segs;
+      kv.host.k = host_row(il, seq_id, h, 0);
+      kv.host.v = kv.host.k + hd;
+      kv.host.row_stride = 2 * hd;
+      kv.n_pos = n_stored;
+      kv.head_dim = hd;
+      cert_query_view qv;
+      const size_t off = ((size_t)ta * n_head + (size_t)h * ng) * hd;
+      qv.q = q + off;
+      qv.q_rot = qr_.data() + off;
+      qv.stride_t = (int64_t)n_head * hd;
+      qv.n_tokens = tb - ta;
+      qv.n_group = ng;
+      qv.head_dim = hd;
+      qv.pos0 = pos0 + ta;
+      qv.scale = scale;
+      steps.resize((size_t)(tb - ta) * ng);
+      attn_certified_ref(kv, qv, opt, out + off, steps.data());
+      for (int t = ta; t < tb; ++t)
+        for (int g = 0; g < ng; ++g) last_steps_[(size_t)t * n_head + h * ng + g] = steps[(size_t)(t - ta) * ng + g];
+    }
+  });
+  record(il, n_head);
+}
+
+void kv_cache_certified_impl::record(int il, int n_head) {
+  const int ng = n_head / p_.n_kv_head;
+  ++base_stats_.attend_calls;
+  for (size_t i = 0; i < last_steps_.size(); ++i) {
+    const cert_step& s = last_steps_[i];
+    head_adapt& a = adapt_[(size_t)il * p_.n_kv_head + (int)(i % n_head) / ng];
+    const bool fell = s.stage != cert_stage::certified;
+    const double rel = s.norm_fast > 0 ? s.bound_fast / s.norm_fast : INFINITY;
+    ++cs_.steps;
+    switch (s.stage) {
+      case cert_stage::certified: ++cs_.certified; ++base_stats_.heads_certified; break;
+      case cert_stage::partial:
+        ++cs_.partial;
+        ++base_stats_.heads_partial;
+        cs_.tokens_recomputed += s.n_recomputed;
+        break;
+      default: ++cs_.exact; ++base_stats_.heads_exact; break;
+    }
+    rel_hist_.add(rel);
+    ++a.steps;
+    a.fallbacks += fell;
+    a.sum_rel += std::min(rel, 1e30);
+    ++a.win_steps;
+    a.win_fallbacks += fell;
+    if (s.norm_fast > 0) {
+      a.win_key += std::min((s.key_term + s.cross_term) / s.norm_fast, 1e30);
+      a.win_value += std::min(s.value_term / s.norm_fast, 1e30);
+    }
+    if (s.error_fast >= 0) {
+      if (s.bound_fast < s.error_fast || s.bound < s.error) ++cs_.violations;
+      if (s.error_fast > 0) {
+        const double r = s.bound_fast / s.error_fast;
+        ratio_hist_.add(r);
+        cs_.ratio_min = cs_.measured == 0 ? r : std::min(cs_.ratio_min, r);
+        ++cs_.measured;
+      }
+    }
+  }
+}
+
+void kv_cache_certified_impl::maybe_upgrade(int il) {
+  if (!p_.certify_adapt || !(p_.certify_tol > 0) || std::isinf(p_.certify_tol)) return;
+  constexpr uint64_t kWindow = 64;  // steps per decision
+  for (int h = 0; h < p_.n_kv_head; ++h) {
+    head_adapt& a = adapt_[(size_t)il * p_.n_kv_head + h];
+    if (a.win_steps < kWindow) continue;
+    if (2 * a.win_fallbacks >= a.win_steps) {  // at least half of the recent steps fell back
+      const bool key_first = a.win_key >= a.win_value;
+      kv_format* first = key_first ? &a.fk : &a.fv;
+      kv_format* second = key_first ? &a.fv : &a.fk;
+      kv_format* side = upgrade_of(*first) != *first ? first : upgrade_of(*second) != *second ? second : nullptr;
+      if (side) {
+        const kv_format from = *side;
+        *side = upgrade_of(from);
+        ++cs_.heads_upgraded;
+        upgrades_.push_back("layer " + std::to_string(il) + " kv head " + std::to_string(h) + " " +
+                            (side == &a.fk ? "K " : "V ") + kv_traits(from).name + "->" + kv_traits(*side).name);
+      }
+    }
+    a.win_steps = a.win_fallbacks = 0;
+    a.win_key = a.win_value = 0;
+  }
+}
+
+certified_tier_bytes kv_cache_certified_impl::tier_bytes() const {
+  certified_tier_bytes t;
+  for (const auto* sides : {&k_, &v_})
+    for (const auto& s : *sides) {
+      t.fast += s.bytes();
+      t.fast_used += s.bytes_used();
+    }
+  t.host = host_->size();
+  for (int n : n_) t.host_used += (size_t)n * p_.n_kv_head * 2 * p_.head_dim * sizeof(uint16_t);
+  t.host_file_backed = host_->file_backed();
+  return t;
+}
+
+certified_stats kv_cache_certified_impl::certified_statistics() const {
+  certified_stats s = cs_;
+  s.rel_bound_median = rel_hist_.quantile(0.5);
+  s.rel_bound_p99 = rel_hist_.quantile(0.99);
+  s.ratio_median = ratio_hist_.quantile(0.5);
+  s.ratio_p99 = ratio_hist_.quantile(0.99);
+  return s;
+}
+
+std::vector<certified_head_info> kv_cache_certified_impl::heads() const {
+  std::vector<certified_head_info> r;
+  for (int il = 0; il < p_.n_layer; ++il)
+    for (int h = 0; h < p_.n_kv_head; ++h) {
+      const head_adapt& a = adapt_[(size_t)il * p_.n_kv_head + h];
+      certified_head_info i;
+      i.layer = il;
+      i.kv_head = h;
+      i.k_format = a.fk;
+      i.v_format = a.fv;
+      i.steps = a.steps;
+      i.fallbacks = a.fallbacks;
+      i.mean_rel_bound = a.steps ? a.sum_rel / a.steps : 0;
+      r.push_back(i);
+    }
+  return r;
+}
+
+std::string kv_cache_certified_impl::summary() const {
+  const certified_stats s = certified_statistics();
+  const certified_tier_bytes t = tier_bytes();
+  const double n = s.steps ? (double)s.steps : 1.0;
+  char buf[1024];
+  std::string r = describe() + "\n";
+  std::snprintf(buf, sizeof buf, "tiers: fast %.1f KiB (%.1f KiB used), host %.1f KiB (%.1f KiB used, %s)\n",
+                t.fast / 1024.0, t.fast_used / 1024.0, t.host / 1024.0, t.host_used / 1024.0,
+                t.host_file_backed ? "file-backed" : "in RAM");
+  r += buf;
+  std::snprintf(buf, sizeof buf,
+                "steps %llu: certified %.3f%%, partly recomputed %.3f%% (%.1f tokens each), fully recomputed "
+                "%.3f%%\n",
+                (unsigned long long)s.steps, 100.0 * s.certified / n, 100.0 * s.partial / n,
+                s.partial ? (double)s.tokens_recomputed / s.partial : 0.0, 100.0 * s.exact / n);
+  r += buf;
+  std::snprintf(buf, sizeof buf, "bound / ||output||: median %.3g, p99 %.3g\n", s.rel_bound_median, s.rel_bound_p99);
+  r += buf;
+  if (p_.certify_measure) {
+    std::snprintf(buf, sizeof buf, "bound / actual error: median %.3g, p99 %.3g, min %.3g (%llu steps), violations %llu\n",
+                  s.ratio_median, s.ratio_p99, s.ratio_min, (unsigned long long)s.measured,
+                  (unsigned long long)s.violations);
+    r += buf;
+  }
+  r += "adaptive precision: " + std::to_string(s.heads_upgraded) + " upgrade(s)";
+  for (size_t i = 0; i < upgrades_.size() && i < 16; ++i) r += (i ? ", " : ": ") + upgrades_[i];
+  if (upgrades_.size() > 16) r += ", ...";
+  return r + "\n";
+}
+
+}  // namespace
+
+bool is_certified(const kv_cache_params& p) {
+  return p.certify || p.type_k == "certified" || p.type_v == "certified";
+}
+
+std::unique_ptr<kv_cache_certified> make_kv_cache_certified(const kv_cache_params& p) {
+  return std::make_unique<kv_cache_certified_impl>(p);
+}
+
+double kv_bytes_per_token_certified(const kv_cache_params& p) {
+  kv_cache_params one = p;  // geometry only
+  one.n_ctx = 1;
+  one.n_seq = 1;
+  one.n_layer = 1;
+  one.host_dir.clear();
+  return kv_cache_certified_impl(one).bytes_per_token() * p.n_layer;
+}
+
+const kv_cache_certified* as_certified(const kv_cache& c) { return dynamic_cast<const kv_cache_certified*>(&c); }
+
+}  // namespace kvq

@@ -1,0 +1,454 @@
+// Certified attention over one kv head: compressed-tier attention with a rigorous per-step error
+// bound, and the fallback ladder (stage 1: recompute the tokens carrying most of the bound from
+// the host tier; stage 2: recompute the head exactly). Scalar reference tier: f64 accumulation so
+// that the rounding allowance stays far below the quantization terms even at 32K keys.
+// Derivation of every term: docs/certified.md.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "kvq/certified.h"
+#include "kvq/error.h"
+#include "kvq/f16.h"
+
+namespace kvq {
+
+namespace {
+
+constexpr double kU32 = 0x1p-24;  // unit roundoff of f32
+constexpr double kU64 = 0x1p-53;  // unit roundoff of f64
+constexpr double kRel = 1e-6;     // relative inflation of every computed bound (its own rounding)
+constexpr int kBlock = 64;        // rows dequantized at a time
+
+double norm2(const float* x, int n) {
+  double s = 0;
+  for (int i = 0; i < n; ++i) s += (double)x[i] * x[i];
+  return std::sqrt(s);
+}
+
+// Sequential reader of the rows of one fast-tier side (segments of different formats).
+struct row_reader {
+  const cert_side_view* s;
+  int hd;
+  int seg = 0;
+  void load(int r, float* y) {
+    while (seg + 1 < s->n_segs && s->segs[seg + 1].row_begin <= r) ++seg;
+    while (seg > 0 && s->segs[seg].row_begin > r) --seg;
+    const cert_segment& g = s->segs[seg];
+    const int64_t i = r - g.row_begin;
+    const uint8_t* c = g.codes + i * g.code_stride;
+    switch (g.format) {
+      case kv_format::f32:
+        for (int e = 0; e < hd; ++e) y[e] = reinterpret_cast<const float*>(c)[e];
+        return;
+      case kv_format::f16:
+        for (int e = 0; e < hd; ++e) y[e] = f16_to_f32(reinterpret_cast<const uint16_t*>(c)[e]);
+        return;
+      case kv_format::bf16:
+        for (int e = 0; e < hd; ++e) y[e] = bf16_to_f32(reinterpret_cast<const uint16_t*>(c)[e]);
+        return;
+      default:
+        dequantize_row_ref(g.format, c, g.scales + i * g.scale_stride, hd, g.group, y);
+        return;
+    }
+  }
+};
+
+inline float err_at(const uint16_t* e, int r) { return f16_to_f32(e[r]); }
+
+// Contributions of one token to the three terms (docs/certified.md, "Output error"):
+//   key   p (e^δ - 1) ||v̂ - ô|| / Z_lo,   value   p ε_v,   cross   p (e^δ / Z_lo - 1) ε_v
+// with p (e^δ / Z_lo - 1) = (p (e^δ - 1) + p (1 - Z_lo)) / Z_lo computed without cancellation, and
+// p e^δ taken in the log domain for large δ (p may underflow while p e^δ does not).
+struct softmax_z {
+  double lse = 0;                                  // log Σ exp(s): p_j = exp(s_j - lse)
+  double zlo = 1, one_minus_zlo = 0, spread = 0;  // Z_lo, 1 - Z_lo, Z_hi - Z_lo
+};
+struct bound_terms {
+  double key = 0, value = 0, cross = 0, spv = 0, total = 0, onorm = 0;
+};
+inline double sanitize(double x) { return std::isnan(x) ? std::numeric_limits<double>::infinity() : x; }
+// p (e^δ - 1) for p = exp(ls)
+inline double p_expm1(double p, double ls, double delta) {
+  return delta < 0.5 ? p * std::expm1(delta) : std::exp(ls + delta) - p;
+}
+inline double add_token(bound_terms& b, const softmax_z& z, double p, double s, double delta, double dist,
+                        double ev, double vnorm) {
+  const double pe = p_expm1(p, s - z.lse, delta);
+  if (pe == 0 && p == 0) return 0;  // below the f64 underflow threshold (docs/certified.md)
+  const double kt = sanitize(pe * dist / z.zlo);
+  const double vt = p * ev;
+  const double xt = sanitize((pe + p * z.one_minus_zlo) / z.zlo * ev);
+  b.key += kt;
+  b.value += vt;
+  b.cross += xt;
+  b.spv += p * vnorm;
+  return kt + vt + xt;
+}
+// Adds the rounding allowances of the computed output (f64 sums and softmax, the center ô,
+// f32 conversion and the inverse V rotation) and the relative inflation.
+inline void finish_bound(bound_terms& b, const softmax_z& z, int n, double eta_v) {
+  const double rho_d = (8.0 * n + 64.0) * 0x1p-53 * b.spv;
+  const double rho_c = sanitize(z.spread / z.zlo * rho_d);
+  const double rho_out = (eta_v + 2 * 0x1p-24) * b.onorm * (1 + 1e-3);
+  b.total = sanitize((b.key + b.value + b.cross) * (1 + 1e-6) + rho_d + rho_c + rho_out);
+}
+
+// Thread-local scratch of one call (grows, never shrinks).
+struct scratch {
+  std::vector<double> s, p;      // [nq, n_max] scores, probabilities
+  std::vector<float> c;          // [nq, n_max] per-token contributions to the bound
+  std::vector<float> kb, vb;     // [kBlock, hd] dequantized rows
+  std::vector<double> o;         // [nq, hd] compressed-tier output (rotated V basis)
+  std::vector<double> ex;        // [hd] exact output of one query
+  std::vector<double> o1;        // [hd] stage-1 output
+  std::vector<float> vx;         // [budget, hd] exact V rows (rotated) of stage 1
+  std::vector<double> dx;        // [budget] δ of stage-1 rows
+  std::vector<float> ex_err;     // [budget] ε_v of stage-1 rows
+  std::vector<int> slot, order;  // [n_max]
+  std::vector<float> tmp;        // [hd]
+  std::vector<double> sx;        // [n_max] exact scores
+};
+
+struct query_ctx {
+  const float* q;      // original basis
+  const float* q_rot;  // K basis
+  double qn;           // ||q||
+  int lim;             // keys [0, lim)
+};
+
+
+// Exact attention in f64 over the host tier (original basis): o[hd]. Returns its bound on
+// ||fl32(o) - o_true|| (rounding only) through *bound.
+void exact_attend(const cert_kv_view& kv, const query_ctx& qc, float scale, double* o, double* bound,
+                  std::vector<double>& s) {
+  const int hd = kv.head_dim, n = qc.lim;
+  s.resize(n);
+  double m = -std::numeric_limits<double>::infinity(), kmax = 0;
+  for (int j = 0; j < n; ++j) {
+    const uint16_t* k = kv.host.k + (int64_t)j * kv.host.row_stride;
+    double a = 0, kk = 0;
+    for (int i = 0; i < hd; ++i) {
+      const double x = f16_to_f32(k[i]);
+      a += (double)qc.q[i] * x;
+      kk += x * x;
+    }
+    s[j] = a * scale;
+    m = std::max(m, s[j]);
+    kmax = std::max(kmax, kk);
+  }
+  double d = 0;
+  for (int j = 0; j < n; ++j) d += (s[j] = std::exp(s[j] - m));
+  std::fill(o, o + hd, 0.0);
+  double spv = 0;
+  for (int j = 0; j < n; ++j) {
+    const uint16_t* v = kv.host.v + (int64_t)j * kv.host.row_stride;
+    const double p = s[j] / d;
+    double vv = 0;
+    for (int i = 0; i < hd; ++i) {
+      const double x = f16_to_f32(v[i]);
+      o[i] += p * x;
+      vv += x * x;
+    }
+    spv += p * std::sqrt(vv);
+  }
+  double on = 0;
+  for (int i = 0; i < hd; ++i) on += o[i] * o[i];
+  on = std::sqrt(on);
+  // score rounding (hd-term f64 dot): δ <= 1e-12 scale ||q|| ||k||, moving the output by at most
+  // (e^{2δ} - 1) Σ p (||v|| + ||o||); f64 sums; the final rounding to f32.
+  const double dmax = 1e-12 * scale * qc.qn * std::sqrt(kmax);
+  const double rho_d = (8.0 * n + 64.0) * kU64 * spv;
+  *bound = (std::expm1(2 * dmax) * (spv + on) + rho_d + kU32 * on) * (1 + kRel);
+}
+
+}  // namespace
+
+double rotation_rounding_bound(const rotation& rot) {
+  if (rot.kind == rotation_kind::none) return 0.0;
+  int l = 0;
+  while ((1 << l) < rot.head_dim) ++l;
+  return (16.0 * l + 32.0) * kU32;
+}
+
+uint16_t cert_error_bound_f16(const float* x_rot, const float* x_hat, int head_dim, double x_norm, double eta) {
+  double e = 0, h = 0;
+  for (int i = 0; i < head_dim; ++i) {
+    const double d = (double)x_rot[i] - x_hat[i];
+    e += d * d;
+    h += (double)x_hat[i] * x_hat[i];
+  }
+  h = std::sqrt(h);
+  // ||R x - x̂|| <= ||fl(Rx) - x̂|| + η ||x||; the q-rotation term η ||q|| ||x̂|| and the f64 dot
+  // rounding are folded in per unit ||q|| (docs/certified.md, "Score error").
+  double eps = (std::sqrt(e) + eta * (x_norm + h) + 1e-12 * h) * (1 + 2 * eta + 1e-7);
+  if (!(eps <= 65504.0)) return 0x7c00;  // +inf: the bound is useless but still valid
+  const float ef = (float)eps;
+  return f16_round_up(ef < eps ? std::nextafter(ef, INFINITY) : ef);
+}
+
+void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const cert_options& opt, float* out,
+                        cert_step* steps) {
+  const int hd = kv.head_dim, ng = qv.n_group, nq = qv.n_tokens * ng;
+  KVQ_ASSERT(hd <= 1024 && qv.pos0 + qv.n_tokens <= kv.n_pos && kv.k.n_segs > 0 && kv.v.n_segs > 0);
+  const int n_max = std::min(kv.n_pos, qv.pos0 + qv.n_tokens);
+  const double scale = qv.scale;
+  const double eta_v = rotation_rounding_bound(*kv.v.rot);
+  const bool always = std::isinf(opt.tol);
+  thread_local scratch w;
+  w.s.resize((size_t)nq * n_max);
+  w.p.resize((size_t)nq * n_max);
+  w.c.resize((size_t)nq * n_max);
+  w.kb.resize((size_t)kBlock * hd);
+  w.vb.resize((size_t)kBlock * hd);
+  w.o.resize((size_t)nq * hd);
+  w.ex.resize(hd);
+  w.o1.resize(hd);
+  w.tmp.resize(hd);
+  if ((int)w.slot.size() < n_max) w.slot.resize(n_max, -1);
+
+  std::vector<query_ctx> qs(nq);  // small (a tile of one kv head)
+  for (int t = 0; t < qv.n_tokens; ++t)
+    for (int g = 0; g < ng; ++g) {
+      query_ctx& c = qs[t * ng + g];
+      c.q = qv.q + t * qv.stride_t + (int64_t)g * hd;
+      c.q_rot = qv.q_rot + t * qv.stride_t + (int64_t)g * hd;
+      double a = 0;
+      for (int i = 0; i < hd; ++i) a += (double)c.q[i] * c.q[i];
+      c.qn = std::sqrt(a);
+      c.lim = std::min(kv.n_pos, qv.pos0 + t + 1);
+    }
+  // δ_j of a compressed row for query c: |s_j - ŝ_j| <= δ_j (docs/certified.md, "Score error").
+  auto delta_of = [&](const query_ctx& c, int j) { return scale * c.qn * err_at(kv.k.err, j) * (1 + 1e-6); };
+  // p = softmax(s[0, n)) and its Z_lo / Z_hi for the score errors dl(j).
+  auto softmax = [&](const double* s, double* p, int n, auto&& dl) {
+    double m = -std::numeric_limits<double>::infinity();
+    for (int j = 0; j < n; ++j) m = std::max(m, s[j]);
+    double d = 0;
+    for (int j = 0; j < n; ++j) d += (p[j] = std::exp(s[j] - m));
+    const double inv = 1.0 / d;
+    softmax_z z;
+    z.lse = m + std::log(d);
+    double om = 0, lo = 0, sp = 0;
+    for (int j = 0; j < n; ++j) {
+      p[j] *= inv;
+      const double dj = dl(j);
+      const double pe = p_expm1(p[j], s[j] - z.lse, dj);  // p (e^δ - 1)
+      if (p[j] == 0 && pe == 0) continue;
+      om -= p[j] * std::expm1(-dj);      // Σ p (1 - e^{-δ}), accurate when Z_lo is near 1
+      lo += p[j] * std::exp(-dj);        // Σ p e^{-δ}, accurate when Z_lo is small
+      sp += pe - p[j] * std::expm1(-dj); // Σ p (e^{δ} - e^{-δ})
+    }
+    // a lower bound of Z (deflated for the rounding of these sums); 0 makes every term +inf
+    z.zlo = std::max(0.0, std::min(lo, 1 - om) * (1 - 1e-9));
+    z.one_minus_zlo = std::max(om, 1 - z.zlo);
+    z.spread = sanitize(sp);
+    return z;
+  };
+  auto onorm_of = [&](const double* o) {
+    double a = 0;
+    for (int i = 0; i < hd; ++i) a += o[i] * o[i];
+    return std::sqrt(a);
+  };
+  auto dist_norm = [&](const float* v, const double* o, double* vnorm) {
+    double a = 0, vv = 0;
+    for (int i = 0; i < hd; ++i) {
+      const double d = (double)v[i] - o[i];
+      a += d * d;
+      vv += (double)v[i] * v[i];
+    }
+    *vnorm = std::sqrt(vv);
+    return std::sqrt(a);
+  };
+
+  // ---- pass K: scores of every query against the dequantized keys -------------------------
+  row_reader rk{&kv.k, hd}, rv{&kv.v, hd};
+  for (int r0 = 0; r0 < n_max; r0 += kBlock) {
+    const int nb = std::min(kBlock, n_max - r0);
+    for (int j = 0; j < nb; ++j) rk.load(r0 + j, &w.kb[(size_t)j * hd]);
+    for (int qi = 0; qi < nq; ++qi) {
+      const query_ctx& c = qs[qi];
+      const int ne = std::min(nb, c.lim - r0);
+      double* s = &w.s[(size_t)qi * n_max + r0];
+      for (int j = 0; j < ne; ++j) {
+        const float* k = &w.kb[(size_t)j * hd];
+        double a = 0;
+        for (int i = 0; i < hd; ++i) a += (double)c.q_rot[i] * k[i];
+        s[j] = a * scale;
+      }
+    }
+  }
+  // ---- softmax per query; pass V: ô; pass V again: the bound ------------------------------
+  std::vector<softmax_z> zs(nq);
+  for (int qi = 0; qi < nq; ++qi) {
+    const query_ctx& c = qs[qi];
+    zs[qi] = softmax(&w.s[(size_t)qi * n_max], &w.p[(size_t)qi * n_max], c.lim,
+                     [&](int j) { return delta_of(c, j); });
+  }
+  std::fill(w.o.begin(), w.o.end(), 0.0);
+  for (int r0 = 0; r0 < n_max; r0 += kBlock) {
+    const int nb = std::min(kBlock, n_max - r0);
+    for (int j = 0; j < nb; ++j) rv.load(r0 + j, &w.vb[(size_t)j * hd]);
+    for (int qi = 0; qi < nq; ++qi) {
+      const int ne = std::min(nb, qs[qi].lim - r0);
+      const double* p = &w.p[(size_t)qi * n_max + r0];
+      double* o = &w.o[(size_t)qi * hd];
+      for (int j = 0; j < ne; ++j) {
+        const float* v = &w.vb[(size_t)j * hd];
+        for (int i = 0; i < hd; ++i) o[i] += p[j] * v[i];
+      }
+    }
+  }
+  std::vector<bound_terms> bt(nq);
+  for (int r0 = 0; r0 < n_max; r0 += kBlock) {
+    const int nb = std::min(kBlock, n_max - r0);
+    for (int j = 0; j < nb; ++j) rv.load(r0 + j, &w.vb[(size_t)j * hd]);
+    for (int qi = 0; qi < nq; ++qi) {
+      const query_ctx& c = qs[qi];
+      const int ne = std::min(nb, c.lim - r0);
+      const double* o = &w.o[(size_t)qi * hd];
+      const double* p = &w.p[(size_t)qi * n_max + r0];
+      float* cj = &w.c[(size_t)qi * n_max + r0];
+      for (int j = 0; j < ne; ++j) {
+        double vn;
+        const double dist = dist_norm(&w.vb[(size_t)j * hd], o, &vn);
+        cj[j] = (float)add_token(bt[qi], zs[qi], p[j], w.s[(size_t)qi * n_max + r0 + j], delta_of(c, r0 + j), dist,
+                                 err_at(kv.v.err, r0 + j), vn);
+      }
+    }
+  }
+  for (int qi = 0; qi < nq; ++qi) {
+    bt[qi].onorm = onorm_of(&w.o[(size_t)qi * hd]);
+    finish_bound(bt[qi], zs[qi], qs[qi].lim, eta_v);
+  }
+
+  // ---- per query: decide, run the ladder, write the output ----------------------------------
+  auto write_rotated = [&](const double* o, float* dst) {
+    for (int i = 0; i < hd; ++i) w.tmp[i] = (float)o[i];
+    kv.v.rot->inverse(w.tmp.data());
+    if (dst != w.tmp.data()) std::copy(w.tmp.begin(), w.tmp.end(), dst);
+  };
+  for (int t = 0; t < qv.n_tokens; ++t)
+    for (int g = 0; g < ng; ++g) {
+      const int qi = t * ng + g;
+      const query_ctx& c = qs[qi];
+      const int n = c.lim;
+      cert_step& st = steps[qi];
+      st = cert_step{};
+      st.n_keys = n;
+      st.bound_fast = bt[qi].total;
+      st.key_term = bt[qi].key;
+      st.value_term = bt[qi].value;
+      st.cross_term = bt[qi].cross;
+      st.norm_fast = bt[qi].onorm;
+      float* dst = out + t * qv.stride_t + (int64_t)g * hd;
+      double ex_bound = 0;
+      if (opt.measure) exact_attend(kv, c, qv.scale, w.ex.data(), &ex_bound, w.sx);
+      const double* o = &w.o[(size_t)qi * hd];
+      const double target = opt.tol * bt[qi].onorm;
+      if (always || bt[qi].total <= target) {
+        st.stage = cert_stage::certified;
+        st.bound = st.bound_fast;
+        write_rotated(o, dst);
+      } else {
+        bool done = false;
+        // ---- stage 1: recompute the tokens carrying most of the bound ----------------------
+        const int budget = std::min(n, std::max(opt.stage1_min, (int)std::ceil(opt.stage1_fraction * n)));
+        const double floor_ = (eta_v + 4 * 0x1p-24) * bt[qi].onorm;  // rounding alone exceeds the target
+        if (target > floor_ && budget < n) {
+          const float* cj = &w.c[(size_t)qi * n_max];
+          w.order.resize(n);
+          std::iota(w.order.begin(), w.order.end(), 0);
+          std::partial_sort(w.order.begin(), w.order.begin() + budget, w.order.end(), [&](int a, int b) {
+            const float x = std::isnan(cj[a]) ? INFINITY : cj[a], y = std::isnan(cj[b]) ? INFINITY : cj[b];
+            return x > y;
+          });
+          const double need = bt[qi].total - 0.5 * target;
+          double removed = 0;
+          int chosen = 0;
+          while (chosen < budget && removed < need) {
+            const float x = cj[w.order[chosen++]];
+            removed += std::isnan(x) ? INFINITY : x;
+          }
+          if (removed >= need) {
+            w.vx.resize((size_t)chosen * hd);
+            w.dx.resize(chosen);
+            w.ex_err.resize(chosen);
+            double* s = &w.s[(size_t)qi * n_max];
+            double* p = &w.p[(size_t)qi * n_max];
+            for (int x = 0; x < chosen; ++x) {
+              const int j = w.order[x];
+              w.slot[j] = x;
+              const uint16_t* kh = kv.host.k + (int64_t)j * kv.host.row_stride;
+              const uint16_t* vh = kv.host.v + (int64_t)j * kv.host.row_stride;
+              double a = 0, kk = 0;
+              for (int i = 0; i < hd; ++i) {
+                const double kx = f16_to_f32(kh[i]);
+                a += (double)c.q[i] * kx;
+                kk += kx * kx;
+              }
+              s[j] = a * scale;  // exact score, original basis (f64 dot of f32 x f16 values)
+              w.dx[x] = 1e-12 * scale * c.qn * std::sqrt(kk);
+              float* vr = &w.vx[(size_t)x * hd];
+              for (int i = 0; i < hd; ++i) vr[i] = f16_to_f32(vh[i]);
+              const double vn = norm2(vr, hd);
+              kv.v.rot->forward(vr);  // into the basis of the compressed rows: error <= η ||v||
+              w.ex_err[x] = (float)((eta_v + 1e-12) * vn * (1 + 1e-6));
+            }
+            auto dl = [&](int j) { return w.slot[j] >= 0 ? w.dx[w.slot[j]] : delta_of(c, j); };
+            const softmax_z z = softmax(s, p, n, dl);
+            row_reader r1{&kv.v, hd};
+            auto row = [&](int j) -> const float* {
+              if (w.slot[j] >= 0) return &w.vx[(size_t)w.slot[j] * hd];
+              r1.load(j, w.vb.data());
+              return w.vb.data();
+            };
+            std::fill(w.o1.begin(), w.o1.end(), 0.0);
+            for (int j = 0; j < n; ++j) {
+              const float* v = row(j);
+              for (int i = 0; i < hd; ++i) w.o1[i] += p[j] * v[i];
+            }
+            bound_terms b1;
+            for (int j = 0; j < n; ++j) {
+              double vn;
+              const double dist = dist_norm(row(j), w.o1.data(), &vn);
+              const double ev = w.slot[j] >= 0 ? (double)w.ex_err[w.slot[j]] : (double)err_at(kv.v.err, j);
+              add_token(b1, z, p[j], s[j], dl(j), dist, ev, vn);
+            }
+            b1.onorm = onorm_of(w.o1.data());
+            finish_bound(b1, z, n, eta_v);
+            for (int x = 0; x < chosen; ++x) w.slot[w.order[x]] = -1;
+            if (b1.total <= opt.tol * b1.onorm) {
+              st.stage = cert_stage::partial;
+              st.bound = b1.total;
+              st.n_recomputed = chosen;
+              write_rotated(w.o1.data(), dst);
+              done = true;
+            }
+          }
+        }
+        // ---- stage 2: the whole head exactly from the host tier ----------------------------
+        if (!done) {
+          if (!opt.measure) exact_attend(kv, c, qv.scale, w.ex.data(), &ex_bound, w.sx);
+          for (int i = 0; i < hd; ++i) dst[i] = (float)w.ex[i];
+          st.stage = cert_stage::exact;
+          st.bound = ex_bound;
+          st.n_recomputed = n;
+        }
+      }
+      st.norm = norm2(dst, hd);
+      if (opt.measure) {
+        double e = 0;
+        for (int i = 0; i < hd; ++i) e += (dst[i] - w.ex[i]) * (dst[i] - w.ex[i]);
+        st.error = std::sqrt(e);
+        write_rotated(o, w.tmp.data());  // the compressed-tier output as it would have been returned
+        e = 0;
+        for (int i = 0; i < hd; ++i) e += (w.tmp[i] - w.ex[i]) * (w.tmp[i] - w.ex[i]);
+        st.error_fast = std::sqrt(e);
+      }
+    }
+}
+
+}  // namespace kvq
