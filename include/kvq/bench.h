@@ -1,0 +1,105 @@
+// End-to-end decode/prefill speed of KV-cache formats against context depth (kvq bench), and
+// synthetic random-weight models of published shapes for measuring speed at realistic head_dim
+// without downloading weights (speed does not depend on the weight values).
+//
+// Protocol, for each format and each depth d (ascending; the cache is reused and filled further):
+//  1. fill the cache of sequence 0 to d positions:
+//     - "real": model::forward over fill tokens in batches of n_batch (a real prefill);
+//     - "synthetic": cache::append of K/V rows drawn per layer and channel from N(mean, std),
+//       where mean/std are measured on the K/V (after RoPE) of a real prefill of up to 256 tokens
+//       of this model (so outlier channels and scales are those of the model), through the same
+//       append path the model uses, n_batch rows at a time;
+//  2. prefill: time n_prefill tokens in one forward at positions d.. (tokens/s), then truncate
+//     back to d;
+//  3. decode: n_decode + 1 single-token forwards at positions d, d+1, ...; the first is a warm-up;
+//     decode tokens/s = 1 / median step time; then truncate back to d.
+// KV bytes are cache::bytes_used() at depth d. f16 always runs (added when not requested) so every
+// row has its ratio to f16 at the same depth measured in the same run. Depths beyond the model's
+// training context measure speed only (the row says so).
+// Tokens for the fill, prefill and decode come from `tokens` (a text), repeated as needed, or
+// are pseudo-random ids when it is empty.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvq/gguf.h"
+#include "kvq/kv_cache.h"
+#include "kvq/model.h"
+
+namespace kvq {
+
+struct bench_params {
+  std::vector<kv_cache_params> formats;  // types and options (shapes and n_ctx filled here)
+  std::vector<int> depths = {0, 512, 4096};
+  int n_decode = 64;     // timed decode steps per (format, depth)
+  int n_prefill = 512;   // timed prefill tokens per (format, depth); 0 skips
+  int n_batch = 512;     // fill batch (tokens or synthetic rows per append)
+  int n_threads = 0;     // 0: all hardware threads
+  std::string fill = "real";  // "real" | "synthetic"
+  uint64_t seed = 1234;
+};
+
+struct bench_row {
+  std::string type_k, type_v, describe;
+  bool baseline_only = false;  // f16 added for the ratios, not requested
+  int depth = 0;
+  bool beyond_train_ctx = false;
+  double fill_seconds = 0;
+  double decode_tokens_per_s = 0;       // 1 / median step
+  double decode_tokens_per_s_mean = 0;  // steps / total time
+  double decode_ms_median = 0, decode_ms_min = 0, decode_ms_max = 0;
+  double prefill_tokens_per_s = 0;      // 0 when skipped
+  size_t kv_bytes_used = 0;             // at depth d
+  size_t kv_bytes_allocated = 0;
+  double kv_bytes_per_token = 0;        // asymptotic (kv_bytes_per_token())
+  double decode_speedup_vs_f16 = 0;     // decode tok/s / f16's at the same depth
+  double prefill_speedup_vs_f16 = 0;
+  double kv_bytes_ratio_vs_f16 = 0;     // f16 bytes_used / this bytes_used at the same depth
+};
+
+struct bench_result {
+  std::string fill;
+  std::string model_desc;  // arch, layers, heads, head_dim, weight type
+  int n_threads = 0;
+  int n_ctx = 0;           // cache size used (max depth + timed tokens)
+  std::vector<bench_row> rows;  // format-major, depth-minor
+};
+
+// Called with a short description of the step being run ("q4 depth 4096: fill").
+using bench_progress = std::function<void(const std::string& what)>;
+
+// Errors (invalid_input): no formats, unknown type (from make_kv_cache, before any work),
+// negative depth, n_decode < 1, n_prefill < 0, n_batch < 1, unknown fill.
+bench_result bench(model& m, std::span<const int32_t> tokens, const bench_params& p,
+                   const bench_progress& progress = {});
+
+// ---- synthetic models --------------------------------------------------------------------
+struct model_shape {
+  std::string name;   // e.g. "qwen3-1.7b"
+  std::string arch;   // llama | qwen3 | ...
+  int n_layer = 0, n_embd = 0, n_head = 0, n_kv_head = 0, head_dim = 0, n_ff = 0, n_vocab = 0;
+  int n_ctx_train = 0;
+  float rope_freq_base = 10000.0f;
+  bool tied_output = false;
+};
+
+// Published shapes (from each model's config.json): llama3-8b, llama3.2-1b, mistral-7b,
+// qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b.
+std::vector<model_shape> model_shapes();
+// Throws invalid_input listing the known names.
+model_shape find_model_shape(const std::string& name);
+
+// Writes a GGUF (v3) with this shape and random weights of `weight_type` (f16, q8_0 or q4_0;
+// norms f32 = 1) to a temporary file under `tmp_dir` (empty: $TMPDIR or /tmp), loads it with
+// model::load and unlinks the file (the mapping stays valid). n_layer > 0 overrides the
+// shape's layer count (decode time scales about linearly with it). Weights are uniform with
+// variance 1/n_in per output so activations stay O(1). Disk: about n_params * bytes/weight.
+// Errors: invalid_input (bad type or n_layer), io (cannot write the temp file).
+std::unique_ptr<model> make_synthetic_model(const model_shape& shape, ggml_type weight_type, int n_layer = 0,
+                                            uint64_t seed = 42, const std::string& tmp_dir = "");
+
+}  // namespace kvq

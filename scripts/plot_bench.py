@@ -1,0 +1,46 @@
+#!/usr/bin/env python3
+"""Decode tokens/s and KV-cache memory against context depth, from `kvq bench --plot` (or --json).
+
+usage: plot_bench.py RESULT.json OUT.png   (RESULT.json = the tool's --json object)
+Left: decode tokens/s (median step, log scale) per KV format; right: KV bytes held at that depth (MiB).
+The x axis is symmetric-log so that depth 0 fits next to 32K.
+"""
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main():
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    with open(sys.argv[1]) as f:
+        r = json.load(f)
+    series = {}
+    for row in r["rows"]:
+        name = row["type_k"] if row["type_k"] == row["type_v"] else row["type_k"] + "/" + row["type_v"]
+        series.setdefault(name, []).append(row)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
+    for name, rows in series.items():
+        rows.sort(key=lambda x: x["depth"])
+        d = [x["depth"] for x in rows]
+        a1.plot(d, [x["decode_tokens_per_s"] for x in rows], marker="o", label=name)
+        a2.plot(d, [x["kv_bytes_used"] / 1048576.0 for x in rows], marker="o", label=name)
+    for ax, title, unit in ((a1, "decode speed", "tokens/s"), (a2, "KV cache held", "MiB")):
+        ax.set_xscale("symlog", linthresh=512)
+        ax.set_xlabel("context depth (tokens)")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    a1.set_yscale("log")
+    fig.suptitle("kvq bench: %s, %d threads, %s fill" % (r.get("model_desc", r["model"]), r["n_threads"], r["fill"]),
+                 fontsize=9)
+    fig.savefig(sys.argv[2], dpi=110, format="png")
+
+
+if __name__ == "__main__":
+    main()
