@@ -1,14 +1,459 @@
-// Fused quantized attention, AVX2 tier (placeholder until the SIMD kernel lands).
+// Fused compressed-domain attention, AVX2 tier (also serves the dense f32/f16/bf16 views).
+//
+// One call handles one kv head and the queries of its GQA group (and of a prefill tile), in blocks
+// of 32 keys: (1) the block's K rows are unpacked once into an L1 buffer (codes, not values, for
+// the integer formats); (2) every query scores them: per-token K with int8(Q)·codes accumulated in
+// i32 (maddubs/madd; bit-exact with qk_i32_ref), dense and KIVI K with an f32 dot; (3) online
+// softmax with a vector exp; (4) the block's V rows are decoded once and accumulated into every
+// query's o with register-blocked FMAs. No dequantized copy of the cache exists beyond 32 rows in
+// L1. This file touches only plain data and intrinsics (no inline library code with loops), so no
+// AVX2 instruction leaks into code shared with other tiers.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "kernels/attn_dense_tiers.h"
 #include "kernels/attn_quant_tiers.h"
 
 namespace kvq {
 
-void qk_i32_avx2(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, int hd, int32_t* dots) {
-  qk_i32_ref(k, r0, n_rows, q8, hd, dots);
+namespace {
+
+constexpr int kB = 32;        // keys per block
+constexpr int kMaxHd = 256;   // head_dim supported by this tier
+constexpr int kMaxQ = 64;     // (token, head) queries per engine pass
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
-bool attn_quant_avx2_supported(const kv_quant_view&) { return false; }
-void attn_quant_avx2(const kv_quant_view& kv, const attn_query_view& q, attn_state* states) {
-  attn_quant_ref(kv, q, states);
+
+// [sum a, sum b, sum c, sum d] of four 8 x i32 vectors.
+inline __m128i hsum4_epi32(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+  return _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+
+// exp(x) for x <= 0 (scores minus the running max), about 2 ulp; exactly 0 below -87.
+inline __m256 exp_neg256(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+inline float f16(uint16_t h) { return _cvtsh_ss(h); }
+
+// One row of packed codes (hd % 32 == 0) -> hd bytes: u8 codes (2/3/4 bits) or the int8 codes.
+inline void unpack_row(int bits, const uint8_t* src, int hd, uint8_t* dst) {
+  const __m128i m0f = _mm_set1_epi8(0x0f);
+  const __m256i m03 = _mm256_set1_epi8(0x03);
+  for (int b = 0; b < hd; b += 32) {
+    switch (bits) {
+      case 8:
+        _mm256_storeu_si256((__m256i*)(dst + b), _mm256_loadu_si256((const __m256i*)src));
+        src += 32;
+        break;
+      case 4: {
+        const __m128i v = _mm_loadu_si128((const __m128i*)src);
+        _mm_storeu_si128((__m128i*)(dst + b), _mm_and_si128(v, m0f));
+        _mm_storeu_si128((__m128i*)(dst + b + 16), _mm_and_si128(_mm_srli_epi16(v, 4), m0f));
+        src += 16;
+        break;
+      }
+      default: {  // 2 or 3 bits: the 2-bit plane, then (3 bits) the bit-2 plane
+        uint64_t w;
+        std::memcpy(&w, src, 8);
+        __m256i v = _mm256_and_si256(
+            _mm256_srlv_epi64(_mm256_set1_epi64x((long long)w), _mm256_set_epi64x(6, 4, 2, 0)), m03);
+        src += 8;
+        if (bits == 3) {
+          uint32_t h;
+          std::memcpy(&h, src, 4);
+          const __m256i idx = _mm256_set_epi8(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,  //
+                                              1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+          const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+          const __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), idx);
+          const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit);
+          v = _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(4)));
+          src += 4;
+        }
+        _mm256_storeu_si256((__m256i*)(dst + b), v);
+        break;
+      }
+    }
+  }
+}
+
+// i32 dot of 32 codes with 32 int8 query values (exact: no i16 saturation for |q| <= 127).
+template <bool Signed>
+inline __m256i dot32(__m256i codes, __m256i q) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (Signed) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(q, codes)), ones);
+  } else {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q), ones);
+  }
+}
+
+// dots[g] = sum over group g of q8 * codes for one unpacked row (hd % 32 == 0, group % 32 == 0 or
+// group == hd).
+template <bool Signed>
+inline void group_dots(const uint8_t* codes, const int8_t* q8, int hd, int group, int32_t* dots) {
+  const int nc = hd / 32, per = group / 32, ng = hd / group;
+  __m256i d[8];
+  for (int c = 0; c < nc; ++c)
+    d[c] = dot32<Signed>(_mm256_loadu_si256((const __m256i*)(codes + 32 * c)),
+                         _mm256_loadu_si256((const __m256i*)(q8 + 32 * c)));
+  if (per > 1) {  // fold the chunks of each group
+    for (int g = 0; g < ng; ++g) {
+      __m256i s = d[g * per];
+      for (int c = 1; c < per; ++c) s = _mm256_add_epi32(s, d[g * per + c]);
+      d[g] = s;
+    }
+  }
+  int g = 0;
+  for (; g + 4 <= ng; g += 4) _mm_storeu_si128((__m128i*)(dots + g), hsum4_epi32(d[g], d[g + 1], d[g + 2], d[g + 3]));
+  for (; g < ng; ++g) {
+    const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(d[g]), _mm256_extracti128_si256(d[g], 1));
+    const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    dots[g] = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
+  }
+}
+
+inline float dot_f32(const float* a, const float* b, int hd) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= hd; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  for (; i < hd; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+  return hsum8(_mm256_add_ps(s0, s1));
+}
+
+// Row of a dense side -> f32 (f32 rows are used in place by the caller).
+inline void dense_row_to_f32(kv_format f, const uint8_t* p, int hd, float* y) {
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+  if (f == kv_format::f16) {
+    for (int i = 0; i < hd; i += 8)
+      _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
+  } else {  // bf16
+    for (int i = 0; i < hd; i += 8)
+      _mm256_storeu_ps(y + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(h + i))), 16)));
+  }
+}
+
+// Unpacked codes (u8, or int8 when bits == 8) of one row -> f32 code values.
+inline void codes_to_f32(const uint8_t* u, int bits, int hd, float* y) {
+  for (int i = 0; i < hd; i += 8) {
+    const __m128i b = _mm_loadl_epi64((const __m128i*)(u + i));
+    const __m256i w = bits == 8 ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+    _mm256_storeu_ps(y + i, _mm256_cvtepi32_ps(w));
+  }
+}
+
+// Per-token row -> values: y = scale * (code - offset) + zero (same math as dequantize_row_ref,
+// up to FMA rounding).
+inline void dequant_row(const kv_format_traits& t, const uint8_t* codes, const uint16_t* sc, int hd, int group,
+                        float* y) {
+  alignas(32) uint8_t u[kMaxHd];
+  unpack_row(t.bits, codes, hd, u);
+  const int ng = hd / group;
+  for (int i = 0; i < hd; i += 8) {
+    const int g = i / group;
+    const float s = f16(sc[g]);
+    const float z = t.asymmetric ? f16(sc[ng + g]) : 0.0f;
+    const __m128i b = _mm_loadl_epi64((const __m128i*)(u + i));
+    const __m256i w = t.bits == 8 ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+    const __m256 c = _mm256_sub_ps(_mm256_cvtepi32_ps(w), _mm256_set1_ps((float)t.code_offset));
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(_mm256_set1_ps(s), c, _mm256_set1_ps(z)));
+  }
+}
+
+inline void scale_o(float* o, int hd, float w) {
+  const __m256 wv = _mm256_set1_ps(w);
+  for (int i = 0; i < hd; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), wv));
+}
+
+struct engine_args {
+  const kv_quant_view* kv;
+  const attn_query_view* qv;
+  attn_state* states;
+  int64_t states_stride_t;  // states[t * states_stride_t + g]
+};
+
+// The block engine for queries t in [0, qv.n_tokens), g in [0, qv.n_group) with n_tokens *
+// n_group <= kMaxQ.
+void engine(const engine_args& a) {
+  const kv_quant_view& kv = *a.kv;
+  const attn_query_view& qv = *a.qv;
+  const int hd = kv.head_dim, ng = qv.n_group, nq = qv.n_tokens * ng;
+  const kv_format_traits& tk = kv_traits(kv.k.format);
+  const kv_format_traits& tv = kv_traits(kv.v.format);
+  const bool k_int = tk.layout == kv_layout::per_token, k_chan = tk.layout == kv_layout::per_channel;
+  const bool k_signed = tk.bits == 8;
+  int limit[kMaxQ];
+  int max_limit = 0;
+  for (int t = 0; t < qv.n_tokens; ++t) {
+    int l = qv.pos0 + t - kv.pos_begin + 1;
+    l = l < 0 ? 0 : l > kv.n_pos ? kv.n_pos : l;
+    limit[t] = l;
+    max_limit = l > max_limit ? l : max_limit;
+  }
+  if (max_limit == 0) return;
+
+  alignas(32) static thread_local uint8_t kbuf[kB * kMaxHd * 4];  // unpacked codes or f32 rows
+  alignas(32) static thread_local float vbuf[kB * kMaxHd];
+  alignas(32) static thread_local float fold[kMaxQ * (kMaxHd + 8)];  // KIVI: q * scale, then the bias
+  alignas(32) float sc[kMaxQ][kB];
+  int32_t qsum[kMaxQ][8];
+  const int ngk = k_int ? hd / kv.k.group : 0;
+  if (k_int)
+    for (int t = 0; t < qv.n_tokens; ++t)
+      for (int g = 0; g < ng; ++g) q8_group_sums(qv.q8 + t * qv.stride_t + (int64_t)g * hd, hd, kv.k.group, qsum[t * ng + g]);
+  int cur_group[kMaxQ];
+  for (int i = 0; i < nq; ++i) cur_group[i] = -1;
+
+  for (int p0 = 0; p0 < max_limit; p0 += kB) {
+    const int n = max_limit - p0 < kB ? max_limit - p0 : kB;
+    // (1) K rows of the block -> kbuf
+    const float* krow[kB];
+    for (int j = 0; j < n; ++j) {
+      const uint8_t* src = kv.k.codes + (int64_t)(p0 + j) * kv.k.code_stride;
+      if (k_int) {
+        unpack_row(tk.bits, src, hd, kbuf + j * hd);
+      } else if (k_chan) {
+        alignas(32) uint8_t u[kMaxHd];
+        unpack_row(tk.bits, src, hd, u);
+        float* y = reinterpret_cast<float*>(kbuf) + j * hd;
+        codes_to_f32(u, tk.bits, hd, y);
+        krow[j] = y;
+      } else if (kv.k.format == kv_format::f32) {
+        krow[j] = reinterpret_cast<const float*>(src);
+      } else {
+        float* y = reinterpret_cast<float*>(kbuf) + j * hd;
+        dense_row_to_f32(kv.k.format, src, hd, y);
+        krow[j] = y;
+      }
+    }
+    // (2) scores
+    for (int t = 0; t < qv.n_tokens; ++t) {
+      const int nt = limit[t] - p0 < n ? limit[t] - p0 : n;
+      if (nt <= 0) continue;
+      for (int g = 0; g < ng; ++g) {
+        const int qi = t * ng + g;
+        float* s = sc[qi];
+        if (k_int) {
+          const int8_t* q8 = qv.q8 + t * qv.stride_t + (int64_t)g * hd;
+          const float f = qv.q8_scale[t * qv.q8_scale_stride_t + g] * qv.scale;
+          const int32_t* qs = qsum[qi];
+          for (int j = 0; j < nt; ++j) {
+            int32_t dots[8];
+            if (k_signed) group_dots<true>(kbuf + j * hd, q8, hd, kv.k.group, dots);
+            else group_dots<false>(kbuf + j * hd, q8, hd, kv.k.group, dots);
+            const uint16_t* ks = kv.k.scales + (int64_t)(p0 + j) * kv.k.scale_stride;
+            float acc = 0.0f;
+            for (int gr = 0; gr < ngk; ++gr) {
+              acc += f16(ks[gr]) * (float)(dots[gr] - tk.code_offset * qs[gr]);
+              if (tk.asymmetric) acc += f16(ks[ngk + gr]) * (float)qs[gr];
+            }
+            s[j] = acc * f;
+          }
+        } else if (k_chan) {
+          for (int j = 0; j < nt; ++j) {
+            const int gi = (p0 + j) / kv.k.group;
+            if (gi != cur_group[qi]) {  // fold the group's per-channel scales into this query
+              cur_group[qi] = gi;
+              const uint16_t* ks = kv.k.scales + (int64_t)gi * kv.k.scale_stride;
+              const float* q = qv.q + t * qv.stride_t + (int64_t)g * hd;
+              float* fa = fold + qi * (kMaxHd + 8);
+              __m256 bias = _mm256_setzero_ps();
+              for (int c = 0; c < hd; c += 8) {
+                const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ks + c)));
+                const __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ks + hd + c)));
+                const __m256 qvv = _mm256_loadu_ps(q + c);
+                _mm256_storeu_ps(fa + c, _mm256_mul_ps(qvv, sv));
+                bias = _mm256_fmadd_ps(qvv, _mm256_fnmadd_ps(_mm256_set1_ps((float)tk.code_offset), sv, zv), bias);
+              }
+              fa[kMaxHd] = hsum8(bias);
+            }
+            const float* fa = fold + qi * (kMaxHd + 8);
+            s[j] = (dot_f32(fa, krow[j], hd) + fa[kMaxHd]) * qv.scale;
+          }
+        } else {
+          const float* q = qv.q + t * qv.stride_t + (int64_t)g * hd;
+          for (int j = 0; j < nt; ++j) s[j] = dot_f32(q, krow[j], hd) * qv.scale;
+        }
+        // (3) online softmax over the block: s <- exp(s - m), masked keys weigh exactly 0
+        attn_state& st = a.states[t * a.states_stride_t + g];
+        float mx = s[0];
+        for (int j = 1; j < nt; ++j) mx = s[j] > mx ? s[j] : mx;
+        if (mx > st.m) {
+          if (st.d > 0.0f) {
+            const float w = std::exp(st.m - mx);
+            st.d *= w;
+            scale_o(st.o, hd, w);
+          }
+          st.m = mx;
+        }
+        const __m256 mv = _mm256_set1_ps(st.m);
+        __m256 dsum = _mm256_setzero_ps();
+        for (int j = 0; j < kB; j += 8) {
+          const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+          const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nt), lane));
+          const __m256 x = _mm256_and_ps(valid, _mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+          const __m256 e = _mm256_and_ps(valid, exp_neg256(x));
+          _mm256_storeu_ps(s + j, e);
+          dsum = _mm256_add_ps(dsum, e);
+        }
+        st.d += hsum8(dsum);
+      }
+    }
+    // (4) V rows of the block -> f32, accumulated into every query (weights of masked keys are 0)
+    const float* vrow[kB];
+    for (int j = 0; j < n; ++j) {
+      const uint8_t* src = kv.v.codes + (int64_t)(p0 + j) * kv.v.code_stride;
+      if (tv.layout == kv_layout::per_token) {
+        dequant_row(tv, src, kv.v.scales + (int64_t)(p0 + j) * kv.v.scale_stride, hd, kv.v.group, vbuf + j * hd);
+        vrow[j] = vbuf + j * hd;
+      } else if (kv.v.format == kv_format::f32) {
+        vrow[j] = reinterpret_cast<const float*>(src);
+      } else {
+        dense_row_to_f32(kv.v.format, src, hd, vbuf + j * hd);
+        vrow[j] = vbuf + j * hd;
+      }
+    }
+    int active[kMaxQ], na = 0, nrows[kMaxQ];
+    for (int t = 0; t < qv.n_tokens; ++t) {
+      const int nt = limit[t] - p0 < n ? limit[t] - p0 : n;
+      if (nt <= 0) continue;
+      for (int g = 0; g < ng; ++g) {
+        nrows[na] = nt;
+        active[na++] = t * ng + g;
+      }
+    }
+    for (int b0 = 0; b0 < na; b0 += 4) {
+      const int nb = na - b0 < 4 ? na - b0 : 4;
+      int rows = 0;
+      float* o[4];
+      const float* w[4];
+      for (int b = 0; b < nb; ++b) {
+        const int qi = active[b0 + b];
+        o[b] = a.states[(qi / ng) * a.states_stride_t + qi % ng].o;
+        w[b] = sc[qi];
+        rows = nrows[b0 + b] > rows ? nrows[b0 + b] : rows;
+      }
+      for (int b = nb; b < 4; ++b) {  // pad with a copy of the first query (weights reused, result dropped)
+        o[b] = nullptr;
+        w[b] = w[0];
+      }
+      for (int c = 0; c < hd; c += 16) {
+        __m256 acc[4][2];
+        for (int b = 0; b < 4; ++b) {
+          acc[b][0] = o[b] ? _mm256_loadu_ps(o[b] + c) : _mm256_setzero_ps();
+          acc[b][1] = o[b] ? _mm256_loadu_ps(o[b] + c + 8) : _mm256_setzero_ps();
+        }
+        for (int j = 0; j < rows; ++j) {
+          const __m256 v0 = _mm256_loadu_ps(vrow[j] + c), v1 = _mm256_loadu_ps(vrow[j] + c + 8);
+          for (int b = 0; b < 4; ++b) {
+            const __m256 wv = _mm256_broadcast_ss(w[b] + j);
+            acc[b][0] = _mm256_fmadd_ps(wv, v0, acc[b][0]);
+            acc[b][1] = _mm256_fmadd_ps(wv, v1, acc[b][1]);
+          }
+        }
+        for (int b = 0; b < nb; ++b) {
+          _mm256_storeu_ps(o[b] + c, acc[b][0]);
+          _mm256_storeu_ps(o[b] + c + 8, acc[b][1]);
+        }
+      }
+    }
+  }
+}
+
+bool shapes_supported(int hd, const kv_quant_side& k, const kv_quant_side& v) {
+  if (hd % 32 != 0 || hd > kMaxHd) return false;
+  for (const kv_quant_side* s : {&k, &v}) {
+    const auto& t = kv_traits(s->format);
+    if (t.layout == kv_layout::per_token && !(s->group % 32 == 0 || s->group == hd)) return false;
+  }
+  return true;
+}
+
+void run(const kv_quant_view& kv, const attn_query_view& q, attn_state* states) {
+  // split the (token, head) queries into passes of at most kMaxQ
+  const int ng = q.n_group;
+  const int g_step = ng < kMaxQ ? ng : kMaxQ;
+  const int t_step = g_step == ng ? (kMaxQ / ng) : 1;
+  for (int t0 = 0; t0 < q.n_tokens; t0 += t_step)
+    for (int g0 = 0; g0 < ng; g0 += g_step) {
+      attn_query_view s = q;
+      s.n_tokens = q.n_tokens - t0 < t_step ? q.n_tokens - t0 : t_step;
+      s.n_group = ng - g0 < g_step ? ng - g0 : g_step;
+      s.pos0 = q.pos0 + t0;
+      s.q = q.q + t0 * q.stride_t + (int64_t)g0 * q.head_dim;
+      if (q.q8) {
+        s.q8 = q.q8 + t0 * q.stride_t + (int64_t)g0 * q.head_dim;
+        s.q8_scale = q.q8_scale + t0 * q.q8_scale_stride_t + g0;
+      }
+      engine_args a{&kv, &s, states + t0 * ng + g0, ng};
+      engine(a);
+    }
+}
+
+}  // namespace
+
+void qk_i32_avx2(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, int hd, int32_t* dots) {
+  const auto& t = kv_traits(k.format);
+  alignas(32) uint8_t u[kMaxHd];
+  const int ng = hd / k.group;
+  for (int j = 0; j < n_rows; ++j) {
+    unpack_row(t.bits, k.codes + (int64_t)(r0 + j) * k.code_stride, hd, u);
+    int32_t d[8];
+    if (t.bits == 8) group_dots<true>(u, q8, hd, k.group, d);
+    else group_dots<false>(u, q8, hd, k.group, d);
+    for (int g = 0; g < ng; ++g) dots[j * ng + g] = d[g];
+  }
+}
+
+bool attn_quant_avx2_supported(const kv_quant_view& kv) { return shapes_supported(kv.head_dim, kv.k, kv.v); }
+
+void attn_quant_avx2(const kv_quant_view& kv, const attn_query_view& q, attn_state* states) { run(kv, q, states); }
+
+// Dense views run through the same engine as dense-format sides.
+bool attn_dense_avx2_supported(const kv_dense_view& kv) {
+  return kv.head_dim % 32 == 0 && kv.head_dim <= kMaxHd;
+}
+
+void attn_dense_avx2(const kv_dense_view& d, const attn_query_view& q, attn_state* states) {
+  static const kv_format fmt[] = {kv_format::f32, kv_format::f16, kv_format::bf16};
+  kv_quant_view kv;
+  kv.k.format = fmt[(int)d.type_k];
+  kv.v.format = fmt[(int)d.type_v];
+  kv.k.codes = static_cast<const uint8_t*>(d.k);
+  kv.v.codes = static_cast<const uint8_t*>(d.v);
+  kv.k.code_stride = d.row_stride * kv_elem_bytes(d.type_k);
+  kv.v.code_stride = d.row_stride * kv_elem_bytes(d.type_v);
+  kv.pos_begin = d.pos_begin;
+  kv.n_pos = d.n_pos;
+  kv.head_dim = d.head_dim;
+  run(kv, q, states);
 }
 
 }  // namespace kvq

@@ -203,8 +203,20 @@ void attn_dequant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_s
     for (int r = 0; r < kv.n_pos; ++r) load_v_row_ref(kv.k, r, hd, &kf[(size_t)r * hd]);
   }
   for (int r = 0; r < kv.n_pos; ++r) load_v_row_ref(kv.v, r, hd, &vf[(size_t)r * hd]);
-  // 2. attend in f32 over the dequantized copy
-  std::vector<float> q(hd);
+  // 2. attend in f32 over the dequantized copy, with the query the fused kernel sees
+  std::vector<float> q((size_t)qv.n_tokens * ng * hd);  // [n_tokens, n_group, head_dim]
+  for (int t = 0; t < qv.n_tokens; ++t)
+    for (int g = 0; g < ng; ++g) {
+      float* dst = &q[((size_t)t * ng + g) * hd];
+      if (tk.layout == kv_layout::per_token) {
+        const int8_t* q8 = qv.q8 + t * qv.stride_t + (int64_t)g * hd;
+        const float s = qv.q8_scale[t * qv.q8_scale_stride_t + g];
+        for (int i = 0; i < hd; ++i) dst[i] = (float)q8[i] * s;
+      } else {
+        const float* qs = qv.q + t * qv.stride_t + (int64_t)g * hd;
+        std::copy(qs, qs + hd, dst);
+      }
+    }
   kv_dense_view dv;
   dv.k = kf.data();
   dv.v = vf.data();
@@ -213,26 +225,10 @@ void attn_dequant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_s
   dv.pos_begin = kv.pos_begin;
   dv.n_pos = kv.n_pos;
   dv.head_dim = hd;
-  for (int t = 0; t < qv.n_tokens; ++t)
-    for (int g = 0; g < ng; ++g) {
-      if (tk.layout == kv_layout::per_token) {
-        const int8_t* q8 = qv.q8 + t * qv.stride_t + (int64_t)g * hd;
-        const float s = qv.q8_scale[t * qv.q8_scale_stride_t + g];
-        for (int i = 0; i < hd; ++i) q[i] = (float)q8[i] * s;
-      } else {
-        const float* qs = qv.q + t * qv.stride_t + (int64_t)g * hd;
-        std::copy(qs, qs + hd, q.begin());
-      }
-      attn_query_view one;
-      one.q = q.data();
-      one.stride_t = hd;
-      one.n_tokens = 1;
-      one.n_group = 1;
-      one.head_dim = hd;
-      one.pos0 = qv.pos0 + t;
-      one.scale = qv.scale;
-      attn_dense_ref(dv, one, &states[t * ng + g]);
-    }
+  attn_query_view all = qv;
+  all.q = q.data();
+  all.stride_t = (int64_t)ng * hd;
+  attn_dense_ref(dv, all, states);
 }
 
 void attn_quant(const kv_quant_view& kv, const attn_query_view& q, attn_state* states) {
