@@ -1,0 +1,234 @@
+// Attention kernels: attn_state algebra, scalar vs AVX2 tiers (integer parts bit-exact, float
+// parts to f32 rounding) on views built from the reference quantizers.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kernels/attn_dense_tiers.h"
+#include "kernels/attn_quant_tiers.h"
+#include "kvq/attention.h"
+#include "kvq/cpu.h"
+#include "kvq/f16.h"
+#include "kvq/quant.h"
+
+namespace kvq {
+namespace {
+
+// One partition's state from explicit scores and values (float64 accumulation, then f32).
+attn_state state_of(const std::vector<float>& s, const std::vector<float>& v, int hd, std::vector<float>& o) {
+  o.assign(hd, 0.0f);
+  attn_state st = attn_state::empty(o.data(), hd);
+  for (size_t j = 0; j < s.size(); ++j) {
+    st.rescale_to(s[j]);
+    const float w = std::exp(s[j] - st.m);
+    st.d += w;
+    for (int i = 0; i < hd; ++i) st.o[i] += w * v[j * hd + i];
+  }
+  return st;
+}
+
+TEST(attn_state, merge_is_split_invariant_and_empty_is_weight_zero) {
+  const int hd = 8, n = 50;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd(0.f, 4.f);
+  std::vector<float> s(n), v((size_t)n * hd);
+  for (auto& x : s) x = nd(rng);
+  for (auto& x : v) x = nd(rng);
+  std::vector<float> o_all, out_all(hd);
+  state_of(s, v, hd, o_all).finalize(out_all.data());
+  for (int cut1 : {0, 7, 25})
+    for (int cut2 : {25, 40, 50}) {
+      std::vector<float> oa, ob, oc, out(hd);
+      auto part = [&](int a, int b, std::vector<float>& o) {
+        return state_of(std::vector<float>(s.begin() + a, s.begin() + b),
+                        std::vector<float>(v.begin() + (size_t)a * hd, v.begin() + (size_t)b * hd), hd, o);
+      };
+      attn_state A = part(0, cut1, oa), B = part(cut1, cut2, ob), C = part(cut2, n, oc);
+      C.merge(A);  // any order
+      C.merge(B);
+      C.finalize(out.data());
+      for (int i = 0; i < hd; ++i) EXPECT_NEAR(out[i], out_all[i], 1e-5f * (1 + std::fabs(out_all[i])));
+    }
+  // empty partitions: never NaN, weight zero
+  std::vector<float> e1(hd, 7.0f), e2(hd, 7.0f), o(hd);
+  attn_state E1 = attn_state::empty(e1.data(), hd), E2 = attn_state::empty(e2.data(), hd);
+  E1.merge(E2);
+  E1.finalize(o.data());
+  for (float x : o) EXPECT_EQ(x, 0.0f);
+  std::vector<float> ox;
+  attn_state X = state_of(s, v, hd, ox);
+  const float d = X.d, m = X.m;
+  X.merge(E2);
+  EXPECT_EQ(X.d, d);
+  EXPECT_EQ(X.m, m);
+  E1.merge(X);
+  E1.finalize(o.data());
+  for (int i = 0; i < hd; ++i) EXPECT_NEAR(o[i], out_all[i], 1e-5f * (1 + std::fabs(out_all[i])));
+}
+
+// Random codes of a per-token side, [n_rows] rows, through the reference quantizer.
+struct side_buf {
+  std::vector<uint8_t> codes;
+  std::vector<uint16_t> scales;
+  kv_quant_side side;
+};
+
+side_buf make_side(kv_format f, int n_rows, int hd, int group, std::mt19937& rng) {
+  side_buf b;
+  const auto& t = kv_traits(f);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> x((size_t)n_rows * hd);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = nd(rng) * (1.0f + (i % hd == 5 ? 20.0f : 0.0f)) + (i % 7 == 0 ? 1.5f : 0.f);
+  const size_t row = t.layout == kv_layout::dense ? (size_t)hd * t.bits / 8 : kv_code_bytes(f, hd);
+  b.codes.resize((size_t)n_rows * row);
+  b.side.format = f;
+  b.side.code_stride = (int64_t)row;
+  if (t.layout == kv_layout::per_token) {
+    const int sc = kv_row_scale_count(f, hd, group);
+    b.scales.resize((size_t)n_rows * sc);
+    for (int j = 0; j < n_rows; ++j)
+      quantize_row_ref(f, &x[(size_t)j * hd], hd, group, &b.codes[j * row], &b.scales[(size_t)j * sc]);
+    b.side.scale_stride = sc;
+    b.side.group = group;
+  } else if (t.layout == kv_layout::per_channel) {
+    b.scales.resize((size_t)(n_rows + group - 1) / group * 2 * hd);
+    for (int j = 0; j < n_rows; j += group)
+      quantize_channel_group_ref(f, &x[(size_t)j * hd], std::min(group, n_rows - j), hd, &b.codes[j * row],
+                                 &b.scales[(size_t)j / group * 2 * hd]);
+    b.side.scale_stride = 2 * hd;
+    b.side.group = group;
+  } else {
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (f == kv_format::f32) reinterpret_cast<float*>(b.codes.data())[i] = x[i];
+      else if (f == kv_format::f16) reinterpret_cast<uint16_t*>(b.codes.data())[i] = f32_to_f16(x[i]);
+      else reinterpret_cast<uint16_t*>(b.codes.data())[i] = f32_to_bf16(x[i]);
+    }
+  }
+  b.side.codes = b.codes.data();
+  b.side.scales = b.scales.empty() ? nullptr : b.scales.data();
+  return b;
+}
+
+TEST(attn_tiers, qk_integer_dots_bit_exact_scalar_vs_avx2) {
+  if (!cpu().avx2) GTEST_SKIP() << "no AVX2 on this CPU";
+  std::mt19937 rng(2);
+  for (kv_format f : {kv_format::q8, kv_format::q4, kv_format::q3, kv_format::q2, kv_format::q8a, kv_format::q4a,
+                      kv_format::q3a, kv_format::q2a})
+    for (int hd : {32, 64, 96, 128, 256})
+      for (int group : {32, 64, 128, hd}) {
+        if (hd % group) continue;
+        auto b = make_side(f, 40, hd, group, rng);
+        std::vector<int8_t> q8(hd);
+        for (int i = 0; i < hd; ++i) q8[i] = (int8_t)((int)(rng() % 255) - 127);
+        q8[0] = 127;
+        q8[1] = -127;
+        const int ng = hd / group;
+        std::vector<int32_t> r((size_t)40 * ng), a((size_t)40 * ng, -1);
+        qk_i32_ref(b.side, 0, 40, q8.data(), hd, r.data());
+        qk_i32_avx2(b.side, 0, 40, q8.data(), hd, a.data());
+        ASSERT_EQ(r, a) << kv_traits(f).name << " hd " << hd << " group " << group;
+      }
+}
+
+// The whole fused kernel: AVX2 vs the scalar reference on the same views (float parts differ only
+// by summation order and the vector exp).
+TEST(attn_tiers, fused_avx2_matches_reference) {
+  if (!cpu().avx2) GTEST_SKIP() << "no AVX2 on this CPU";
+  std::mt19937 rng(3);
+  const kv_format kfmts[] = {kv_format::q8,  kv_format::q4,    kv_format::q3,    kv_format::q2,  kv_format::q8a,
+                             kv_format::q4a, kv_format::q2a,   kv_format::kivi8, kv_format::kivi4,
+                             kv_format::kivi2, kv_format::f16, kv_format::f32,   kv_format::bf16};
+  const kv_format vfmts[] = {kv_format::q4, kv_format::q8a, kv_format::q3a, kv_format::q2, kv_format::f16,
+                             kv_format::f32, kv_format::bf16};
+  int idx = 0;
+  double worst = 0;
+  for (kv_format fk : kfmts)
+    for (kv_format fv : vfmts)
+      for (int hd : {64, 128, 256}) {
+        ++idx;
+        const int n_pos = 50 + (idx * 37) % 300, ng = 1 + idx % 8, n_tok = idx % 3 == 0 ? 5 : 1;
+        const int kg = kv_traits(fk).layout == kv_layout::per_channel ? (idx % 2 ? 32 : 16) : (idx % 2 ? 32 : hd);
+        auto kb = make_side(fk, n_pos, hd, kg, rng);
+        auto vb = make_side(fv, n_pos, hd, idx % 2 ? 32 : hd, rng);
+        kv_quant_view kv;
+        kv.k = kb.side;
+        kv.v = vb.side;
+        kv.pos_begin = 3;
+        kv.n_pos = n_pos;
+        kv.head_dim = hd;
+        std::normal_distribution<float> nd(0.f, 1.f);
+        std::vector<float> q((size_t)n_tok * ng * hd);
+        for (auto& x : q) x = nd(rng);
+        std::vector<int8_t> q8(q.size());
+        std::vector<float> q8s((size_t)n_tok * ng);
+        for (size_t i = 0; i < q8s.size(); ++i) q8s[i] = quantize_q8_ref(&q[i * hd], hd, &q8[i * hd]);
+        attn_query_view qv;
+        qv.q = q.data();
+        qv.stride_t = (int64_t)ng * hd;
+        qv.n_tokens = n_tok;
+        qv.n_group = ng;
+        qv.head_dim = hd;
+        qv.pos0 = 3 + n_pos - n_tok - (idx % 5);  // causal: the last rows are masked for some queries
+        qv.scale = 1.0f / std::sqrt((float)hd);
+        qv.q8 = q8.data();
+        qv.q8_scale = q8s.data();
+        qv.q8_scale_stride_t = ng;
+        const int nq = n_tok * ng;
+        std::vector<float> o_ref((size_t)nq * hd), o_avx((size_t)nq * hd), f_ref(o_ref.size()), f_avx(o_ref.size());
+        std::vector<attn_state> s_ref(nq), s_avx(nq);
+        for (int i = 0; i < nq; ++i) {
+          s_ref[i] = attn_state::empty(&o_ref[(size_t)i * hd], hd);
+          s_avx[i] = attn_state::empty(&o_avx[(size_t)i * hd], hd);
+        }
+        ASSERT_TRUE(attn_quant_avx2_supported(kv));
+        attn_quant_ref(kv, qv, s_ref.data());
+        attn_quant_avx2(kv, qv, s_avx.data());
+        double e = 0, m = 1e-30;
+        for (int i = 0; i < nq; ++i) {
+          s_ref[i].finalize(&f_ref[(size_t)i * hd]);
+          s_avx[i].finalize(&f_avx[(size_t)i * hd]);
+          EXPECT_NEAR(s_ref[i].m, s_avx[i].m, 1e-5f * (1 + std::fabs(s_ref[i].m)));
+        }
+        for (size_t i = 0; i < f_ref.size(); ++i) {
+          e = std::max(e, (double)std::fabs(f_ref[i] - f_avx[i]));
+          m = std::max(m, (double)std::fabs(f_ref[i]));
+        }
+        worst = std::max(worst, e / m);
+        EXPECT_LE(e / m, 2e-5) << kv_traits(fk).name << "/" << kv_traits(fv).name << " hd " << hd;
+      }
+  std::printf("[tiers] fused AVX2 vs scalar reference: %d views, worst relative difference %.3g\n", idx, worst);
+}
+
+TEST(attn_tiers, fully_masked_view_leaves_states_empty) {
+  std::mt19937 rng(4);
+  auto kb = make_side(kv_format::q4, 64, 64, 32, rng);
+  auto vb = make_side(kv_format::q4, 64, 64, 32, rng);
+  kv_quant_view kv;
+  kv.k = kb.side;
+  kv.v = vb.side;
+  kv.pos_begin = 100;
+  kv.n_pos = 64;
+  kv.head_dim = 64;
+  std::vector<float> q(64, 1.0f), o(64, 0.0f);
+  std::vector<int8_t> q8(64);
+  float s = quantize_q8_ref(q.data(), 64, q8.data());
+  attn_query_view qv;
+  qv.q = q.data();
+  qv.n_tokens = 1;
+  qv.n_group = 1;
+  qv.head_dim = 64;
+  qv.pos0 = 99;  // before the view
+  qv.q8 = q8.data();
+  qv.q8_scale = &s;
+  attn_state st = attn_state::empty(o.data(), 64);
+  attn_quant(kv, qv, &st);
+  EXPECT_TRUE(st.is_empty());
+  std::vector<float> out(64, 1.0f);
+  st.finalize(out.data());
+  for (float x : out) EXPECT_EQ(x, 0.0f);
+}
+
+}  // namespace
+}  // namespace kvq
