@@ -1,12 +1,149 @@
-// CUDA backend entry points. Without KVQ_BUILD_CUDA every function exists and reports
-// "not supported" (MLX's no_gpu pattern).
+// CUDA backend: a paged, compressed KV cache on the GPU with
+//   - a fused append kernel (f16/bf16 K,V -> block-diagonal Hadamard rotation -> per-token scales ->
+//     q8/q4 codes -> pages, one launch; codes bit-identical to kvq::quantize_row_ref), and
+//   - flash-decoding attention computed on the packed codes (split-KV over thread blocks, int8 Q x
+//     int4/int8 K on the tensor cores, online softmax in f32, P·V from packed V, attn_state merge
+//     with an exact f16 sink/recent window), plus the f16 paged kernel of the same design and a
+//     dequantize-then-attend path as baselines.
+// Sources: PagedAttention (Kwon et al. 2023, vLLM, §4.1: block tables); FlashInfer (Ye et al. 2025,
+// §3: page table as CSR indptr/indices/last_page_len, plan/run); Flash-Decoding (Dao et al. 2023:
+// split-KV + log-sum-exp merge); QuaRot (arXiv:2404.00456, §3: Hadamard before quantizing K/V);
+// KIVI/QServe-style fused int4 attention. Docs: docs/cuda.md (layout diagrams, design, numbers).
+//
+// Without KVQ_BUILD_CUDA every function exists: available() is false and the rest throw
+// kvq::error(unsupported) "[cuda] not supported: kvq was built without KVQ_BUILD_CUDA" (MLX's
+// no_gpu pattern). With CUDA but no visible GPU, require() throws unsupported "[cuda] no GPU ...".
+// All pointers named "device" are device memory; all sizes are bytes unless named otherwise.
 #pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
 #include <string>
+
+#include "kvq/attention.h"
+#include "kvq/quant.h"
+#include "kvq/rotation.h"
 
 namespace kvq::cuda {
 
 bool available();           // built with CUDA and a GPU is visible
-std::string device_name();  // e.g. "NVIDIA H200 (sm_90)"
+std::string device_name();  // e.g. "NVIDIA H200 (sm_90, 132 SMs, driver 13.0)"
 void require();             // throws kvq::error(unsupported) unless available()
+
+// ---- device memory (thin wrappers; throw kvq::error(internal) "[cuda] ..." on failure) --------
+void* device_alloc(size_t bytes);
+void device_free(void* p);  // nullptr is a no-op
+void copy_to_device(void* dst, const void* src, size_t bytes);
+void copy_to_host(void* dst, const void* src, size_t bytes);
+void device_fill(void* dst, uint8_t byte, size_t bytes);
+void synchronize();
+
+// ---- paged KV layout ---------------------------------------------------------------------------
+// A pool of fixed-size pages. A page holds page_size consecutive tokens of one sequence for every
+// kv head: [n_kv_head] blocks of head_bytes, each
+//     K codes  [page_size][code_bytes]      (the CPU row format of docs/formats.md, unchanged)
+//     V codes  [page_size][code_bytes]
+//     K scales [page_size][n_scales] f16    (per-token formats only)
+//     V scales [page_size][n_scales] f16
+// every section 16-byte aligned. Token j of sequence b lives in page indices[indptr[b] + j /
+// page_size], row j % page_size; the sequence holds (indptr[b+1] - indptr[b] - 1) * page_size +
+// last_page_len[b] tokens (0 when it has no page). All offsets are 64-bit (a pool may exceed 2^31
+// bytes); page ids are int32.
+struct paged_kv_format {
+  kv_format format = kv_format::q4;  // q8, q4 (rotated, per-token symmetric) or f16
+  int head_dim = 128;                // 64, 80, 96, 128 or 256
+  int n_kv_head = 1;
+  int page_size = 16;                // 16 or 64 tokens
+  rotation_kind rotation = rotation_kind::hadamard;  // none or hadamard (block = largest 2^k | head_dim)
+};
+
+struct paged_kv_geometry {
+  int group = 0;            // elements per scale: 32 when head_dim % 32 == 0, else head_dim (CPU default)
+  int n_scales = 0;         // f16 scales per row (0 for f16)
+  int64_t code_bytes = 0;   // bytes of one row of codes (f16: 2 * head_dim)
+  int64_t k_codes = 0, v_codes = 0, k_scales = 0, v_scales = 0;  // section offsets in a block
+  int64_t head_bytes = 0;   // one (page, kv head) block
+  int64_t page_bytes = 0;   // one page = n_kv_head * head_bytes
+  int rot_block = 0;        // Hadamard block (0: no rotation)
+  float rot_scale = 1.0f;   // 1 / sqrt(rot_block), as kvq::fwht_radix2 rounds it
+
+  int64_t block_offset(int64_t page, int kv_head) const { return page * page_bytes + (int64_t)kv_head * head_bytes; }
+  int64_t k_code_offset(int64_t page, int kv_head, int row) const { return block_offset(page, kv_head) + k_codes + row * code_bytes; }
+  int64_t v_code_offset(int64_t page, int kv_head, int row) const { return block_offset(page, kv_head) + v_codes + row * code_bytes; }
+  int64_t k_scale_offset(int64_t page, int kv_head, int row) const { return block_offset(page, kv_head) + k_scales + (int64_t)row * n_scales * 2; }
+  int64_t v_scale_offset(int64_t page, int kv_head, int row) const { return block_offset(page, kv_head) + v_scales + (int64_t)row * n_scales * 2; }
+};
+// Validates the format (host only, works without a GPU); throws unsupported
+// "[cuda paged_kv] unsupported head_dim 72 (supported: 64, 80, 96, 128, 256)" and the like.
+paged_kv_geometry paged_kv_geometry_of(const paged_kv_format& f);
+
+// A paged cache on the device (views, passed by value; STYLE.md habit 3).
+struct paged_kv_view {
+  paged_kv_format format;
+  uint8_t* pool = nullptr;                 // device [n_pages][page_bytes]
+  int64_t n_pages = 0;
+  const int32_t* indptr = nullptr;         // device [batch + 1]
+  const int32_t* indices = nullptr;        // device [indptr[batch]] page ids < n_pages
+  const int32_t* last_page_len = nullptr;  // device [batch], in [1, page_size]
+  int batch = 0;
+};
+
+// Fused append: k, v device [n_tokens][n_kv_head][head_dim] f16 or bf16; token i goes to slot
+// slots[i] = page * page_size + row (device int64). Per (token, kv head, side) one warp: rotate (FWHT
+// in shared memory), round to f16, per-group absmax -> f16 scale rounded up -> codes -> pack; f16
+// format stores the rotated, f16-rounded row. Codes and scales equal quantize_row_ref on the same
+// input (|rotated x| <= 65504 assumed; the CPU cache checks this, the kernel does not). One launch.
+void append_paged(const paged_kv_view& kv, const void* k, const void* v, kv_elem elem, const int64_t* slots,
+                  int n_tokens, void* stream = nullptr);
+
+// Baseline only: dequantizes the pages src.indices[0, n_entries) (n_entries = indptr[batch], from the
+// host copy) into the f16 pool of dst: same page ids, head_dim, n_kv_head and page_size; values
+// scale * (code - offset) rounded to f16, in the rotated basis as stored. One launch.
+void dequantize_paged(const paged_kv_view& src, const paged_kv_view& dst, int n_entries, void* stream = nullptr);
+
+// Optional exact rows attended in f16 beside the paged body (the cache's sink + recent window, in
+// the rotated basis): device k, v [batch][n_kv_head][cap][head_dim] f16 bits, len device [batch].
+struct exact_window_view {
+  const uint16_t* k = nullptr;
+  const uint16_t* v = nullptr;
+  const int32_t* len = nullptr;
+  int cap = 0;  // <= 1024
+};
+
+struct decode_params {
+  int n_head = 0;                     // query heads; n_head / n_kv_head in [1, 8]
+  float scale = 0.0f;                 // scores = scale * q·k (usually 1/sqrt(head_dim))
+  kv_elem q_elem = kv_elem::f16;      // f16 or bf16 queries [batch][n_head][head_dim]
+  kv_elem out_elem = kv_elem::f32;    // f32 or f16 output  [batch][n_head][head_dim]
+  int split_tokens = 0;               // tokens per split-KV work item (multiple of 16); 0 = auto
+};
+
+// Decode attention (one query token per sequence, attending to all its tokens), FlashInfer-style
+// plan/run: the plan validates, reads the host copy of the page table's lengths, splits every
+// sequence into work items (split-KV) and owns the device workspace; run() launches two kernels
+// (fused attention per (item, kv head); merge of the items' attn_states with the exact window,
+// normalisation and the inverse rotation of the output) and never allocates.
+class decode_plan {
+ public:
+  // indptr_host [batch + 1], last_page_len_host [batch]: host copies of the view's page table.
+  decode_plan(const paged_kv_format& f, const decode_params& p, const int32_t* indptr_host,
+              const int32_t* last_page_len_host, int batch, int exact_cap = 0);
+  ~decode_plan();
+  decode_plan(const decode_plan&) = delete;
+  decode_plan& operator=(const decode_plan&) = delete;
+
+  // q device [batch][n_head][head_dim] (q_elem); out device [batch][n_head][head_dim] (out_elem).
+  // kv must have the plan's format and batch; exact may be nullptr.
+  void run(const paged_kv_view& kv, const void* q, void* out, const exact_window_view* exact = nullptr,
+           void* stream = nullptr) const;
+
+  int n_items() const;       // split-KV work items (thread blocks per kv head)
+  int split_tokens() const;  // tokens per item
+  size_t workspace_bytes() const;
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> p_;
+};
 
 }  // namespace kvq::cuda

@@ -1,0 +1,739 @@
+// Flash-decoding over the paged cache, computed on the packed codes (docs/cuda.md, "Decode kernel").
+//
+// Grid (work item, kv head); 4 warps per block. A work item is a token range of one sequence
+// (split-KV); its 16-token chunks go round-robin to the warps, each with its own cp.async
+// pipeline and its own online-softmax state for the GQA group (<= 8 query heads, one MMA N tile).
+//   scores  S[head][tok] = mma.m16n8k32 s8: rotated int8 Q (rows = heads) x K codes (q4 nibbles
+//           unpacked by two LOPs: the code layout already matches the B fragment), per-block int32
+//           dots read back as floats through a 1.5 * 2^23 bias, times the f16 K scales;
+//   P·V     O^T[channel][head] = mma.m16n8k16 f16: V codes -> exact f16 (u - 8) via byte permute +
+//           the 1024 + u exponent trick (A operand), times P' = p * V scale in f16 (B operand).
+// The warps' states merge in shared memory into one attn_state per (item, query head) in the
+// workspace; merge_kernel folds the items and the exact f16 window, normalises and undoes the V
+// rotation. The f16 instance (own baseline) uses the same skeleton with ldmatrix + f16 MMA.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "cuda/common.cuh"
+#include "kvq/cuda.h"
+
+namespace kvq::cuda {
+
+using namespace detail;
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kChunk = 16;     // tokens per pipeline stage of one warp
+constexpr int kMaxGroup = 8;   // query heads per kv head (the MMA N tile)
+constexpr int kBias = 0x4B400000;          // float 1.5 * 2^23 as int: bias of the int32 accumulators
+constexpr float kBiasF = 12582912.0f;
+constexpr unsigned kFull = 0xffffffffu;
+
+struct decode_args {
+  const uint8_t* pool;
+  dev_geom geo;
+  const int32_t* indptr;
+  const int32_t* indices;
+  const int4* items;  // [n_items] {seq, tok_begin, tok_end, 0}
+  const void* q;      // [batch][n_head][HD]
+  float* ws_o;        // [n_items][n_kv_head][ng][HD]
+  float2* ws_md;      // [n_items][n_kv_head][ng] {m (log2 units), d}
+  int q_bf16;
+  int n_head, n_kv_head, ng;
+  float sm_scale_log2;  // scale * log2(e)
+  int rot_block;
+  float rot_scale;
+};
+
+template <dfmt F, int HD>
+struct cfg {
+  using S = shape<F, HD>;
+  static constexpr int SR = S::CB % 16 == 0 ? S::CB + 16 : S::CB;  // smem row stride (padding: no bank conflicts)
+  static constexpr int PS = S::CB % 16 == 0 ? 16 : 8;               // cp.async piece
+  static constexpr int PPR = S::CB / PS;
+  static constexpr int SCALE_BYTES = kChunk * S::NS * 2;  // one side, one chunk
+  static constexpr int STAGE = 2 * kChunk * SR + 2 * SCALE_BYTES;
+  static constexpr int STAGES_FIT = 110 * 1024 / (kWarps * STAGE);
+  static constexpr int STAGES = STAGES_FIT < 2 ? 2 : STAGES_FIT > 4 ? 4 : STAGES_FIT;
+  static constexpr int PIPE = kWarps * STAGES * STAGE;
+  static constexpr int EPI = kWarps * kMaxGroup * HD * 4 + kWarps * kMaxGroup * 8;
+  static constexpr int REGION0 = (PIPE > EPI ? PIPE : EPI + 15) / 16 * 16;
+  static constexpr int QF = kMaxGroup * HD * 4;  // rotated f32 queries
+  static constexpr int QQ = kMaxGroup * HD * 2;  // int8 or f16 queries
+  static constexpr int SMEM = REGION0 + QF + QQ + kMaxGroup * 4 + kMaxGroup * S::NB * 4;
+  static constexpr int MT = F == dfmt::f16 ? HD / 16 : 2 * S::NB;  // P·V m16 tiles (channels)
+};
+
+__device__ __forceinline__ uint32_t lds32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// f16 scales of one token row, as floats.
+template <int NS>
+__device__ __forceinline__ void load_scales(const uint8_t* p, float (&out)[NS > 0 ? NS : 1]) {
+  if constexpr (NS == 1) {
+    out[0] = __half2float(*reinterpret_cast<const __half*>(p));
+  } else if constexpr (NS == 2) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(p));
+    out[0] = f.x;
+    out[1] = f.y;
+  } else if constexpr (NS == 4 || NS == 8) {
+#pragma unroll
+    for (int k = 0; k < NS; k += 4) {
+      const uint2 w = *reinterpret_cast<const uint2*>(p + 2 * k);
+      const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&w.x));
+      const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&w.y));
+      out[k] = a.x;
+      out[k + 1] = a.y;
+      out[k + 2] = b.x;
+      out[k + 3] = b.y;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < NS; ++k) out[k] = __half2float(reinterpret_cast<const __half*>(p)[k]);
+  }
+}
+
+// Byte i of token A's word and of token B's word, each in the low byte of one 16-bit lane.
+__device__ __forceinline__ uint32_t pair_bytes(uint32_t wa, uint32_t wb, int i) {
+  return __byte_perm(wa, wb, (unsigned)(i | i << 4 | (4 + i) << 8 | (4 + i) << 12));
+}
+
+template <dfmt F, int HD>
+__global__ void __launch_bounds__(kThreads) decode_kernel(decode_args a) {
+  using S = shape<F, HD>;
+  using C = cfg<F, HD>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int4 it = a.items[blockIdx.x];
+  const int seq = it.x, t0 = it.y, t1 = it.z, h = blockIdx.y;
+  const int nchunk = (t1 - t0 + kChunk - 1) / kChunk;
+  const int my_chunks = nchunk > warp ? (nchunk - warp + kWarps - 1) / kWarps : 0;
+  const int32_t* pages = a.indices + a.indptr[seq];
+  const uint8_t* head_base = a.pool + (int64_t)h * a.geo.head_bytes;
+  uint8_t* wbuf = smem + warp * C::STAGES * C::STAGE;
+
+  // Loads this warp's i-th chunk into stage i % STAGES (one commit group, possibly empty).
+  auto issue = [&](int i) {
+    if (i < my_chunks) {
+      const int tok = t0 + (warp + i * kWarps) * kChunk;
+      const int nvalid = min(kChunk, t1 - tok);
+      const int64_t page = pages[tok / a.geo.page_size];
+      const int off = tok % a.geo.page_size;
+      const uint8_t* blk = head_base + page * a.geo.page_bytes;
+      uint8_t* dst = wbuf + (i % C::STAGES) * C::STAGE;
+      for (int p = lane; p < kChunk * C::PPR; p += 32) {
+        const int r = p / C::PPR, j = p % C::PPR;
+        const bool ok = r < nvalid;
+        const int64_t so = (int64_t)(off + (ok ? r : 0)) * S::CB + j * C::PS;
+        cp_async<C::PS>(dst + r * C::SR + j * C::PS, blk + a.geo.k_codes + so, ok);
+        cp_async<C::PS>(dst + (kChunk + r) * C::SR + j * C::PS, blk + a.geo.v_codes + so, ok);
+      }
+      if constexpr (S::NS > 0) {
+        uint8_t* sd = dst + 2 * kChunk * C::SR;
+        const int64_t so = (int64_t)off * S::NS * 2;
+        if (nvalid == kChunk) {
+          for (int p = lane; p < C::SCALE_BYTES / 16; p += 32) {
+            cp_async<16>(sd + 16 * p, blk + a.geo.k_scales + so + 16 * p, true);
+            cp_async<16>(sd + C::SCALE_BYTES + 16 * p, blk + a.geo.v_scales + so + 16 * p, true);
+          }
+        } else {  // the item's last, partial chunk: plain copy, scales of missing rows zeroed
+          const uint16_t* ks = reinterpret_cast<const uint16_t*>(blk + a.geo.k_scales + so);
+          const uint16_t* vs = reinterpret_cast<const uint16_t*>(blk + a.geo.v_scales + so);
+          for (int p = lane; p < kChunk * S::NS; p += 32) {
+            const bool ok = p / S::NS < nvalid;
+            reinterpret_cast<uint16_t*>(sd)[p] = ok ? ks[p] : (uint16_t)0;
+            reinterpret_cast<uint16_t*>(sd + C::SCALE_BYTES)[p] = ok ? vs[p] : (uint16_t)0;
+          }
+        }
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < C::STAGES - 1; ++i) issue(i);
+
+  // ---- queries of the group: rotate (f32), then int8 per head (quantize_q8_ref) or f16 ----
+  float* qf = reinterpret_cast<float*>(smem + C::REGION0);  // [8][HD]
+  uint8_t* qq = smem + C::REGION0 + C::QF;                   // [8][HD] int8 or f16
+  float* qscale = reinterpret_cast<float*>(qq + C::QQ);      // [8]
+  int* qsum = reinterpret_cast<int*>(qscale + kMaxGroup);     // [8][NB]
+  for (int i = threadIdx.x; i < kMaxGroup * HD; i += kThreads) {
+    const int hh = i / HD, c = i % HD;
+    qf[i] = hh < a.ng ? load_elem(a.q, ((int64_t)seq * a.n_head + (int64_t)h * a.ng + hh) * HD + c, a.q_bf16 != 0) : 0.0f;
+  }
+  if (a.rot_block > 1) fwht_rows_block(qf, a.ng, HD, a.rot_block, a.rot_scale);
+  else __syncthreads();
+  if constexpr (F != dfmt::f16) {
+    for (int hh = warp; hh < kMaxGroup; hh += kWarps) {
+      const float* x = qf + hh * HD;
+      float amax = 0.0f;
+      for (int c = lane; c < HD; c += 32) amax = fmaxf(amax, fabsf(x[c]));
+      amax = warp_max(amax);
+      const float s = __fdiv_rn(amax, 127.0f);
+      const float inv = s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;
+      for (int c = lane; c < HD; c += 32)
+        reinterpret_cast<int8_t*>(qq)[hh * HD + c] = (int8_t)fminf(fmaxf(rintf(__fmul_rn(x[c], inv)), -127.0f), 127.0f);
+      if (lane == 0) qscale[hh] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x < kMaxGroup * S::NB) {
+      const int hh = threadIdx.x / S::NB, bb = threadIdx.x % S::NB;
+      const int m = (S::PARTIAL && bb == S::NB - 1) ? 16 : 32;
+      const int8_t* qr = reinterpret_cast<const int8_t*>(qq) + hh * HD + 32 * bb;
+      int sum = 0;
+      for (int i = 0; i < m; ++i) sum += qr[i];
+      qsum[threadIdx.x] = sum;
+    }
+  } else {
+    for (int i = threadIdx.x; i < kMaxGroup * HD; i += kThreads)
+      reinterpret_cast<__half*>(qq)[i] = __float2half_rn(qf[i]);
+  }
+  __syncthreads();
+
+  // Query fragments (rows = heads g; rows 8..15 of the MMA are zero).
+  constexpr int NQ = F == dfmt::f16 ? HD / 16 : S::NB;
+  uint32_t qa0[NQ], qa2[NQ];
+  int cinit[S::NB];
+  float sfac;
+  if constexpr (F != dfmt::f16) {
+#pragma unroll
+    for (int bb = 0; bb < S::NB; ++bb) {
+      const uint8_t* qr = qq + g * HD + 32 * bb;
+      if (S::PARTIAL && bb == S::NB - 1) {
+        if constexpr (F == dfmt::q4) {  // 16-element block: byte i holds e[i] and e[i + 8]
+          qa0[bb] = t < 2 ? lds32(qr + 4 * t) : 0u;
+          qa2[bb] = t < 2 ? lds32(qr + 8 + 4 * t) : 0u;
+        } else {
+          qa0[bb] = lds32(qr + 4 * t);
+          qa2[bb] = 0u;
+        }
+      } else {
+        qa0[bb] = lds32(qr + 4 * t);
+        qa2[bb] = lds32(qr + 16 + 4 * t);
+      }
+      cinit[bb] = kBias + (F == dfmt::q4 ? -8 * qsum[g * S::NB + bb] : 0);
+    }
+    sfac = qscale[g] * a.sm_scale_log2;
+  } else {
+    const uint8_t* qr = qq + 2 * g * HD;
+#pragma unroll
+    for (int ks = 0; ks < NQ; ++ks) {
+      qa0[ks] = lds32(qr + 2 * (16 * ks + 2 * t));
+      qa2[ks] = lds32(qr + 2 * (16 * ks + 8 + 2 * t));
+    }
+    sfac = a.sm_scale_log2;
+  }
+
+  // ---- main loop over this warp's chunks ----
+  float m_run = -INFINITY, d_run = 0.0f;
+  float acc[C::MT][4];
+#pragma unroll
+  for (int mt = 0; mt < C::MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
+  float pscale = 1.0f, inv_pscale = 1.0f;
+  // q4 rows of this thread in the P·V tiles: word j of each block, low (g < 4) or high nibbles
+  const uint32_t nib_mask = (g >> 2) ? 0x00F000F0u : 0x000F000Fu;
+  const uint32_t nib_sub = (g >> 2) ? 0x64806480u : 0x64086408u;  // f16 (1024 + 128, 1024 + 8)
+
+  for (int i = 0; i < my_chunks; ++i) {
+    cp_async_wait<C::STAGES - 2>();
+    __syncwarp();
+    issue(i + C::STAGES - 1);
+    const uint8_t* kc = wbuf + (i % C::STAGES) * C::STAGE;
+    const uint8_t* vc = kc + kChunk * C::SR;
+    const uint8_t* ksc = kc + 2 * kChunk * C::SR;
+    const uint8_t* vsc = ksc + C::SCALE_BYTES;
+    const int tok = t0 + (warp + i * kWarps) * kChunk;
+    const int nvalid = min(kChunk, t1 - tok);
+    // token rows of this thread's score / P columns: 2t, 2t+1, 8+2t, 9+2t
+    const int rows[4] = {2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
+
+    float s[2][2];
+    if constexpr (F == dfmt::f16) {
+      float cc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      const uint8_t* base = kc + ((lane & 7) + 8 * (lane >> 4)) * C::SR + 16 * ((lane >> 3) & 1);
+#pragma unroll
+      for (int ks = 0; ks < HD / 16; ++ks) {
+        uint32_t r[4];
+        ldsm_x4(r, base + 32 * ks);
+        mma_f16(cc[0], qa0[ks], 0u, qa2[ks], 0u, r[0], r[1]);
+        mma_f16(cc[1], qa0[ks], 0u, qa2[ks], 0u, r[2], r[3]);
+      }
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        s[n][0] = cc[n][0] * sfac;
+        s[n][1] = cc[n][1] * sfac;
+      }
+    } else {
+      float kscale[4][S::NS];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) load_scales<S::NS>(ksc + rows[k] * S::NS * 2, kscale[k]);
+      s[0][0] = s[0][1] = s[1][0] = s[1][1] = 0.0f;
+#pragma unroll
+      for (int bb = 0; bb < S::NB; ++bb) {
+        const bool last_partial = S::PARTIAL && bb == S::NB - 1;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          const uint8_t* row = kc + (8 * n + g) * C::SR;
+          uint32_t b0, b1;
+          if constexpr (F == dfmt::q4) {
+            const uint32_t w = (last_partial && t >= 2) ? 0u : lds32(row + 16 * bb + 4 * t);
+            b0 = w & 0x0F0F0F0Fu;
+            b1 = (w >> 4) & 0x0F0F0F0Fu;
+          } else {
+            b0 = lds32(row + 32 * bb + 4 * t);
+            b1 = last_partial ? 0u : lds32(row + 32 * bb + 16 + 4 * t);
+          }
+          int cc[4] = {cinit[bb], cinit[bb], 0, 0};
+          mma_s8(cc, qa0[bb], 0u, qa2[bb], 0u, b0, b1);
+          const int si = S::scale_index(bb);
+          s[n][0] = fmaf(kscale[2 * n][si], __int_as_float(cc[0]) - kBiasF, s[n][0]);
+          s[n][1] = fmaf(kscale[2 * n + 1][si], __int_as_float(cc[1]) - kBiasF, s[n][1]);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        s[n][0] *= sfac;
+        s[n][1] *= sfac;
+      }
+    }
+    if (nvalid < kChunk) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (rows[k] >= nvalid) s[k >> 1][k & 1] = -INFINITY;
+    }
+
+    // ---- online softmax (log2 domain), one row (head g) per 4 lanes ----
+    float mx = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+    mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+    const float m_new = fmaxf(m_run, mx);
+    const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+    const float alpha = exp2f(m_run - m_use);
+    float p[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) p[k] = exp2f(s[k >> 1][k & 1] - m_use);
+    d_run = d_run * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
+    m_run = m_new;
+    const float al0 = __shfl_sync(kFull, alpha, 8 * t), al1 = __shfl_sync(kFull, alpha, 8 * t + 4);
+#pragma unroll
+    for (int mt = 0; mt < C::MT; ++mt) {
+      acc[mt][0] *= al0;
+      acc[mt][1] *= al1;
+      acc[mt][2] *= al0;
+      acc[mt][3] *= al1;
+    }
+
+    // ---- P·V ----
+    if constexpr (F == dfmt::f16) {
+      const uint32_t pb0 = pack_half2(p[0], p[1]), pb1 = pack_half2(p[2], p[3]);
+      const uint8_t* base = vc + ((lane & 7) + 8 * (lane >> 4)) * C::SR + 16 * ((lane >> 3) & 1);
+#pragma unroll
+      for (int mt = 0; mt < C::MT; ++mt) {
+        uint32_t r[4];
+        ldsm_x4_trans(r, base + 32 * mt);
+        mma_f16(acc[mt], r[0], r[1], r[2], r[3], pb0, pb1);
+      }
+    } else {
+      if (i == 0) {  // exact power of two that brings this warp's V scales near 1 in f16
+        float vmax = 0.0f;
+        for (int k = lane; k < kChunk * S::NS; k += 32)
+          vmax = fmaxf(vmax, __half2float(reinterpret_cast<const __half*>(vsc)[k]));
+        vmax = warp_max(vmax);
+        int e = 0;
+        if (vmax > 0.0f) frexpf(vmax, &e);
+        pscale = ldexpf(1.0f, -e);
+        inv_pscale = ldexpf(1.0f, e);
+      }
+      float vscale[4][S::NS];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        load_scales<S::NS>(vsc + rows[k] * S::NS * 2, vscale[k]);
+        p[k] *= pscale;
+      }
+      uint32_t w[S::NB][4];
+#pragma unroll
+      for (int bb = 0; bb < S::NB; ++bb) {
+        const bool last_partial = S::PARTIAL && bb == S::NB - 1;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint8_t* row = vc + rows[k] * C::SR;
+          if constexpr (F == dfmt::q4)
+            w[bb][k] = (last_partial && (g & 3) >= 2) ? 0u : lds32(row + 16 * bb + 4 * (g & 3));
+          else
+            w[bb][k] = (last_partial && g >= 4) ? 0u : lds32(row + 32 * bb + 4 * g);
+        }
+      }
+#pragma unroll
+      for (int bb = 0; bb < S::NB; ++bb) {
+        const int si = S::scale_index(bb);
+        const uint32_t pb0 = pack_half2(p[0] * vscale[0][si], p[1] * vscale[1][si]);
+        const uint32_t pb1 = pack_half2(p[2] * vscale[2][si], p[3] * vscale[3][si]);
+#pragma unroll
+        for (int mu = 0; mu < 2; ++mu) {
+          uint32_t x[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            // r: 0 = (tokens 2t, 2t+1; byte 2mu), 1 = (same tokens; byte 2mu+1), 2, 3 = tokens 8+2t, 9+2t
+            const uint32_t pr = pair_bytes(w[bb][(r >> 1) * 2], w[bb][(r >> 1) * 2 + 1], 2 * mu + (r & 1));
+            if constexpr (F == dfmt::q4)
+              x[r] = hsub2_u32((pr & nib_mask) | 0x64006400u, nib_sub);
+            else
+              x[r] = hsub2_u32((pr & 0x00FF00FFu) ^ 0x64806480u, 0x64806480u);
+          }
+          // A rows: g <- byte 2mu (x[0] tokens 2t.., x[2] tokens 8+2t..), g + 8 <- byte 2mu + 1
+          mma_f16(acc[2 * bb + mu], x[0], x[1], x[2], x[3], pb0, pb1);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- merge the 4 warps' states in shared memory ----
+  d_run += __shfl_xor_sync(kFull, d_run, 1);
+  d_run += __shfl_xor_sync(kFull, d_run, 2);
+  __syncthreads();
+  float* ow = reinterpret_cast<float*>(smem);                                 // [warp][8][HD]
+  float2* mdw = reinterpret_cast<float2*>(smem + kWarps * kMaxGroup * HD * 4);  // [warp][8]
+  if (t == 0) mdw[warp * kMaxGroup + g] = make_float2(my_chunks > 0 ? m_run : -INFINITY, d_run);
+  float* o0 = ow + (warp * kMaxGroup + 2 * t) * HD;  // head 2t
+  float* o1 = o0 + HD;                                // head 2t + 1
+#pragma unroll
+  for (int mt = 0; mt < C::MT; ++mt) {
+    int ch0, ch1;
+    float f = inv_pscale;
+    bool ok = true;
+    if constexpr (F == dfmt::f16) {
+      ch0 = 16 * mt + g;
+      ch1 = ch0 + 8;
+      f = 1.0f;
+    } else {
+      const int bb = mt >> 1, mu = mt & 1;
+      const bool last_partial = S::PARTIAL && bb == S::NB - 1;
+      if constexpr (F == dfmt::q4) {
+        const int j = g & 3, hs = g >> 2;
+        ch0 = 32 * bb + (last_partial ? 8 : 16) * hs + 4 * j + 2 * mu;
+        ok = !last_partial || j < 2;
+        if (hs) f *= 0.0625f;  // high nibbles entered the MMA as 16 * (u - 8)
+      } else {
+        ch0 = 32 * bb + 4 * g + 2 * mu;
+        ok = !last_partial || g < 4;
+      }
+      ch1 = ch0 + 1;
+    }
+    if (ok) {
+      o0[ch0] = acc[mt][0] * f;
+      o1[ch0] = acc[mt][1] * f;
+      o0[ch1] = acc[mt][2] * f;
+      o1[ch1] = acc[mt][3] * f;
+    }
+  }
+  __syncthreads();
+  const int64_t wsb = ((int64_t)blockIdx.x * a.n_kv_head + h) * a.ng;
+  for (int i = threadIdx.x; i < a.ng * HD; i += kThreads) {
+    const int hh = i / HD, c = i % HD;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, mdw[w * kMaxGroup + hh].x);
+    float o = 0.0f, d = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float2 md = mdw[w * kMaxGroup + hh];
+      if (md.x != -INFINITY) {
+        const float e = exp2f(md.x - M);
+        o += e * ow[(w * kMaxGroup + hh) * HD + c];
+        d += e * md.y;
+      }
+    }
+    a.ws_o[(wsb + hh) * HD + c] = o;
+    if (c == 0) a.ws_md[wsb + hh] = make_float2(M, d);
+  }
+}
+
+struct merge_args {
+  const float* ws_o;
+  const float2* ws_md;
+  const int* item_ptr;  // [batch + 1]
+  const void* q;
+  const uint16_t* ek;   // exact window [batch][n_kv_head][cap][HD] f16
+  const uint16_t* ev;
+  const int32_t* elen;  // [batch] or nullptr
+  void* out;            // [batch][n_head][HD]
+  int ecap;
+  int q_bf16, out_f16;
+  int n_head, n_kv_head, ng;
+  float sm_scale_log2;
+  int rot_block;
+  float rot_scale;
+};
+
+template <int HD>
+constexpr int merge_smem_bytes(int cap) {
+  return (3 * kMaxGroup * HD + 2 * kMaxGroup + kMaxGroup * cap) * 4;
+}
+
+// One block per (sequence, kv head): the exact window (f32 rotated q x f16 rows), the merge of the
+// work items' states (attn_state::merge in log2 units), o / d, the inverse rotation, the store.
+template <int HD>
+__global__ void __launch_bounds__(kThreads) merge_kernel(merge_args a) {
+  extern __shared__ __align__(16) float fm[];
+  float* qf = fm;                      // [8][HD]
+  float* of = qf + kMaxGroup * HD;     // [8][HD]
+  float* eo = of + kMaxGroup * HD;     // [8][HD]
+  float* emd = eo + kMaxGroup * HD;    // [8][2]
+  float* sc = emd + 2 * kMaxGroup;     // [8][cap]
+  const int seq = blockIdx.x, h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ng = a.ng;
+  const int ne = a.elen ? a.elen[seq] : 0;
+  if (ne > 0) {
+    for (int i = threadIdx.x; i < ng * HD; i += kThreads)
+      qf[i] = load_elem(a.q, ((int64_t)seq * a.n_head + (int64_t)h * ng) * HD + i, a.q_bf16 != 0);
+    if (a.rot_block > 1) fwht_rows_block(qf, ng, HD, a.rot_block, a.rot_scale);
+    else __syncthreads();
+    const int64_t eb = ((int64_t)seq * a.n_kv_head + h) * a.ecap * HD;
+    const __half* kb = reinterpret_cast<const __half*>(a.ek) + eb;
+    const __half* vb = reinterpret_cast<const __half*>(a.ev) + eb;
+    for (int i = warp; i < ng * ne; i += kWarps) {
+      const int hh = i / ne, j = i % ne;
+      float dot = 0.0f;
+      for (int c = lane; c < HD; c += 32) dot = fmaf(qf[hh * HD + c], __half2float(kb[(int64_t)j * HD + c]), dot);
+      dot = warp_sum(dot);
+      if (lane == 0) sc[hh * a.ecap + j] = dot * a.sm_scale_log2;
+    }
+    __syncthreads();
+    for (int hh = warp; hh < ng; hh += kWarps) {
+      float m = -INFINITY;
+      for (int j = lane; j < ne; j += 32) m = fmaxf(m, sc[hh * a.ecap + j]);
+      m = warp_max(m);
+      float d = 0.0f;
+      for (int j = lane; j < ne; j += 32) {
+        const float p = exp2f(sc[hh * a.ecap + j] - m);
+        sc[hh * a.ecap + j] = p;
+        d += p;
+      }
+      d = warp_sum(d);
+      if (lane == 0) {
+        emd[2 * hh] = m;
+        emd[2 * hh + 1] = d;
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ng * HD; i += kThreads) {
+      const int hh = i / HD, c = i % HD;
+      float o = 0.0f;
+      for (int j = 0; j < ne; ++j) o = fmaf(sc[hh * a.ecap + j], __half2float(vb[(int64_t)j * HD + c]), o);
+      eo[i] = o;
+    }
+  }
+  const int i0 = a.item_ptr[seq], i1 = a.item_ptr[seq + 1];
+  for (int i = threadIdx.x; i < ng * HD; i += kThreads) {
+    const int hh = i / HD, c = i % HD;
+    float M = ne > 0 ? emd[2 * hh] : -INFINITY;
+    for (int it = i0; it < i1; ++it) M = fmaxf(M, a.ws_md[((int64_t)it * a.n_kv_head + h) * ng + hh].x);
+    float o = 0.0f, d = 0.0f;
+    if (ne > 0) {
+      const float e = exp2f(emd[2 * hh] - M);
+      o = eo[i] * e;
+      d = emd[2 * hh + 1] * e;
+    }
+    for (int it = i0; it < i1; ++it) {
+      const int64_t k = ((int64_t)it * a.n_kv_head + h) * ng + hh;
+      const float2 md = a.ws_md[k];
+      const float e = exp2f(md.x - M);
+      o = fmaf(e, a.ws_o[k * HD + c], o);
+      d = fmaf(e, md.y, d);
+    }
+    of[i] = d > 0.0f ? o * (1.0f / d) : 0.0f;
+  }
+  if (a.rot_block > 1) fwht_rows_block(of, ng, HD, a.rot_block, a.rot_scale);  // Hadamard: its own inverse
+  else __syncthreads();
+  const int64_t ob = ((int64_t)seq * a.n_head + (int64_t)h * ng) * HD;
+  for (int i = threadIdx.x; i < ng * HD; i += kThreads) {
+    if (a.out_f16) reinterpret_cast<__half*>(a.out)[ob + i] = __float2half_rn(of[i]);
+    else reinterpret_cast<float*>(a.out)[ob + i] = of[i];
+  }
+}
+
+int round16(int64_t n) { return (int)((n + 15) / 16 * 16); }
+
+}  // namespace
+
+struct decode_plan::impl {
+  paged_kv_format f;
+  paged_kv_geometry geo;
+  decode_params p;
+  int batch = 0, ng = 0, exact_cap = 0, n_items = 0, split = 0;
+  int dec_smem = 0, merge_smem = 0;
+  int4* items = nullptr;
+  int* item_ptr = nullptr;
+  float* ws_o = nullptr;
+  float2* ws_md = nullptr;
+  size_t ws_bytes = 0;
+
+  ~impl() {
+    cudaFree(items);
+    cudaFree(item_ptr);
+    cudaFree(ws_o);
+    cudaFree(ws_md);
+  }
+};
+
+decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const int32_t* indptr_host,
+                         const int32_t* last_page_len_host, int batch, int exact_cap)
+    : p_(std::make_unique<impl>()) {
+  require();
+  impl& s = *p_;
+  s.f = f;
+  s.geo = paged_kv_geometry_of(f);
+  s.p = p;
+  if (p.n_head < f.n_kv_head || p.n_head % f.n_kv_head != 0 || p.n_head / f.n_kv_head > kMaxGroup)
+    fail_unsupported("[cuda attn_decode] n_head " + std::to_string(p.n_head) + " must be a multiple of n_kv_head " +
+                     std::to_string(f.n_kv_head) + " with at most " + std::to_string(kMaxGroup) + " query heads per kv head");
+  if (!std::isfinite(p.scale)) fail_input("[cuda attn_decode] scale must be finite");
+  if (p.q_elem == kv_elem::f32) fail_unsupported("[cuda attn_decode] queries must be f16 or bf16, got f32");
+  if (p.out_elem == kv_elem::bf16) fail_unsupported("[cuda attn_decode] output must be f32 or f16, got bf16");
+  if (p.split_tokens < 0 || p.split_tokens % 16 != 0)
+    fail_input("[cuda attn_decode] split_tokens must be 0 (auto) or a positive multiple of 16, got " +
+               std::to_string(p.split_tokens));
+  if (batch < 0) fail_input("[cuda attn_decode] batch must be >= 0, got " + std::to_string(batch));
+  if (exact_cap < 0 || exact_cap > 1024)
+    fail_unsupported("[cuda attn_decode] exact window capacity must be in [0, 1024], got " + std::to_string(exact_cap));
+  if (batch > 0 && (!indptr_host || !last_page_len_host))
+    fail_input("[cuda attn_decode] host copies of indptr and last_page_len are required");
+  s.batch = batch;
+  s.ng = p.n_head / f.n_kv_head;
+  s.exact_cap = exact_cap;
+
+  // kernel attributes and occupancy
+  int occ = 1, sms = 1, dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  dispatch_format_hd(to_dfmt(f.format), f.head_dim, [&](auto fc, auto hc) {
+    constexpr dfmt F = decltype(fc)::value;
+    constexpr int HD = decltype(hc)::value;
+    s.dec_smem = cfg<F, HD>::SMEM;
+    s.merge_smem = merge_smem_bytes<HD>(exact_cap);
+    check(cudaFuncSetAttribute(decode_kernel<F, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, s.dec_smem),
+          "cudaFuncSetAttribute(decode)");
+    check(cudaFuncSetAttribute(merge_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, s.merge_smem),
+          "cudaFuncSetAttribute(merge)");
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, decode_kernel<F, HD>, kThreads, s.dec_smem),
+          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  });
+  if (occ < 1)
+    fail_unsupported("[cuda attn_decode] the decode kernel does not fit on this GPU (shared memory " +
+                     std::to_string(s.dec_smem) + " bytes)");
+
+  // sequence lengths and the split-KV work list
+  std::vector<int64_t> len(batch);
+  int64_t total = 0;
+  for (int b = 0; b < batch; ++b) {
+    const int32_t np = indptr_host[b + 1] - indptr_host[b];
+    if (np < 0) fail_input("[cuda attn_decode] indptr must be non-decreasing (sequence " + std::to_string(b) + ")");
+    if (np > 0 && (last_page_len_host[b] < 1 || last_page_len_host[b] > f.page_size))
+      fail_input("[cuda attn_decode] last_page_len[" + std::to_string(b) + "] = " + std::to_string(last_page_len_host[b]) +
+                 " must be in [1, page_size " + std::to_string(f.page_size) + "]");
+    len[b] = np > 0 ? (int64_t)(np - 1) * f.page_size + last_page_len_host[b] : 0;
+    if (len[b] > INT32_MAX - 64) fail_unsupported("[cuda attn_decode] sequence " + std::to_string(b) + " is too long");
+    total += len[b];
+  }
+  int split = p.split_tokens;
+  if (split == 0) {  // about 4 waves of blocks; at least 128 tokens (8 chunks) per item
+    const int64_t want = (int64_t)sms * occ * 4;
+    const int64_t per = (total * f.n_kv_head + want - 1) / std::max<int64_t>(want, 1);  // items x kv heads ~ want
+    split = std::clamp(round16(std::max<int64_t>(per, 1)), 128, 16384);
+  }
+  std::vector<int4> items;
+  std::vector<int> item_ptr(batch + 1, 0);
+  for (int b = 0; b < batch; ++b) {
+    item_ptr[b] = (int)items.size();
+    if (len[b] == 0) continue;
+    const int64_t n = (len[b] + split - 1) / split;
+    const int per = round16((len[b] + n - 1) / n);  // even items, multiples of 16 (chunks never straddle)
+    for (int64_t t0 = 0; t0 < len[b]; t0 += per) items.push_back(make_int4(b, (int)t0, (int)std::min<int64_t>(len[b], t0 + per), 0));
+  }
+  item_ptr[batch] = (int)items.size();
+  s.n_items = (int)items.size();
+  s.split = split;
+  const size_t n_states = (size_t)std::max(s.n_items, 1) * f.n_kv_head * s.ng;
+  check(cudaMalloc(&s.items, std::max<size_t>(1, items.size()) * sizeof(int4)), "cudaMalloc(items)");
+  check(cudaMalloc(&s.item_ptr, (batch + 1) * sizeof(int)), "cudaMalloc(item_ptr)");
+  check(cudaMalloc(&s.ws_o, n_states * f.head_dim * sizeof(float)), "cudaMalloc(workspace)");
+  check(cudaMalloc(&s.ws_md, n_states * sizeof(float2)), "cudaMalloc(workspace)");
+  s.ws_bytes = n_states * (f.head_dim * sizeof(float) + sizeof(float2)) + items.size() * sizeof(int4) + (batch + 1) * sizeof(int);
+  if (!items.empty()) copy_to_device(s.items, items.data(), items.size() * sizeof(int4));
+  copy_to_device(s.item_ptr, item_ptr.data(), (batch + 1) * sizeof(int));
+}
+
+decode_plan::~decode_plan() = default;
+
+int decode_plan::n_items() const { return p_->n_items; }
+int decode_plan::split_tokens() const { return p_->split; }
+size_t decode_plan::workspace_bytes() const { return p_->ws_bytes; }
+
+void decode_plan::run(const paged_kv_view& kv, const void* q, void* out, const exact_window_view* exact,
+                      void* stream) const {
+  const impl& s = *p_;
+  const paged_kv_format& f = kv.format;
+  if (f.format != s.f.format || f.head_dim != s.f.head_dim || f.n_kv_head != s.f.n_kv_head ||
+      f.page_size != s.f.page_size || f.rotation != s.f.rotation || kv.batch != s.batch)
+    fail_input("[cuda attn_decode] the view's format or batch differs from the plan's");
+  if (s.batch == 0) return;
+  if (!kv.pool || !kv.indptr || !kv.indices || !q || !out)
+    fail_input("[cuda attn_decode] pool, indptr, indices, q and out must be device pointers");
+  if (exact && exact->len && (!exact->k || !exact->v || exact->cap > s.exact_cap || exact->cap < 1))
+    fail_input("[cuda attn_decode] exact window: k, v required and cap in [1, plan's exact_cap " +
+               std::to_string(s.exact_cap) + "]");
+  const cudaStream_t st = as_stream(stream);
+  const float l2e = 1.4426950408889634f;
+  dispatch_format_hd(to_dfmt(f.format), f.head_dim, [&](auto fc, auto hc) {
+    constexpr dfmt F = decltype(fc)::value;
+    constexpr int HD = decltype(hc)::value;
+    if (s.n_items > 0) {
+      decode_args a;
+      a.pool = kv.pool;
+      a.geo = to_dev(s.geo, f.page_size);
+      a.indptr = kv.indptr;
+      a.indices = kv.indices;
+      a.items = s.items;
+      a.q = q;
+      a.ws_o = s.ws_o;
+      a.ws_md = s.ws_md;
+      a.q_bf16 = s.p.q_elem == kv_elem::bf16;
+      a.n_head = s.p.n_head;
+      a.n_kv_head = f.n_kv_head;
+      a.ng = s.ng;
+      a.sm_scale_log2 = s.p.scale * l2e;
+      a.rot_block = s.geo.rot_block;
+      a.rot_scale = s.geo.rot_scale;
+      decode_kernel<F, HD><<<dim3((unsigned)s.n_items, (unsigned)f.n_kv_head), kThreads, s.dec_smem, st>>>(a);
+      check_launch("attn_decode (decode_kernel)");
+    }
+    merge_args m;
+    m.ws_o = s.ws_o;
+    m.ws_md = s.ws_md;
+    m.item_ptr = s.item_ptr;
+    m.q = q;
+    const bool has_exact = exact && exact->len;
+    m.ek = has_exact ? exact->k : nullptr;
+    m.ev = has_exact ? exact->v : nullptr;
+    m.elen = has_exact ? exact->len : nullptr;
+    m.ecap = has_exact ? exact->cap : 0;
+    m.out = out;
+    m.q_bf16 = s.p.q_elem == kv_elem::bf16;
+    m.out_f16 = s.p.out_elem == kv_elem::f16;
+    m.n_head = s.p.n_head;
+    m.n_kv_head = f.n_kv_head;
+    m.ng = s.ng;
+    m.sm_scale_log2 = s.p.scale * l2e;
+    m.rot_block = s.geo.rot_block;
+    m.rot_scale = s.geo.rot_scale;
+    const int msmem = merge_smem_bytes<HD>(m.ecap);
+    merge_kernel<HD><<<dim3((unsigned)s.batch, (unsigned)f.n_kv_head), kThreads, msmem, st>>>(m);
+    check_launch("attn_decode (merge_kernel)");
+  });
+}
+
+}  // namespace kvq::cuda

@@ -1,0 +1,206 @@
+// Fused rotate-quantize-append into the paged layout, and the dequantize baseline.
+#include <string>
+
+#include "cuda/common.cuh"
+#include "kvq/cuda.h"
+
+namespace kvq::cuda {
+
+using namespace detail;
+
+namespace {
+
+constexpr int kAppendWarps = 4;
+
+struct append_args {
+  uint8_t* pool;
+  dev_geom geo;
+  const void* k;  // [n_tokens][n_kv_head][HD]
+  const void* v;
+  const int64_t* slots;  // [n_tokens]
+  int64_t n_items;       // n_tokens * n_kv_head * 2
+  int n_kv_head;
+  int bf16;
+  int rot_block;
+  float rot_scale;
+};
+
+// One warp per (token, kv head, side). Mirrors kv_cache_quant::transform_side + quantize_row_ref:
+// x -> FWHT blocks -> f16 rounding -> per group absmax / qmax rounded up to f16 -> rint(x * (1/s))
+// clamped -> code + offset -> pack (docs/formats.md).
+template <dfmt F, int HD>
+__global__ void __launch_bounds__(32 * kAppendWarps) append_kernel(append_args a) {
+  using S = shape<F, HD>;
+  __shared__ float xs[kAppendWarps][HD];
+  __shared__ __align__(16) uint8_t us[kAppendWarps][HD];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t item = (int64_t)blockIdx.x * kAppendWarps + warp;
+  if (item >= a.n_items) return;  // warp-uniform; only warp-level barriers follow
+  const int side = (int)(item & 1);
+  const int64_t th = item >> 1;
+  const int64_t tok = th / a.n_kv_head;
+  const int h = (int)(th % a.n_kv_head);
+  const void* src = side ? a.v : a.k;
+  float* x = xs[warp];
+  const int64_t base = (tok * a.n_kv_head + h) * HD;
+  for (int i = lane; i < HD; i += 32) x[i] = load_elem(src, base + i, a.bf16 != 0);
+  if (a.rot_block > 1) fwht_row_warp(x, HD, a.rot_block, a.rot_scale, lane);
+  __syncwarp();
+  const int64_t slot = a.slots[tok];
+  const int64_t page = slot / a.geo.page_size;
+  const int row = (int)(slot % a.geo.page_size);
+  uint8_t* blk = a.pool + page * a.geo.page_bytes + (int64_t)h * a.geo.head_bytes;
+  uint8_t* codes = blk + (side ? a.geo.v_codes : a.geo.k_codes) + (int64_t)row * S::CB;
+  if constexpr (F == dfmt::f16) {
+    for (int i = lane; i < HD; i += 32) reinterpret_cast<uint16_t*>(codes)[i] = __half_as_ushort(__float2half_rn(x[i]));
+    return;
+  } else {
+    constexpr int G = HD % 32 == 0 ? 32 : HD;
+    constexpr int NG = HD / G;
+    constexpr float qmax = F == dfmt::q8 ? 127.0f : 7.0f;
+    constexpr int offset = F == dfmt::q8 ? 0 : 8;
+    uint16_t* scales = reinterpret_cast<uint16_t*>(blk + (side ? a.geo.v_scales : a.geo.k_scales)) + (int64_t)row * NG;
+    for (int i = lane; i < HD; i += 32) x[i] = __half2float(__float2half_rn(x[i]));  // the cache stores f16-rounded values
+#pragma unroll
+    for (int gi = 0; gi < NG; ++gi) {
+      float amax = 0.0f;
+      for (int i = lane; i < G; i += 32) amax = fmaxf(amax, fabsf(x[gi * G + i]));
+      amax = warp_max(amax);
+      const uint16_t sh = f16_round_up_dev(__fdiv_rn(amax, qmax));
+      const float s = __half2float(__ushort_as_half(sh));
+      const float inv = s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;
+      for (int i = lane; i < G; i += 32) {
+        float c = rintf(__fmul_rn(x[gi * G + i], inv));
+        c = fminf(fmaxf(c, -qmax), qmax);
+        us[warp][gi * G + i] = (uint8_t)(int8_t)((int)c + offset);
+      }
+      if (lane == 0) scales[gi] = sh;
+    }
+    __syncwarp();
+    const uint8_t* u = us[warp];
+    if constexpr (F == dfmt::q8) {
+      for (int w = lane; w < HD / 4; w += 32)
+        reinterpret_cast<uint32_t*>(codes)[w] = reinterpret_cast<const uint32_t*>(u)[w];
+    } else {
+      for (int w = lane; w < S::CB / 4; w += 32) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int i = 4 * w + k;  // byte index in the row
+          const int b = i / 16, beta = i % 16;
+          const int half = (S::PARTIAL && b == S::NB - 1) ? 8 : 16;  // m / 2
+          const uint32_t byte = (u[32 * b + beta] & 15u) | (uint32_t)(u[32 * b + beta + half] & 15u) << 4;
+          word |= byte << (8 * k);
+        }
+        reinterpret_cast<uint32_t*>(codes)[w] = word;
+      }
+    }
+  }
+}
+
+struct dequant_args {
+  const uint8_t* src;
+  dev_geom sg;
+  uint8_t* dst;
+  dev_geom dg;
+  const int32_t* indices;
+};
+
+// One block per (page entry, kv head); each thread writes 8 f16 values (16 bytes) per step.
+template <dfmt F, int HD>
+__global__ void __launch_bounds__(128) dequant_kernel(dequant_args a) {
+  using S = shape<F, HD>;
+  if constexpr (F == dfmt::f16) {
+    return;
+  } else {
+    const int64_t page = a.indices[blockIdx.x];
+    const int h = blockIdx.y;
+    const uint8_t* sb = a.src + page * a.sg.page_bytes + (int64_t)h * a.sg.head_bytes;
+    uint8_t* db = a.dst + page * a.dg.page_bytes + (int64_t)h * a.dg.head_bytes;
+    const int per_row = HD / 8;
+    for (int side = 0; side < 2; ++side) {
+      const uint8_t* codes = sb + (side ? a.sg.v_codes : a.sg.k_codes);
+      const __half* scales = reinterpret_cast<const __half*>(sb + (side ? a.sg.v_scales : a.sg.k_scales));
+      uint8_t* out = db + (side ? a.dg.v_codes : a.dg.k_codes);
+      for (int i = threadIdx.x; i < a.sg.page_size * per_row; i += blockDim.x) {
+        const int row = i / per_row, c8 = i % per_row * 8;
+        const int b = c8 / 32, beta = c8 % 32;
+        const float s = __half2float(scales[row * S::NS + S::scale_index(b)]);
+        float y[8];
+        if constexpr (F == dfmt::q8) {
+          const uint2 w = *reinterpret_cast<const uint2*>(codes + (int64_t)row * S::CB + c8);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) y[k] = s * (float)(int8_t)((k < 4 ? w.x : w.y) >> (8 * (k % 4)));
+        } else {
+          const int half = (S::PARTIAL && b == S::NB - 1) ? 8 : 16;
+          const int shift = beta < half ? 0 : 4;
+          const uint2 w = *reinterpret_cast<const uint2*>(codes + (int64_t)row * S::CB + 16 * b + beta % half);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) y[k] = s * (float)((int)(((k < 4 ? w.x : w.y) >> (8 * (k % 4) + shift)) & 15u) - 8);
+        }
+        uint4 o;
+        o.x = pack_half2(y[0], y[1]);
+        o.y = pack_half2(y[2], y[3]);
+        o.z = pack_half2(y[4], y[5]);
+        o.w = pack_half2(y[6], y[7]);
+        *reinterpret_cast<uint4*>(out + (int64_t)row * 2 * HD + 2 * c8) = o;
+      }
+    }
+  }
+}
+
+void check_view(const paged_kv_view& kv, const char* op) {
+  if (!kv.pool || !kv.indptr || !kv.indices || !kv.last_page_len || kv.batch < 0 || kv.n_pages < 1)
+    fail_input(std::string("[") + op + "] incomplete paged_kv_view (pool, indptr, indices, last_page_len, n_pages >= 1)");
+}
+
+}  // namespace
+
+void append_paged(const paged_kv_view& kv, const void* k, const void* v, kv_elem elem, const int64_t* slots, int n_tokens,
+                  void* stream) {
+  require();
+  const paged_kv_geometry g = paged_kv_geometry_of(kv.format);
+  if (!kv.pool) fail_input("[cuda append_paged] paged_kv_view has no pool");
+  if (elem != kv_elem::f16 && elem != kv_elem::bf16)
+    fail_unsupported("[cuda append_paged] input must be f16 or bf16, got f32");
+  if (n_tokens < 0) fail_input("[cuda append_paged] n_tokens must be >= 0, got " + std::to_string(n_tokens));
+  if (n_tokens == 0) return;
+  if (!k || !v || !slots) fail_input("[cuda append_paged] k, v and slots must be device pointers");
+  append_args a;
+  a.pool = kv.pool;
+  a.geo = to_dev(g, kv.format.page_size);
+  a.k = k;
+  a.v = v;
+  a.slots = slots;
+  a.n_items = (int64_t)n_tokens * kv.format.n_kv_head * 2;
+  a.n_kv_head = kv.format.n_kv_head;
+  a.bf16 = elem == kv_elem::bf16;
+  a.rot_block = g.rot_block;
+  a.rot_scale = g.rot_scale;
+  const int64_t blocks = (a.n_items + kAppendWarps - 1) / kAppendWarps;
+  dispatch_format_hd(to_dfmt(kv.format.format), kv.format.head_dim, [&](auto fc, auto hc) {
+    append_kernel<decltype(fc)::value, decltype(hc)::value>
+        <<<(unsigned)blocks, 32 * kAppendWarps, 0, as_stream(stream)>>>(a);
+  });
+  check_launch("append_paged");
+}
+
+void dequantize_paged(const paged_kv_view& src, const paged_kv_view& dst, int n_entries, void* stream) {
+  require();
+  check_view(src, "cuda dequantize_paged");
+  const paged_kv_geometry sg = paged_kv_geometry_of(src.format), dg = paged_kv_geometry_of(dst.format);
+  if (src.format.format == kv_format::f16 || dst.format.format != kv_format::f16 ||
+      src.format.head_dim != dst.format.head_dim || src.format.n_kv_head != dst.format.n_kv_head ||
+      src.format.page_size != dst.format.page_size || !dst.pool || dst.n_pages < src.n_pages)
+    fail_input("[cuda dequantize_paged] dst must be an f16 pool of the same head_dim, n_kv_head, page_size and >= n_pages");
+  if (n_entries < 0) fail_input("[cuda dequantize_paged] n_entries must be >= 0, got " + std::to_string(n_entries));
+  if (n_entries == 0) return;
+  dequant_args a{src.pool, to_dev(sg, src.format.page_size), dst.pool, to_dev(dg, dst.format.page_size), src.indices};
+  dispatch_format_hd(to_dfmt(src.format.format), src.format.head_dim, [&](auto fc, auto hc) {
+    dequant_kernel<decltype(fc)::value, decltype(hc)::value>
+        <<<dim3((unsigned)n_entries, (unsigned)src.format.n_kv_head), 128, 0, as_stream(stream)>>>(a);
+  });
+  check_launch("dequantize_paged");
+}
+
+}  // namespace kvq::cuda

@@ -1,0 +1,48 @@
+// Geometry of the device page layout (include/kvq/cuda.h). Host code, built with and without CUDA so
+// that the 64-bit offset arithmetic is tested everywhere.
+#include <cmath>
+#include <string>
+
+#include "kvq/cuda.h"
+#include "kvq/error.h"
+
+namespace kvq::cuda {
+
+namespace {
+int64_t align16(int64_t n) { return (n + 15) / 16 * 16; }
+}  // namespace
+
+paged_kv_geometry paged_kv_geometry_of(const paged_kv_format& f) {
+  const int hd = f.head_dim;
+  if (f.format != kv_format::q8 && f.format != kv_format::q4 && f.format != kv_format::f16)
+    fail_unsupported(std::string("[cuda paged_kv] unsupported format '") + kv_traits(f.format).name +
+                     "' (supported: q8, q4, f16)");
+  if (hd != 64 && hd != 80 && hd != 96 && hd != 128 && hd != 256)
+    fail_unsupported("[cuda paged_kv] unsupported head_dim " + std::to_string(hd) + " (supported: 64, 80, 96, 128, 256)");
+  if (f.page_size != 16 && f.page_size != 64)
+    fail_unsupported("[cuda paged_kv] unsupported page_size " + std::to_string(f.page_size) + " (supported: 16, 64)");
+  if (f.n_kv_head < 1 || f.n_kv_head > 4096)
+    fail_input("[cuda paged_kv] n_kv_head must be in [1, 4096], got " + std::to_string(f.n_kv_head));
+  if (f.rotation != rotation_kind::none && f.rotation != rotation_kind::hadamard)
+    fail_unsupported(std::string("[cuda paged_kv] unsupported rotation '") + rotation_name(f.rotation) +
+                     "' (supported: none, hadamard)");
+  paged_kv_geometry g;
+  const bool dense = f.format == kv_format::f16;
+  g.group = hd % 32 == 0 ? 32 : hd;
+  g.n_scales = dense ? 0 : hd / g.group;
+  g.code_bytes = dense ? 2 * (int64_t)hd : (int64_t)kv_code_bytes(f.format, hd);
+  const int64_t codes = align16(f.page_size * g.code_bytes), scales = align16((int64_t)f.page_size * g.n_scales * 2);
+  g.k_codes = 0;
+  g.v_codes = codes;
+  g.k_scales = 2 * codes;
+  g.v_scales = 2 * codes + scales;
+  g.head_bytes = 2 * codes + 2 * scales;
+  g.page_bytes = g.head_bytes * f.n_kv_head;
+  if (f.rotation == rotation_kind::hadamard) {
+    g.rot_block = largest_pow2_divisor(hd);
+    g.rot_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(g.rot_block)));
+  }
+  return g;
+}
+
+}  // namespace kvq::cuda

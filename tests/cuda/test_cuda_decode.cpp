@@ -1,0 +1,321 @@
+// Decode attention on the GPU vs the CPU oracle on the same codes: attn_quant_ref (q8/q4 K/V,
+// int8 queries) or attn_dense_ref (f16), plus the exact window through attn_dense_ref and
+// attn_state::merge, then the inverse rotation. Relative error <= 1e-3 over the matrix
+// (head_dim x GQA x batch x ragged lengths x page size, sampled), outputs poisoned with NaN before
+// every run, pools poisoned too (unused rows of the last page must never leak in).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+#include "cuda_test_util.h"
+#include "kvq/error.h"
+
+namespace kvq::cuda::test {
+namespace {
+
+constexpr int kLengths[] = {1, 15, 16, 17, 1000, 32768};
+
+struct exact_data {
+  int cap = 0;
+  std::vector<uint16_t> k, v;  // [batch][n_kv_head][cap][hd] f16
+  std::vector<int32_t> len;    // [batch]
+};
+
+// CPU oracle of decode_plan::run for every (sequence, query head): out [batch][n_head][hd].
+std::vector<float> decode_ref(const paged_cache& c, const std::vector<uint16_t>& q, kv_elem qe, int n_head, float scale,
+                              const exact_data& ex) {
+  const int hd = c.f.head_dim, nkv = c.f.n_kv_head, ng = n_head / nkv, batch = c.batch();
+  const rotation rot = rotation::make(c.f.rotation, hd, 0);
+  const bool quant = c.f.format != kv_format::f16;
+  std::vector<float> out((size_t)batch * n_head * hd);
+  std::vector<float> qr(ng * hd), qh(ng * hd), obuf(ng * hd), ebuf(ng * hd), q8s(ng);
+  std::vector<int8_t> q8(ng * hd);
+  for (int b = 0; b < batch; ++b)
+    for (int h = 0; h < nkv; ++h) {
+      const int L = c.len[b];
+      for (int gg = 0; gg < ng; ++gg) {
+        float* x = &qr[gg * hd];
+        for (int i = 0; i < hd; ++i) x[i] = half_value(q[((size_t)b * n_head + h * ng + gg) * hd + i], qe);
+        rot.forward(x);
+        for (int i = 0; i < hd; ++i) qh[gg * hd + i] = f16_to_f32(f32_to_f16(x[i]));  // the f16 kernel's queries
+        q8s[gg] = quantize_q8_ref(x, hd, &q8[gg * hd]);
+      }
+      std::vector<attn_state> st(ng), se(ng);
+      for (int gg = 0; gg < ng; ++gg) st[gg] = attn_state::empty(&obuf[gg * hd], hd);
+      attn_query_view qv;
+      qv.q = quant ? qr.data() : qh.data();
+      qv.stride_t = (int64_t)ng * hd;
+      qv.n_tokens = 1;
+      qv.n_group = ng;
+      qv.head_dim = hd;
+      qv.pos0 = 1 << 30;  // decode: every stored position is visible
+      qv.scale = scale;
+      qv.q8 = q8.data();
+      qv.q8_scale = q8s.data();
+      qv.q8_scale_stride_t = ng;
+      if (L > 0) {
+        const size_t cb = c.g.code_bytes, ns = c.g.n_scales;
+        std::vector<uint8_t> kc(L * cb), vc(L * cb);
+        std::vector<uint16_t> ks(std::max<size_t>(1, L * ns)), vs(std::max<size_t>(1, L * ns));
+        for (int j = 0; j < L; ++j) {
+          std::memcpy(&kc[j * cb], c.k_codes(b, j, h), cb);
+          std::memcpy(&vc[j * cb], c.v_codes(b, j, h), cb);
+          if (ns) {
+            std::memcpy(&ks[j * ns], c.k_scales(b, j, h), 2 * ns);
+            std::memcpy(&vs[j * ns], c.v_scales(b, j, h), 2 * ns);
+          }
+        }
+        if (quant) {
+          kv_quant_view kv;
+          kv.k = {c.f.format, kc.data(), (int64_t)cb, ks.data(), (int64_t)ns, c.g.group};
+          kv.v = {c.f.format, vc.data(), (int64_t)cb, vs.data(), (int64_t)ns, c.g.group};
+          kv.pos_begin = 0;
+          kv.n_pos = L;
+          kv.head_dim = hd;
+          attn_quant_ref(kv, qv, st.data());
+        } else {
+          kv_dense_view dv;
+          dv.k = kc.data();
+          dv.v = vc.data();
+          dv.type_k = dv.type_v = kv_elem::f16;
+          dv.row_stride = hd;
+          dv.pos_begin = 0;
+          dv.n_pos = L;
+          dv.head_dim = hd;
+          attn_dense_ref(dv, qv, st.data());
+        }
+      }
+      const int ne = ex.cap ? ex.len[b] : 0;
+      if (ne > 0) {
+        for (int gg = 0; gg < ng; ++gg) se[gg] = attn_state::empty(&ebuf[gg * hd], hd);
+        const size_t eb = ((size_t)b * nkv + h) * ex.cap * hd;
+        kv_dense_view dv;
+        dv.k = &ex.k[eb];
+        dv.v = &ex.v[eb];
+        dv.type_k = dv.type_v = kv_elem::f16;
+        dv.row_stride = hd;
+        dv.pos_begin = 0;
+        dv.n_pos = ne;
+        dv.head_dim = hd;
+        attn_query_view qe32 = qv;
+        qe32.q = qr.data();  // the exact window always sees the f32 rotated queries
+        attn_dense_ref(dv, qe32, se.data());
+        for (int gg = 0; gg < ng; ++gg) st[gg].merge(se[gg]);
+      }
+      for (int gg = 0; gg < ng; ++gg) {
+        float* o = &out[((size_t)b * n_head + h * ng + gg) * hd];
+        st[gg].finalize(o);
+        rot.inverse(o);
+      }
+    }
+  return out;
+}
+
+struct decode_case {
+  kv_format format;
+  int hd, ng, page_size, batch, first_len, n_kv_head, exact_cap;
+  kv_elem qe = kv_elem::f16;
+  int split = 0;
+};
+
+// Runs the GPU kernel on a fresh random cache and returns the relative error vs the CPU oracle.
+double run_case(const decode_case& p, int64_t page_base = 0, std::string* info = nullptr) {
+  paged_kv_format f;
+  f.format = p.format;
+  f.head_dim = p.hd;
+  f.n_kv_head = p.n_kv_head;
+  f.page_size = p.page_size;
+  f.rotation = p.format == kv_format::f16 ? rotation_kind::none : rotation_kind::hadamard;
+  std::mt19937 rng(977 * p.hd + 31 * p.ng + p.batch + p.first_len);
+  std::vector<int> len(p.batch);
+  for (int b = 0; b < p.batch; ++b) len[b] = kLengths[(p.first_len + b) % 6];
+  paged_cache c;
+  build_cache(c, f, len, rng, p.qe, page_base);
+  const int n_head = p.ng * p.n_kv_head, hd = p.hd;
+  const float scale = 1.0f / std::sqrt((float)hd);
+  const std::vector<uint16_t> q = random_halves(rng, (size_t)p.batch * n_head * hd, hd, p.qe);
+  exact_data ex;
+  ex.cap = p.exact_cap;
+  if (ex.cap) {
+    ex.k = random_halves(rng, (size_t)p.batch * p.n_kv_head * ex.cap * hd, hd, kv_elem::f16);
+    ex.v = random_halves(rng, (size_t)p.batch * p.n_kv_head * ex.cap * hd, hd, kv_elem::f16, 0.5f);
+    ex.len.resize(p.batch);
+    for (int b = 0; b < p.batch; ++b) ex.len[b] = (int)(rng() % (ex.cap + 1));
+  }
+  const std::vector<float> ref = decode_ref(c, q, p.qe, n_head, scale, ex);
+
+  decode_params dp;
+  dp.n_head = n_head;
+  dp.scale = scale;
+  dp.q_elem = p.qe;
+  dp.out_elem = kv_elem::f32;
+  dp.split_tokens = p.split;
+  decode_plan plan(f, dp, c.indptr.data(), c.last.data(), p.batch, ex.cap);
+  dbuf dq = dbuf::from(q), dout(ref.size() * sizeof(float));
+  dbuf ek, ev, el;
+  exact_window_view ew;
+  if (ex.cap) {
+    ek = dbuf::from(ex.k);
+    ev = dbuf::from(ex.v);
+    el = dbuf::from(ex.len);
+    ew.k = ek.as<uint16_t>();
+    ew.v = ev.as<uint16_t>();
+    ew.len = el.as<int32_t>();
+    ew.cap = ex.cap;
+  }
+  double worst = 0.0;
+  for (int rep = 0; rep < 2; ++rep) {  // twice: poisoned output each time, identical results expected
+    device_fill(dout.p, 0xFF, dout.n);
+    plan.run(c.view(), dq.p, dout.p, ex.cap ? &ew : nullptr);
+    synchronize();
+    const std::vector<float> got = to_host<float>(dout.p, ref.size());
+    size_t bad = 0;
+    for (float x : got) bad += !std::isfinite(x);
+    EXPECT_EQ(bad, 0u) << "non-finite (unwritten?) outputs";
+    worst = std::max(worst, rel_err(got, ref));
+  }
+  if (info) *info = "items " + std::to_string(plan.n_items()) + ", split " + std::to_string(plan.split_tokens());
+  return worst;
+}
+
+class CudaDecode : public ::testing::TestWithParam<decode_case> {};
+
+TEST_P(CudaDecode, MatchesCpuReferenceOnSameCodes) {
+  KVQ_REQUIRE_GPU();
+  std::string info;
+  const double e = run_case(GetParam(), 0, &info);
+  EXPECT_LE(e, 1e-3) << info;
+  RecordProperty("rel_err", std::to_string(e));
+  std::printf("[ rel err  ] %.3g (%s)\n", e, info.c_str());
+}
+
+std::string decode_name(const ::testing::TestParamInfo<decode_case>& i) {
+  const decode_case& p = i.param;
+  return std::string(kv_traits(p.format).name) + "_hd" + std::to_string(p.hd) + "_gqa" + std::to_string(p.ng) + "_p" +
+         std::to_string(p.page_size) + "_b" + std::to_string(p.batch) + "_l" + std::to_string(kLengths[p.first_len]) +
+         "_kv" + std::to_string(p.n_kv_head) + (p.exact_cap ? "_exact" + std::to_string(p.exact_cap) : "") +
+         (p.qe == kv_elem::bf16 ? "_bf16" : "") + (p.split ? "_split" + std::to_string(p.split) : "");
+}
+
+// Sampled matrix: every head_dim x format, GQA {1, 4, 7, 8}, batch {1, 3, 17} with ragged lengths
+// from {1, 15, 16, 17, 1000, 32768}, page sizes {16, 64}, exact windows, bf16 queries, forced splits.
+INSTANTIATE_TEST_SUITE_P(
+    Matrix, CudaDecode,
+    ::testing::Values(
+        decode_case{kv_format::q4, 64, 4, 16, 17, 0, 2, 0}, decode_case{kv_format::q4, 80, 7, 64, 3, 3, 1, 32},
+        decode_case{kv_format::q4, 96, 1, 16, 1, 5, 2, 0}, decode_case{kv_format::q4, 128, 8, 64, 17, 1, 1, 20},
+        decode_case{kv_format::q4, 256, 4, 16, 3, 2, 1, 0, kv_elem::bf16},
+        decode_case{kv_format::q4, 128, 4, 16, 3, 4, 8, 0, kv_elem::f16, 16},
+        decode_case{kv_format::q4, 128, 1, 64, 1, 4, 2, 0, kv_elem::f16, 4096},
+        decode_case{kv_format::q8, 64, 8, 64, 3, 4, 2, 0}, decode_case{kv_format::q8, 80, 1, 16, 17, 2, 1, 0},
+        decode_case{kv_format::q8, 96, 4, 64, 17, 0, 1, 16, kv_elem::bf16},
+        decode_case{kv_format::q8, 128, 7, 16, 1, 5, 2, 0}, decode_case{kv_format::q8, 256, 1, 64, 3, 3, 1, 0},
+        decode_case{kv_format::f16, 64, 7, 16, 1, 4, 1, 0}, decode_case{kv_format::f16, 80, 4, 64, 3, 1, 2, 0},
+        decode_case{kv_format::f16, 96, 8, 16, 17, 2, 1, 8}, decode_case{kv_format::f16, 128, 1, 64, 3, 3, 2, 0},
+        decode_case{kv_format::f16, 128, 4, 16, 1, 5, 8, 0}, decode_case{kv_format::f16, 256, 8, 16, 1, 4, 1, 0}),
+    decode_name);
+
+// A pool larger than 2^31 bytes whose used pages all lie past 2^31 bytes (sparse page table).
+TEST(CudaDecodeLarge, PagesPast2To31Bytes) {
+  KVQ_REQUIRE_GPU();
+  paged_kv_format f;
+  f.format = kv_format::q4;
+  f.head_dim = 128;
+  f.n_kv_head = 8;
+  f.page_size = 64;
+  const int64_t page_bytes = paged_kv_geometry_of(f).page_bytes;
+  const int64_t base = ((int64_t{1} << 31) + page_bytes - 1) / page_bytes + 3;
+  ASSERT_GT(base * page_bytes, int64_t{1} << 31);
+  std::string info;
+  const double e = run_case(decode_case{kv_format::q4, 128, 4, 64, 3, 3, 8, 0}, base, &info);
+  EXPECT_LE(e, 1e-3) << info;
+}
+
+// Baseline path: dequantize the q4 pages to f16, then the f16 kernel (rotation kept) equals the CPU
+// attention over the f16-rounded dequantized rows.
+TEST(CudaDequant, DequantizeThenAttendMatchesCpu) {
+  KVQ_REQUIRE_GPU();
+  paged_kv_format f;
+  f.format = kv_format::q4;
+  f.head_dim = 128;
+  f.n_kv_head = 2;
+  f.page_size = 16;
+  std::mt19937 rng(5);
+  paged_cache c;
+  build_cache(c, f, {1000, 17, 1}, rng);
+  paged_kv_format fd = f;
+  fd.format = kv_format::f16;
+  const paged_kv_geometry gd = paged_kv_geometry_of(fd);
+  dbuf dpool((size_t)(c.n_pages * gd.page_bytes));
+  device_fill(dpool.p, 0xFF, dpool.n);
+  paged_kv_view dst = c.view();
+  dst.format = fd;
+  dst.pool = dpool.as<uint8_t>();
+  dequantize_paged(c.view(), dst, (int)c.indices.size());
+  synchronize();
+  // CPU: dequantize the same codes, round to f16, attend with f16-rounded rotated queries.
+  paged_cache ch;  // host image of the f16 pages
+  ch.f = fd;
+  ch.g = gd;
+  ch.len = c.len;
+  ch.indptr = c.indptr;
+  ch.indices = c.indices;
+  ch.host_pages.assign(c.indices.size(), std::vector<uint8_t>(gd.page_bytes));
+  size_t mismatched = 0;
+  std::vector<float> y(f.head_dim);
+  for (size_t e = 0; e < c.indices.size(); ++e)
+    copy_to_host(ch.host_pages[e].data(), dpool.as<uint8_t>() + (int64_t)c.indices[e] * gd.page_bytes, gd.page_bytes);
+  for (int b = 0; b < c.batch(); ++b)
+    for (int j = 0; j < c.len[b]; ++j)
+      for (int h = 0; h < f.n_kv_head; ++h)
+        for (int side = 0; side < 2; ++side) {
+          dequantize_row_ref(f.format, side ? c.v_codes(b, j, h) : c.k_codes(b, j, h),
+                             side ? c.v_scales(b, j, h) : c.k_scales(b, j, h), f.head_dim, c.g.group, y.data());
+          const uint16_t* got = reinterpret_cast<const uint16_t*>(side ? ch.v_codes(b, j, h) : ch.k_codes(b, j, h));
+          for (int i = 0; i < f.head_dim; ++i) mismatched += got[i] != f32_to_f16(y[i]);
+        }
+  EXPECT_EQ(mismatched, 0u) << "dequantized values differ from dequantize_row_ref rounded to f16";
+  const int n_head = 8;
+  const std::vector<uint16_t> q = random_halves(rng, (size_t)c.batch() * n_head * f.head_dim, f.head_dim, kv_elem::f16);
+  const std::vector<float> ref = decode_ref(ch, q, kv_elem::f16, n_head, 0.125f, exact_data{});
+  decode_params dp;
+  dp.n_head = n_head;
+  dp.scale = 0.125f;
+  decode_plan plan(fd, dp, c.indptr.data(), c.last.data(), c.batch());
+  dbuf dq = dbuf::from(q), dout(ref.size() * 4);
+  device_fill(dout.p, 0xFF, dout.n);
+  plan.run(dst, dq.p, dout.p);
+  synchronize();
+  EXPECT_LE(rel_err(to_host<float>(dout.p, ref.size()), ref), 1e-3);
+}
+
+TEST(CudaDecodeErrors, PlanValidates) {
+  KVQ_REQUIRE_GPU();
+  paged_kv_format f;
+  f.n_kv_head = 2;
+  const int32_t indptr[2] = {0, 1}, last[1] = {5};
+  decode_params dp;
+  dp.scale = 0.1f;
+  dp.n_head = 3;
+  EXPECT_THROW(decode_plan(f, dp, indptr, last, 1), kvq::error);
+  dp.n_head = 32;  // 16 query heads per kv head
+  try {
+    decode_plan plan(f, dp, indptr, last, 1);
+    ADD_FAILURE() << "no error for GQA 16";
+  } catch (const kvq::error& e) {
+    EXPECT_EQ(e.code(), errc::unsupported);
+    EXPECT_EQ(std::string(e.what()).rfind("[cuda attn_decode]", 0), 0u) << e.what();
+  }
+  dp.n_head = 8;
+  dp.q_elem = kv_elem::f32;
+  EXPECT_THROW(decode_plan(f, dp, indptr, last, 1), kvq::error);
+  dp.q_elem = kv_elem::f16;
+  const int32_t bad_last[1] = {17};
+  EXPECT_THROW(decode_plan(f, dp, indptr, bad_last, 1), kvq::error);
+  dp.split_tokens = 24;
+  EXPECT_THROW(decode_plan(f, dp, indptr, last, 1), kvq::error);
+}
+
+}  // namespace
+}  // namespace kvq::cuda::test
