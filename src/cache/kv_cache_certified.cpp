@@ -101,6 +101,7 @@ struct head_adapt {  // per (layer, kv head)
   double sum_rel = 0;
   uint64_t win_steps = 0, win_fallbacks = 0;
   double win_key = 0, win_value = 0;  // sums of relative key(+cross) / value terms
+  uint64_t win_len = 0;               // steps of the current decision window (0: the default)
 };
 
 class kv_cache_certified_impl final : public kv_cache_certified {
@@ -475,10 +476,13 @@ void kv_cache_certified_impl::record(int il, int n_head) {
 
 void kv_cache_certified_impl::maybe_upgrade(int il) {
   if (!p_.certify_adapt || !(p_.certify_tol > 0) || std::isinf(p_.certify_tol)) return;
-  constexpr uint64_t kWindow = 64;  // steps per decision
+  // A decision per window of steps; after an upgrade the next window is 4x longer, so that the
+  // tokens stored at the new precision (not the older ones, which keep their error) decide it.
+  constexpr uint64_t kWindow = 64;
   for (int h = 0; h < p_.n_kv_head; ++h) {
     head_adapt& a = adapt_[(size_t)il * p_.n_kv_head + h];
-    if (a.win_steps < kWindow) continue;
+    if (a.win_steps < (a.win_len ? a.win_len : kWindow)) continue;
+    a.win_len = kWindow;
     if (2 * a.win_fallbacks >= a.win_steps) {  // at least half of the recent steps fell back
       const bool key_first = a.win_key >= a.win_value;
       kv_format* first = key_first ? &a.fk : &a.fv;
@@ -487,6 +491,7 @@ void kv_cache_certified_impl::maybe_upgrade(int il) {
       if (side) {
         const kv_format from = *side;
         *side = upgrade_of(from);
+        a.win_len = 4 * kWindow;
         ++cs_.heads_upgraded;
         upgrades_.push_back("layer " + std::to_string(il) + " kv head " + std::to_string(h) + " " +
                             (side == &a.fk ? "K " : "V ") + kv_traits(from).name + "->" + kv_traits(*side).name);

@@ -108,7 +108,7 @@ struct ladder_case {
     for (int j = 0; j < n; ++j)
       for (int i = 0; i < hd; ++i) {
         kf[j * hd + i] = x[(size_t)j * hd + i];
-        vf[j * hd + i] = x[(size_t)(n + j) * hd + i] + 2.0f;  // ||o|| well away from 0
+        vf[j * hd + i] = f16r(x[(size_t)(n + j) * hd + i] + 2.0f);  // ||o|| well away from 0
         host[(size_t)j * 2 * hd + i] = f32_to_f16(kf[j * hd + i]);
         host[(size_t)j * 2 * hd + hd + i] = f32_to_f16(vf[j * hd + i]);
       }
@@ -236,7 +236,7 @@ TEST(CertifiedLadder, RecoversWherePlain4BitIsBadlyWrong) {
   plain->append(0, 0, n, k.data(), v.data());
   plain->attend(0, 0, n - 1, 1, 1, q.data(), 1.0f, out.data(), pool);
   EXPECT_GT(l2(out.data(), ref.data(), hd), 0.5 * ref_norm);
-  for (double tol : {1e30, 1e-3}) {
+  for (double tol : {(double)INFINITY, 1e-3}) {
     kv_cache_params p = cert_params(1, hd, n, tol, "q4", "q4");
     p.rotation = "none";
     auto c = make_kv_cache_certified(p);
@@ -245,7 +245,7 @@ TEST(CertifiedLadder, RecoversWherePlain4BitIsBadlyWrong) {
     const cert_step& s = c->last_steps()[0];
     const double err = l2(out.data(), ref.data(), hd);
     EXPECT_GE(s.bound, err);
-    if (tol > 1) {
+    if (std::isinf(tol)) {
       EXPECT_GT(err, 0.5 * ref_norm);         // the compressed result is badly wrong ...
       EXPECT_GT(s.bound_fast, s.norm_fast);   // ... and the bound says so
     } else {
@@ -319,7 +319,9 @@ TEST(CertifiedCache, FileBackedHostTierGivesTheSameResults) {
     EXPECT_EQ(count_entries(dir), 0);  // the file is unlinked at once
     c->append(0, 0, d.n, d.k.data(), d.v.data());
     c->attend(0, 0, 0, d.n, d.n_head(), d.q.data(), 0.2f, (file ? b : a).data(), pool);
-    if (file) EXPECT_NE(c->describe().find(dir), std::string::npos);
+    if (file) {
+      EXPECT_NE(c->describe().find(dir), std::string::npos);
+    }
   }
   EXPECT_EQ(a, b);
   rmdir(dir.c_str());
