@@ -31,6 +31,11 @@ void add_kv_flags(CLI::App* app, kv_cache_params& p) {
   app->add_option("--kv-residual", p.kivi_residual, "KIVI: exact recent tokens kept before quantizing a group")->capture_default_str();
   app->add_flag("--kv-channel-scale", p.channel_scale, "calibrate a per-channel scale on the prompt before quantizing");
   app->add_option("--kv-seed", p.seed, "seed of the random signs of srht/srft")->capture_default_str();
+  // certified attention (include/kvq/certified.h): -ctk certified -ctv certified, or --kv-certify
+  app->add_flag("--kv-certify", p.certify, "certified attention on the chosen compressed formats (same as -ctk certified)");
+  app->add_option("--kv-tol", p.certify_tol, "certified: recompute when the error bound > tol * ||output|| (0: exact)")->capture_default_str();
+  app->add_option("--kv-host-dir", p.host_dir, "certified: keep the exact host tier in a file in this directory");
+  app->add_flag("--kv-certify-measure", p.certify_measure, "certified: also compute exact attention (bound / actual error statistics)");
 }
 
 void write_file_atomic(const std::string& path, const std::string& text) {
