@@ -164,7 +164,8 @@ class kv_cache_certified : public kv_cache {
   virtual std::string summary() const = 0;
 };
 
-// True when p asks for a certified cache: type_k or type_v is "certified", or p.certify.
+// True when p asks for a certified cache: type_k or type_v is "certified", or p.certify with at
+// least one compressed side (certify on f16/f16 etc. is the plain dense cache).
 bool is_certified(const kv_cache_params& p);
 
 // The certified cache. Formats: "certified" on a side means its default (K q8, V q4); otherwise

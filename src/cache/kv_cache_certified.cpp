@@ -575,7 +575,13 @@ std::string kv_cache_certified_impl::summary() const {
 }  // namespace
 
 bool is_certified(const kv_cache_params& p) {
-  return p.certify || p.type_k == "certified" || p.type_v == "certified";
+  if (p.type_k == "certified" || p.type_v == "certified") return true;
+  if (!p.certify) return false;
+  // certify on dense/dense (e.g. the f16 reference a tool derives from these params) is the dense cache
+  kv_format fk, fv;
+  const bool dk = find_kv_format(p.type_k, &fk) && kv_traits(fk).layout == kv_layout::dense;
+  const bool dv = find_kv_format(p.type_v, &fv) && kv_traits(fv).layout == kv_layout::dense;
+  return !(dk && dv);
 }
 
 std::unique_ptr<kv_cache_certified> make_kv_cache_certified(const kv_cache_params& p) {

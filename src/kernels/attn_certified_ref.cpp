@@ -74,9 +74,9 @@ inline double sanitize(double x) { return std::isnan(x) ? std::numeric_limits<do
 inline double p_expm1(double p, double ls, double delta) {
   return delta < 0.5 ? p * std::expm1(delta) : std::exp(ls + delta) - p;
 }
-inline double add_token(bound_terms& b, const softmax_z& z, double p, double s, double delta, double dist,
-                        double ev, double vnorm) {
-  const double pe = p_expm1(p, s - z.lse, delta);
+// pe = p (e^δ - 1) as computed by the softmax pass.
+inline double add_token(bound_terms& b, const softmax_z& z, double p, double pe, double dist, double ev,
+                        double vnorm) {
   if (pe == 0 && p == 0) return 0;  // below the f64 underflow threshold (docs/certified.md)
   const double kt = sanitize(pe * dist / z.zlo);
   const double vt = p * ev;
@@ -98,7 +98,7 @@ inline void finish_bound(bound_terms& b, const softmax_z& z, int n, double eta_v
 
 // Thread-local scratch of one call (grows, never shrinks).
 struct scratch {
-  std::vector<double> s, p;      // [nq, n_max] scores, probabilities
+  std::vector<double> s, p, pe;  // [nq, n_max] scores, probabilities, p (e^δ - 1)
   std::vector<float> c;          // [nq, n_max] per-token contributions to the bound
   std::vector<float> kb, vb;     // [kBlock, hd] dequantized rows
   std::vector<double> o;         // [nq, hd] compressed-tier output (rotated V basis)
@@ -200,6 +200,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   thread_local scratch w;
   w.s.resize((size_t)nq * n_max);
   w.p.resize((size_t)nq * n_max);
+  w.pe.resize((size_t)nq * n_max);
   w.c.resize((size_t)nq * n_max);
   w.kb.resize((size_t)kBlock * hd);
   w.vb.resize((size_t)kBlock * hd);
@@ -222,8 +223,8 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
     }
   // δ_j of a compressed row for query c: |s_j - ŝ_j| <= δ_j (docs/certified.md, "Score error").
   auto delta_of = [&](const query_ctx& c, int j) { return scale * c.qn * err_at(kv.k.err, j) * (1 + 1e-6); };
-  // p = softmax(s[0, n)) and its Z_lo / Z_hi for the score errors dl(j).
-  auto softmax = [&](const double* s, double* p, int n, auto&& dl) {
+  // p = softmax(s[0, n)), pe = p (e^δ - 1) and Z_lo / Z_hi for the score errors dl(j).
+  auto softmax = [&](const double* s, double* p, double* pe, int n, auto&& dl) {
     double m = -std::numeric_limits<double>::infinity();
     for (int j = 0; j < n; ++j) m = std::max(m, s[j]);
     double d = 0;
@@ -235,11 +236,12 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
     for (int j = 0; j < n; ++j) {
       p[j] *= inv;
       const double dj = dl(j);
-      const double pe = p_expm1(p[j], s[j] - z.lse, dj);  // p (e^δ - 1)
-      if (p[j] == 0 && pe == 0) continue;
-      om -= p[j] * std::expm1(-dj);      // Σ p (1 - e^{-δ}), accurate when Z_lo is near 1
-      lo += p[j] * std::exp(-dj);        // Σ p e^{-δ}, accurate when Z_lo is small
-      sp += pe - p[j] * std::expm1(-dj); // Σ p (e^{δ} - e^{-δ})
+      pe[j] = p_expm1(p[j], s[j] - z.lse, dj);
+      if (p[j] == 0 && pe[j] == 0) continue;
+      const double en = std::expm1(-dj);
+      om -= p[j] * en;                                    // Σ p (1 - e^{-δ}): accurate near Z_lo = 1
+      lo += p[j] * (dj < 0.5 ? 1 + en : std::exp(-dj));  // Σ p e^{-δ}: accurate when Z_lo is small
+      sp += pe[j] - p[j] * en;                            // Σ p (e^{δ} - e^{-δ})
     }
     // a lower bound of Z (deflated for the rounding of these sums); 0 makes every term +inf
     z.zlo = std::max(0.0, std::min(lo, 1 - om) * (1 - 1e-9));
@@ -284,7 +286,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   std::vector<softmax_z> zs(nq);
   for (int qi = 0; qi < nq; ++qi) {
     const query_ctx& c = qs[qi];
-    zs[qi] = softmax(&w.s[(size_t)qi * n_max], &w.p[(size_t)qi * n_max], c.lim,
+    zs[qi] = softmax(&w.s[(size_t)qi * n_max], &w.p[(size_t)qi * n_max], &w.pe[(size_t)qi * n_max], c.lim,
                      [&](int j) { return delta_of(c, j); });
   }
   std::fill(w.o.begin(), w.o.end(), 0.0);
@@ -310,12 +312,12 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
       const int ne = std::min(nb, c.lim - r0);
       const double* o = &w.o[(size_t)qi * hd];
       const double* p = &w.p[(size_t)qi * n_max + r0];
+      const double* pe = &w.pe[(size_t)qi * n_max + r0];
       float* cj = &w.c[(size_t)qi * n_max + r0];
       for (int j = 0; j < ne; ++j) {
         double vn;
         const double dist = dist_norm(&w.vb[(size_t)j * hd], o, &vn);
-        cj[j] = (float)add_token(bt[qi], zs[qi], p[j], w.s[(size_t)qi * n_max + r0 + j], delta_of(c, r0 + j), dist,
-                                 err_at(kv.v.err, r0 + j), vn);
+        cj[j] = (float)add_token(bt[qi], zs[qi], p[j], pe[j], dist, err_at(kv.v.err, r0 + j), vn);
       }
     }
   }
@@ -378,6 +380,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
             w.ex_err.resize(chosen);
             double* s = &w.s[(size_t)qi * n_max];
             double* p = &w.p[(size_t)qi * n_max];
+            double* pe = &w.pe[(size_t)qi * n_max];
             for (int x = 0; x < chosen; ++x) {
               const int j = w.order[x];
               w.slot[j] = x;
@@ -398,7 +401,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
               w.ex_err[x] = (float)((eta_v + 1e-12) * vn * (1 + 1e-6));
             }
             auto dl = [&](int j) { return w.slot[j] >= 0 ? w.dx[w.slot[j]] : delta_of(c, j); };
-            const softmax_z z = softmax(s, p, n, dl);
+            const softmax_z z = softmax(s, p, pe, n, dl);
             row_reader r1{&kv.v, hd};
             auto row = [&](int j) -> const float* {
               if (w.slot[j] >= 0) return &w.vx[(size_t)w.slot[j] * hd];
@@ -415,7 +418,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
               double vn;
               const double dist = dist_norm(row(j), w.o1.data(), &vn);
               const double ev = w.slot[j] >= 0 ? (double)w.ex_err[w.slot[j]] : (double)err_at(kv.v.err, j);
-              add_token(b1, z, p[j], s[j], dl(j), dist, ev, vn);
+              add_token(b1, z, p[j], pe[j], dist, ev, vn);
             }
             b1.onorm = onorm_of(w.o1.data());
             finish_bound(b1, z, n, eta_v);

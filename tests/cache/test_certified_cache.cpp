@@ -358,6 +358,11 @@ TEST(CertifiedCache, BytesOfEachTier) {
   kv_cache_params q4 = p;  // certify = true on a compressed format
   q4.type_k = q4.type_v = "q4";
   EXPECT_DOUBLE_EQ(kv_bytes_per_token(q4), 2.0 * (38 + 38 + 256));
+  kv_cache_params f16 = p;  // certify on dense/dense: the plain dense cache (a tool's f16 reference)
+  f16.type_k = f16.type_v = "f16";
+  EXPECT_FALSE(is_certified(f16));
+  EXPECT_EQ(as_certified(*make_kv_cache(f16)), nullptr);
+  EXPECT_DOUBLE_EQ(kv_bytes_per_token(f16), 2.0 * 2 * 64 * 2);
 }
 
 TEST(CertifiedCache, SequencesTruncateAndClear) {
