@@ -169,21 +169,128 @@ inline void codes_to_f32(const uint8_t* u, int bits, int hd, float* y) {
   }
 }
 
-// Per-token row -> values: y = scale * (code - offset) + zero (same math as dequantize_row_ref,
-// up to FMA rounding).
-inline void dequant_row(const kv_format_traits& t, const uint8_t* codes, const uint16_t* sc, int hd, int group,
-                        float* y) {
-  alignas(32) uint8_t u[kMaxHd];
-  unpack_row(t.bits, codes, hd, u);
-  const int ng = hd / group;
-  for (int i = 0; i < hd; i += 8) {
-    const int g = i / group;
-    const float s = f16(sc[g]);
-    const float z = t.asymmetric ? f16(sc[ng + g]) : 0.0f;
-    const __m128i b = _mm_loadl_epi64((const __m128i*)(u + i));
-    const __m256i w = t.bits == 8 ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
-    const __m256 c = _mm256_sub_ps(_mm256_cvtepi32_ps(w), _mm256_set1_ps((float)t.code_offset));
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(_mm256_set1_ps(s), c, _mm256_set1_ps(z)));
+// Eight vectors of 8 x i32 -> one vector of their 8 sums, in order.
+inline __m256i reduce8_epi32(const __m256i* v) {
+  const __m256i e = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i f = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(e, f, 0x20), _mm256_permute2x128_si256(e, f, 0x31));
+}
+inline __m256 reduce8_ps(const __m256* v) {
+  const __m256 e = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 f = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(e, f, 0x20), _mm256_permute2f128_ps(e, f, 0x31));
+}
+
+// Scores of 8 consecutive unpacked K rows for one int8 query: lanes are rows. Per group g:
+// f * (scale * (q8 . codes - offset * qsum) + zero * qsum), summed over groups.
+template <bool Signed>
+inline __m256 tile_scores_int(const uint8_t* kb, int hd, int group, const int8_t* q8, const float* ksv,
+                              const float* kzv, const int32_t* offq, const float* qsf, bool asym) {
+  const int ng = hd / group, per = group / 32;
+  __m256 acc = _mm256_setzero_ps();
+  for (int g = 0; g < ng; ++g) {
+    __m256i d[8];
+    const __m256i q0 = _mm256_loadu_si256((const __m256i*)(q8 + g * group));
+    for (int r = 0; r < 8; ++r) d[r] = dot32<Signed>(_mm256_loadu_si256((const __m256i*)(kb + r * hd + g * group)), q0);
+    for (int c = 1; c < per; ++c) {
+      const __m256i qc = _mm256_loadu_si256((const __m256i*)(q8 + g * group + 32 * c));
+      for (int r = 0; r < 8; ++r)
+        d[r] = _mm256_add_epi32(d[r], dot32<Signed>(_mm256_loadu_si256((const __m256i*)(kb + r * hd + g * group + 32 * c)), qc));
+    }
+    const __m256 df = _mm256_cvtepi32_ps(_mm256_sub_epi32(reduce8_epi32(d), _mm256_set1_epi32(offq[g])));
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(ksv + g * kB), df, acc);
+    if (asym) acc = _mm256_fmadd_ps(_mm256_loadu_ps(kzv + g * kB), _mm256_set1_ps(qsf[g]), acc);
+  }
+  return acc;
+}
+
+// Dots of 8 consecutive f32 K rows (row stride hd) with one f32 query: lanes are rows.
+inline __m256 tile_scores_f32(const float* const* rows, const float* q, int hd) {
+  __m256 acc[8];
+  for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+  for (int c = 0; c < hd; c += 8) {
+    const __m256 qc = _mm256_loadu_ps(q + c);
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(rows[r] + c), acc[r]);
+  }
+  return reduce8_ps(acc);
+}
+
+enum class vsrc { f32, f16, bf16, u8, i8 };
+
+// 16 values of row j at column c -> two f32 vectors (codes for u8/i8, values for dense rows).
+template <vsrc V>
+inline void load16(const void* row, int c, __m256& x0, __m256& x1) {
+  if constexpr (V == vsrc::f32) {
+    x0 = _mm256_loadu_ps(static_cast<const float*>(row) + c);
+    x1 = _mm256_loadu_ps(static_cast<const float*>(row) + c + 8);
+  } else if constexpr (V == vsrc::f16) {
+    const uint16_t* h = static_cast<const uint16_t*>(row) + c;
+    x0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h));
+    x1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + 8)));
+  } else if constexpr (V == vsrc::bf16) {
+    const uint16_t* h = static_cast<const uint16_t*>(row) + c;
+    x0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)h)), 16));
+    x1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(h + 8))), 16));
+  } else {
+    const __m128i b = _mm_loadu_si128((const __m128i*)(static_cast<const uint8_t*>(row) + c));
+    if constexpr (V == vsrc::u8) {
+      x0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+      x1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+    } else {
+      x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+      x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+    }
+  }
+}
+
+// o_b[c:c+16] += sum_j w_b[j][g(c)] * x_j[c:c+16] (+ zs_b[g(c)]) for four queries b; weights are
+// per column group (the V scale folded in) with row stride kB: w_b + g * 4 * kB. Register-blocked
+// 16 columns x 4 queries; each row's 16 columns are converted once for the four queries.
+template <vsrc V>
+void accumulate4(const void* const* vrow, int rows, int hd, int group, const float* wsb, const float* zs,
+                 float* const* o) {
+  for (int c = 0; c < hd; c += 16) {
+    const int g = c / group;
+    const float* w0 = wsb + (g * 4 + 0) * kB;
+    const float* w1 = wsb + (g * 4 + 1) * kB;
+    const float* w2 = wsb + (g * 4 + 2) * kB;
+    const float* w3 = wsb + (g * 4 + 3) * kB;
+    __m256 a00 = _mm256_loadu_ps(o[0] + c), a01 = _mm256_loadu_ps(o[0] + c + 8);
+    __m256 a10 = _mm256_loadu_ps(o[1] + c), a11 = _mm256_loadu_ps(o[1] + c + 8);
+    __m256 a20 = _mm256_loadu_ps(o[2] + c), a21 = _mm256_loadu_ps(o[2] + c + 8);
+    __m256 a30 = _mm256_loadu_ps(o[3] + c), a31 = _mm256_loadu_ps(o[3] + c + 8);
+    for (int j = 0; j < rows; ++j) {
+      __m256 v0, v1;
+      load16<V>(vrow[j], c, v0, v1);
+      __m256 b = _mm256_broadcast_ss(w0 + j);
+      a00 = _mm256_fmadd_ps(b, v0, a00);
+      a01 = _mm256_fmadd_ps(b, v1, a01);
+      b = _mm256_broadcast_ss(w1 + j);
+      a10 = _mm256_fmadd_ps(b, v0, a10);
+      a11 = _mm256_fmadd_ps(b, v1, a11);
+      b = _mm256_broadcast_ss(w2 + j);
+      a20 = _mm256_fmadd_ps(b, v0, a20);
+      a21 = _mm256_fmadd_ps(b, v1, a21);
+      b = _mm256_broadcast_ss(w3 + j);
+      a30 = _mm256_fmadd_ps(b, v0, a30);
+      a31 = _mm256_fmadd_ps(b, v1, a31);
+    }
+    if (zs) {
+      const __m256 z0 = _mm256_set1_ps(zs[g * 4 + 0]), z1 = _mm256_set1_ps(zs[g * 4 + 1]);
+      const __m256 z2 = _mm256_set1_ps(zs[g * 4 + 2]), z3 = _mm256_set1_ps(zs[g * 4 + 3]);
+      a00 = _mm256_add_ps(a00, z0), a01 = _mm256_add_ps(a01, z0);
+      a10 = _mm256_add_ps(a10, z1), a11 = _mm256_add_ps(a11, z1);
+      a20 = _mm256_add_ps(a20, z2), a21 = _mm256_add_ps(a21, z2);
+      a30 = _mm256_add_ps(a30, z3), a31 = _mm256_add_ps(a31, z3);
+    }
+    _mm256_storeu_ps(o[0] + c, a00);
+    _mm256_storeu_ps(o[0] + c + 8, a01);
+    _mm256_storeu_ps(o[1] + c, a10);
+    _mm256_storeu_ps(o[1] + c + 8, a11);
+    _mm256_storeu_ps(o[2] + c, a20);
+    _mm256_storeu_ps(o[2] + c + 8, a21);
+    _mm256_storeu_ps(o[3] + c, a30);
+    _mm256_storeu_ps(o[3] + c + 8, a31);
   }
 }
 
@@ -199,6 +306,21 @@ struct engine_args {
   int64_t states_stride_t;  // states[t * states_stride_t + g]
 };
 
+// Folds the per-channel scales of KIVI group `gi` into one float query: fa[c] = q[c] * s[c],
+// fa[kMaxHd] = sum_c q[c] * (z[c] - offset * s[c]).
+inline void fold_query(const kv_quant_side& k, int gi, int offset, const float* q, int hd, float* fa) {
+  const uint16_t* ks = k.scales + (int64_t)gi * k.scale_stride;
+  __m256 bias = _mm256_setzero_ps();
+  for (int c = 0; c < hd; c += 8) {
+    const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ks + c)));
+    const __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ks + hd + c)));
+    const __m256 qv = _mm256_loadu_ps(q + c);
+    _mm256_storeu_ps(fa + c, _mm256_mul_ps(qv, sv));
+    bias = _mm256_fmadd_ps(qv, _mm256_fnmadd_ps(_mm256_set1_ps((float)offset), sv, zv), bias);
+  }
+  fa[kMaxHd] = hsum8(bias);
+}
+
 // The block engine for queries t in [0, qv.n_tokens), g in [0, qv.n_group) with n_tokens *
 // n_group <= kMaxQ.
 void engine(const engine_args& a) {
@@ -208,7 +330,10 @@ void engine(const engine_args& a) {
   const kv_format_traits& tk = kv_traits(kv.k.format);
   const kv_format_traits& tv = kv_traits(kv.v.format);
   const bool k_int = tk.layout == kv_layout::per_token, k_chan = tk.layout == kv_layout::per_channel;
-  const bool k_signed = tk.bits == 8;
+  const bool v_tok = tv.layout == kv_layout::per_token;
+  const vsrc vs = v_tok ? (tv.bits == 8 ? vsrc::i8 : vsrc::u8)
+                        : kv.v.format == kv_format::f32 ? vsrc::f32
+                        : kv.v.format == kv_format::f16 ? vsrc::f16 : vsrc::bf16;
   int limit[kMaxQ];
   int max_limit = 0;
   for (int t = 0; t < qv.n_tokens; ++t) {
@@ -220,25 +345,43 @@ void engine(const engine_args& a) {
   if (max_limit == 0) return;
 
   alignas(32) static thread_local uint8_t kbuf[kB * kMaxHd * 4];  // unpacked codes or f32 rows
-  alignas(32) static thread_local float vbuf[kB * kMaxHd];
+  alignas(32) static thread_local uint8_t vbuf[kB * kMaxHd];      // unpacked V codes
   alignas(32) static thread_local float fold[kMaxQ * (kMaxHd + 8)];  // KIVI: q * scale, then the bias
   alignas(32) float sc[kMaxQ][kB];
-  int32_t qsum[kMaxQ][8];
+  alignas(32) float ksv[8 * kB], kzv[8 * kB];          // K scales / zeros of the block, [group][row]
+  alignas(32) float vsv[8 * kB], vzv[8 * kB];          // V scales / (zero - offset * scale), [group][row]
+  alignas(32) float wsb[8 * 4 * kB];                   // V weights with scales folded, [group][query][row]
+  float zs[8 * 4];
+  int32_t qsum[kMaxQ][8], offq[kMaxQ][8];
+  float qsf[kMaxQ][8];
   const int ngk = k_int ? hd / kv.k.group : 0;
+  const int ngv = v_tok ? hd / kv.v.group : 1;
   if (k_int)
     for (int t = 0; t < qv.n_tokens; ++t)
-      for (int g = 0; g < ng; ++g) q8_group_sums(qv.q8 + t * qv.stride_t + (int64_t)g * hd, hd, kv.k.group, qsum[t * ng + g]);
+      for (int g = 0; g < ng; ++g) {
+        const int qi = t * ng + g;
+        q8_group_sums(qv.q8 + t * qv.stride_t + (int64_t)g * hd, hd, kv.k.group, qsum[qi]);
+        for (int gr = 0; gr < ngk; ++gr) {
+          offq[qi][gr] = tk.code_offset * qsum[qi][gr];
+          qsf[qi][gr] = (float)qsum[qi][gr];
+        }
+      }
   int cur_group[kMaxQ];
   for (int i = 0; i < nq; ++i) cur_group[i] = -1;
 
   for (int p0 = 0; p0 < max_limit; p0 += kB) {
     const int n = max_limit - p0 < kB ? max_limit - p0 : kB;
-    // (1) K rows of the block -> kbuf
-    const float* krow[kB];
+    // (1) K rows of the block -> kbuf (codes, or f32 rows), and the block's K scales
+    const float* krow[kB] = {};
     for (int j = 0; j < n; ++j) {
       const uint8_t* src = kv.k.codes + (int64_t)(p0 + j) * kv.k.code_stride;
       if (k_int) {
         unpack_row(tk.bits, src, hd, kbuf + j * hd);
+        const uint16_t* ks = kv.k.scales + (int64_t)(p0 + j) * kv.k.scale_stride;
+        for (int gr = 0; gr < ngk; ++gr) {
+          ksv[gr * kB + j] = f16(ks[gr]);
+          kzv[gr * kB + j] = tk.asymmetric ? f16(ks[ngk + gr]) : 0.0f;
+        }
       } else if (k_chan) {
         alignas(32) uint8_t u[kMaxHd];
         unpack_row(tk.bits, src, hd, u);
@@ -253,7 +396,11 @@ void engine(const engine_args& a) {
         krow[j] = y;
       }
     }
-    // (2) scores
+    for (int j = n; j < kB; ++j) {  // rows past the block: finite, and masked below
+      krow[j] = krow[0];
+      for (int gr = 0; gr < ngk; ++gr) ksv[gr * kB + j] = kzv[gr * kB + j] = 0.0f;
+    }
+    // (2) scores, 8 rows at a time, and (3) the online softmax of each query
     for (int t = 0; t < qv.n_tokens; ++t) {
       const int nt = limit[t] - p0 < n ? limit[t] - p0 : n;
       if (nt <= 0) continue;
@@ -262,49 +409,50 @@ void engine(const engine_args& a) {
         float* s = sc[qi];
         if (k_int) {
           const int8_t* q8 = qv.q8 + t * qv.stride_t + (int64_t)g * hd;
-          const float f = qv.q8_scale[t * qv.q8_scale_stride_t + g] * qv.scale;
-          const int32_t* qs = qsum[qi];
-          for (int j = 0; j < nt; ++j) {
-            int32_t dots[8];
-            if (k_signed) group_dots<true>(kbuf + j * hd, q8, hd, kv.k.group, dots);
-            else group_dots<false>(kbuf + j * hd, q8, hd, kv.k.group, dots);
-            const uint16_t* ks = kv.k.scales + (int64_t)(p0 + j) * kv.k.scale_stride;
-            float acc = 0.0f;
-            for (int gr = 0; gr < ngk; ++gr) {
-              acc += f16(ks[gr]) * (float)(dots[gr] - tk.code_offset * qs[gr]);
-              if (tk.asymmetric) acc += f16(ks[ngk + gr]) * (float)qs[gr];
-            }
-            s[j] = acc * f;
-          }
-        } else if (k_chan) {
-          for (int j = 0; j < nt; ++j) {
-            const int gi = (p0 + j) / kv.k.group;
-            if (gi != cur_group[qi]) {  // fold the group's per-channel scales into this query
-              cur_group[qi] = gi;
-              const uint16_t* ks = kv.k.scales + (int64_t)gi * kv.k.scale_stride;
-              const float* q = qv.q + t * qv.stride_t + (int64_t)g * hd;
-              float* fa = fold + qi * (kMaxHd + 8);
-              __m256 bias = _mm256_setzero_ps();
-              for (int c = 0; c < hd; c += 8) {
-                const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ks + c)));
-                const __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ks + hd + c)));
-                const __m256 qvv = _mm256_loadu_ps(q + c);
-                _mm256_storeu_ps(fa + c, _mm256_mul_ps(qvv, sv));
-                bias = _mm256_fmadd_ps(qvv, _mm256_fnmadd_ps(_mm256_set1_ps((float)tk.code_offset), sv, zv), bias);
-              }
-              fa[kMaxHd] = hsum8(bias);
-            }
-            const float* fa = fold + qi * (kMaxHd + 8);
-            s[j] = (dot_f32(fa, krow[j], hd) + fa[kMaxHd]) * qv.scale;
+          const __m256 f = _mm256_set1_ps(qv.q8_scale[t * qv.q8_scale_stride_t + g] * qv.scale);
+          for (int r0 = 0; r0 < nt; r0 += 8) {
+            const __m256 x = tk.bits == 8
+                                 ? tile_scores_int<true>(kbuf + r0 * hd, hd, kv.k.group, q8, ksv + r0, kzv + r0,
+                                                         offq[qi], qsf[qi], tk.asymmetric)
+                                 : tile_scores_int<false>(kbuf + r0 * hd, hd, kv.k.group, q8, ksv + r0, kzv + r0,
+                                                          offq[qi], qsf[qi], tk.asymmetric);
+            _mm256_storeu_ps(s + r0, _mm256_mul_ps(x, f));
           }
         } else {
           const float* q = qv.q + t * qv.stride_t + (int64_t)g * hd;
-          for (int j = 0; j < nt; ++j) s[j] = dot_f32(q, krow[j], hd) * qv.scale;
+          const __m256 f = _mm256_set1_ps(qv.scale);
+          for (int r0 = 0; r0 < nt; r0 += 8) {
+            if (k_chan) {
+              const int g0 = (p0 + r0) / kv.k.group, g1 = (p0 + r0 + 7) / kv.k.group;
+              if (g0 != g1) {  // a KIVI group boundary inside the tile: row by row
+                for (int r = r0; r < r0 + 8 && r < nt; ++r) {
+                  const int gi = (p0 + r) / kv.k.group;
+                  float* fa = fold + qi * (kMaxHd + 8);
+                  if (gi != cur_group[qi]) fold_query(kv.k, cur_group[qi] = gi, tk.code_offset, q, hd, fa);
+                  s[r] = (dot_f32(fa, krow[r], hd) + fa[kMaxHd]) * qv.scale;
+                }
+                continue;
+              }
+              float* fa = fold + qi * (kMaxHd + 8);
+              if (g0 != cur_group[qi]) fold_query(kv.k, cur_group[qi] = g0, tk.code_offset, q, hd, fa);
+              const __m256 x = tile_scores_f32(krow + r0, fa, hd);
+              _mm256_storeu_ps(s + r0, _mm256_mul_ps(_mm256_add_ps(x, _mm256_set1_ps(fa[kMaxHd])), f));
+            } else {
+              _mm256_storeu_ps(s + r0, _mm256_mul_ps(tile_scores_f32(krow + r0, q, hd), f));
+            }
+          }
         }
-        // (3) online softmax over the block: s <- exp(s - m), masked keys weigh exactly 0
         attn_state& st = a.states[t * a.states_stride_t + g];
-        float mx = s[0];
-        for (int j = 1; j < nt; ++j) mx = s[j] > mx ? s[j] : mx;
+        __m256 mxv = _mm256_set1_ps(-INFINITY);
+        for (int j = 0; j < nt; j += 8) {
+          const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+          const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nt), lane));
+          mxv = _mm256_max_ps(mxv, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + j), valid));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mxv), _mm256_extractf128_ps(mxv, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float mx = _mm_cvtss_f32(m4);
         if (mx > st.m) {
           if (st.d > 0.0f) {
             const float w = std::exp(st.m - mx);
@@ -326,20 +474,28 @@ void engine(const engine_args& a) {
         st.d += hsum8(dsum);
       }
     }
-    // (4) V rows of the block -> f32, accumulated into every query (weights of masked keys are 0)
-    const float* vrow[kB];
+    // (4) V: rows of the block (codes unpacked once, or dense rows in place), accumulated into
+    // every query with the V scales folded into the weights (weights of masked keys are 0)
+    const void* vrow[kB];
     for (int j = 0; j < n; ++j) {
       const uint8_t* src = kv.v.codes + (int64_t)(p0 + j) * kv.v.code_stride;
-      if (tv.layout == kv_layout::per_token) {
-        dequant_row(tv, src, kv.v.scales + (int64_t)(p0 + j) * kv.v.scale_stride, hd, kv.v.group, vbuf + j * hd);
+      if (v_tok) {
+        unpack_row(tv.bits, src, hd, vbuf + j * hd);
         vrow[j] = vbuf + j * hd;
-      } else if (kv.v.format == kv_format::f32) {
-        vrow[j] = reinterpret_cast<const float*>(src);
+        const uint16_t* vsc = kv.v.scales + (int64_t)(p0 + j) * kv.v.scale_stride;
+        for (int gr = 0; gr < ngv; ++gr) {
+          const float sv = f16(vsc[gr]);
+          vsv[gr * kB + j] = sv;
+          vzv[gr * kB + j] = (tv.asymmetric ? f16(vsc[ngv + gr]) : 0.0f) - (float)tv.code_offset * sv;
+        }
       } else {
-        dense_row_to_f32(kv.v.format, src, hd, vbuf + j * hd);
-        vrow[j] = vbuf + j * hd;
+        vrow[j] = src;
       }
     }
+    if (!v_tok)
+      for (int j = 0; j < kB; ++j) vsv[j] = 1.0f;
+    for (int j = n; j < kB; ++j)
+      for (int gr = 0; gr < ngv; ++gr) vsv[gr * kB + j] = vzv[gr * kB + j] = 0.0f;
     int active[kMaxQ], na = 0, nrows[kMaxQ];
     for (int t = 0; t < qv.n_tokens; ++t) {
       const int nt = limit[t] - p0 < n ? limit[t] - p0 : n;
@@ -349,39 +505,34 @@ void engine(const engine_args& a) {
         active[na++] = t * ng + g;
       }
     }
+    alignas(32) static thread_local float dummy_o[kMaxHd];
     for (int b0 = 0; b0 < na; b0 += 4) {
       const int nb = na - b0 < 4 ? na - b0 : 4;
       int rows = 0;
       float* o[4];
-      const float* w[4];
-      for (int b = 0; b < nb; ++b) {
-        const int qi = active[b0 + b];
-        o[b] = a.states[(qi / ng) * a.states_stride_t + qi % ng].o;
-        w[b] = sc[qi];
-        rows = nrows[b0 + b] > rows ? nrows[b0 + b] : rows;
-      }
-      for (int b = nb; b < 4; ++b) {  // pad with a copy of the first query (weights reused, result dropped)
-        o[b] = nullptr;
-        w[b] = w[0];
-      }
-      for (int c = 0; c < hd; c += 16) {
-        __m256 acc[4][2];
-        for (int b = 0; b < 4; ++b) {
-          acc[b][0] = o[b] ? _mm256_loadu_ps(o[b] + c) : _mm256_setzero_ps();
-          acc[b][1] = o[b] ? _mm256_loadu_ps(o[b] + c + 8) : _mm256_setzero_ps();
-        }
-        for (int j = 0; j < rows; ++j) {
-          const __m256 v0 = _mm256_loadu_ps(vrow[j] + c), v1 = _mm256_loadu_ps(vrow[j] + c + 8);
-          for (int b = 0; b < 4; ++b) {
-            const __m256 wv = _mm256_broadcast_ss(w[b] + j);
-            acc[b][0] = _mm256_fmadd_ps(wv, v0, acc[b][0]);
-            acc[b][1] = _mm256_fmadd_ps(wv, v1, acc[b][1]);
+      for (int b = 0; b < 4; ++b) {
+        const int qi = active[b0 + (b < nb ? b : 0)];
+        o[b] = b < nb ? a.states[(qi / ng) * a.states_stride_t + qi % ng].o : dummy_o;  // padding: dropped
+        rows = nrows[b0 + (b < nb ? b : 0)] > rows ? nrows[b0 + (b < nb ? b : 0)] : rows;
+        const float* w = sc[qi];
+        for (int gr = 0; gr < ngv; ++gr) {
+          __m256 zacc = _mm256_setzero_ps();
+          for (int j = 0; j < kB; j += 8) {
+            const __m256 wv = _mm256_loadu_ps(w + j);
+            _mm256_storeu_ps(wsb + (gr * 4 + b) * kB + j, _mm256_mul_ps(wv, _mm256_loadu_ps(vsv + gr * kB + j)));
+            if (v_tok) zacc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vzv + gr * kB + j), zacc);
           }
+          zs[gr * 4 + b] = hsum8(zacc);
         }
-        for (int b = 0; b < nb; ++b) {
-          _mm256_storeu_ps(o[b] + c, acc[b][0]);
-          _mm256_storeu_ps(o[b] + c + 8, acc[b][1]);
-        }
+      }
+      const int group = v_tok ? kv.v.group : hd;
+      const float* z = v_tok ? zs : nullptr;
+      switch (vs) {
+        case vsrc::f32: accumulate4<vsrc::f32>(vrow, rows, hd, group, wsb, z, o); break;
+        case vsrc::f16: accumulate4<vsrc::f16>(vrow, rows, hd, group, wsb, z, o); break;
+        case vsrc::bf16: accumulate4<vsrc::bf16>(vrow, rows, hd, group, wsb, z, o); break;
+        case vsrc::u8: accumulate4<vsrc::u8>(vrow, rows, hd, group, wsb, z, o); break;
+        case vsrc::i8: accumulate4<vsrc::i8>(vrow, rows, hd, group, wsb, z, o); break;
       }
     }
   }
