@@ -96,6 +96,13 @@ inline void finish_bound(bound_terms& b, const softmax_z& z, int n, double eta_v
   b.total = sanitize((b.key + b.value + b.cross) * (1 + 1e-6) + rho_d + rho_c + rho_out);
 }
 
+struct query_ctx {
+  const float* q;      // original basis
+  const float* q_rot;  // K basis
+  double qn;           // ||q||
+  int lim;             // keys [0, lim)
+};
+
 // Thread-local scratch of one call (grows, never shrinks).
 struct scratch {
   std::vector<double> s, p, pe;  // [nq, n_max] scores, probabilities, p (e^δ - 1)
@@ -110,13 +117,9 @@ struct scratch {
   std::vector<int> slot, order;  // [n_max]
   std::vector<float> tmp;        // [hd]
   std::vector<double> sx;        // [n_max] exact scores
-};
-
-struct query_ctx {
-  const float* q;      // original basis
-  const float* q_rot;  // K basis
-  double qn;           // ||q||
-  int lim;             // keys [0, lim)
+  std::vector<query_ctx> qs;     // [nq]
+  std::vector<softmax_z> zs;     // [nq]
+  std::vector<bound_terms> bt;   // [nq]
 };
 
 
@@ -210,7 +213,8 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   w.tmp.resize(hd);
   if ((int)w.slot.size() < n_max) w.slot.resize(n_max, -1);
 
-  std::vector<query_ctx> qs(nq);  // small (a tile of one kv head)
+  std::vector<query_ctx>& qs = w.qs;
+  qs.resize(nq);
   for (int t = 0; t < qv.n_tokens; ++t)
     for (int g = 0; g < ng; ++g) {
       query_ctx& c = qs[t * ng + g];
@@ -283,7 +287,8 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
     }
   }
   // ---- softmax per query; pass V: ô; pass V again: the bound ------------------------------
-  std::vector<softmax_z> zs(nq);
+  std::vector<softmax_z>& zs = w.zs;
+  zs.resize(nq);
   for (int qi = 0; qi < nq; ++qi) {
     const query_ctx& c = qs[qi];
     zs[qi] = softmax(&w.s[(size_t)qi * n_max], &w.p[(size_t)qi * n_max], &w.pe[(size_t)qi * n_max], c.lim,
@@ -303,7 +308,8 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
       }
     }
   }
-  std::vector<bound_terms> bt(nq);
+  std::vector<bound_terms>& bt = w.bt;
+  bt.assign(nq, bound_terms{});
   for (int r0 = 0; r0 < n_max; r0 += kBlock) {
     const int nb = std::min(kBlock, n_max - r0);
     for (int j = 0; j < nb; ++j) rv.load(r0 + j, &w.vb[(size_t)j * hd]);
