@@ -139,9 +139,10 @@ void attn_dense(const kv_dense_view& kv, const attn_query_view& q, attn_state* s
 void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& q, attn_state* states);
 void attn_quant(const kv_quant_view& kv, const attn_query_view& q, attn_state* states);
 
-// Baseline only (benchmarks and tests): dequantizes the whole view into f32 K/V buffers, then
-// attends in f32 with the query each kernel would see (int8-dequantized q for per-token K, f32 q
-// otherwise), so it equals attn_quant up to f32 rounding. Allocates.
+// Baseline only (benchmarks and tests): dequantizes the whole view into f32 K/V buffers (AVX2
+// dequantizer where available), then attends in f32 (attn_dense) with the query each kernel would
+// see (int8-dequantized q for per-token K, f32 q otherwise), so it equals attn_quant up to f32
+// rounding. Allocates.
 void attn_dequant_ref(const kv_quant_view& kv, const attn_query_view& q, attn_state* states);
 
 }  // namespace kvq

@@ -20,6 +20,7 @@
 #include "kvq/f16.h"
 #include "kvq/quant.h"
 #include "kvq/rotation.h"
+#include "quant/f16_round.h"
 
 namespace kvq {
 
@@ -360,12 +361,11 @@ void kv_cache_quant::transform_side(side_store& s, int il, int seq_id, int pos, 
       }
   }
   s.rot.forward_n(xs, (int64_t)n_tokens * nh);
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < n; ++i)
     if (!(std::fabs(xs[i]) <= kF16Max))
       fail_input(std::string("[kv_cache] append: ") + s.name + " value " + std::to_string(xs[i]) + " at " + where(i) +
                  " exceeds the f16 range (65504) after rotation/scaling");
-    xs[i] = f16_to_f32(f32_to_f16(xs[i]));
-  }
+  round_to_f16_n(xs, n);
 }
 
 void kv_cache_quant::store_body(side_store& s, size_t hi, size_t row, const float* x, int n_rows) {

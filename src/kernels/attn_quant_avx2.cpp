@@ -583,6 +583,26 @@ void qk_i32_avx2(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, i
   }
 }
 
+void dequantize_rows_avx2(const kv_quant_side& side, int r0, int n_rows, int hd, float* y) {
+  const auto& t = kv_traits(side.format);
+  const int ng = hd / side.group;
+  alignas(32) uint8_t u[kMaxHd];
+  for (int j = 0; j < n_rows; ++j) {
+    unpack_row(t.bits, side.codes + (int64_t)(r0 + j) * side.code_stride, hd, u);
+    const uint16_t* sc = side.scales + (int64_t)(r0 + j) * side.scale_stride;
+    float* row = y + (int64_t)j * hd;
+    for (int g = 0; g < ng; ++g) {
+      const __m256 sv = _mm256_set1_ps(f16(sc[g]));
+      const __m256 zv = _mm256_set1_ps((t.asymmetric ? f16(sc[ng + g]) : 0.0f) - (float)t.code_offset * f16(sc[g]));
+      for (int i = g * side.group; i < (g + 1) * side.group; i += 8) {
+        const __m128i b = _mm_loadl_epi64((const __m128i*)(u + i));
+        const __m256i w = t.bits == 8 ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+        _mm256_storeu_ps(row + i, _mm256_fmadd_ps(sv, _mm256_cvtepi32_ps(w), zv));
+      }
+    }
+  }
+}
+
 bool attn_quant_avx2_supported(const kv_quant_view& kv) { return shapes_supported(kv.head_dim, kv.k, kv.v); }
 
 void attn_quant_avx2(const kv_quant_view& kv, const attn_query_view& q, attn_state* states) { run(kv, q, states); }

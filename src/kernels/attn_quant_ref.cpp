@@ -187,6 +187,15 @@ void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_sta
   }
 }
 
+// Rows [0, n) of a dense or per-token side to f32 (the AVX2 dequantizer where it applies).
+static void dequantize_side(const kv_quant_side& s, int n, int hd, float* y) {
+  const auto& t = kv_traits(s.format);
+  if (t.layout == kv_layout::per_token && best_isa() >= isa::avx2 && hd % 32 == 0 && hd <= 256 &&
+      (s.group % 32 == 0 || s.group == hd))
+    return dequantize_rows_avx2(s, 0, n, hd, y);
+  for (int r = 0; r < n; ++r) load_v_row_ref(s, r, hd, y + (size_t)r * hd);
+}
+
 void attn_dequant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_state* states) {
   const int hd = kv.head_dim, ng = qv.n_group;
   const auto& tk = kv_traits(kv.k.format);
@@ -200,9 +209,9 @@ void attn_dequant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_s
                                    &kf[(size_t)r0 * hd]);
     }
   } else {
-    for (int r = 0; r < kv.n_pos; ++r) load_v_row_ref(kv.k, r, hd, &kf[(size_t)r * hd]);
+    dequantize_side(kv.k, kv.n_pos, hd, kf.data());
   }
-  for (int r = 0; r < kv.n_pos; ++r) load_v_row_ref(kv.v, r, hd, &vf[(size_t)r * hd]);
+  dequantize_side(kv.v, kv.n_pos, hd, vf.data());
   // 2. attend in f32 over the dequantized copy, with the query the fused kernel sees
   std::vector<float> q((size_t)qv.n_tokens * ng * hd);  // [n_tokens, n_group, head_dim]
   for (int t = 0; t < qv.n_tokens; ++t)
@@ -228,7 +237,7 @@ void attn_dequant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_s
   attn_query_view all = qv;
   all.q = q.data();
   all.stride_t = (int64_t)ng * hd;
-  attn_dense_ref(dv, all, states);
+  attn_dense(dv, all, states);
 }
 
 void attn_quant(const kv_quant_view& kv, const attn_query_view& q, attn_state* states) {

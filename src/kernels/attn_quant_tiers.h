@@ -13,6 +13,10 @@ void qk_i32_avx2(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, i
 // sums[g] = sum over group g of q8[i].
 void q8_group_sums(const int8_t* q8, int hd, int group, int32_t* sums);
 
+// Per-token rows [r0, r0 + n_rows) dequantized to y[n_rows, hd] (hd % 32 == 0, group % 32 == 0 or
+// group == hd): the dequantize-then-attend baseline's fast path.
+void dequantize_rows_avx2(const kv_quant_side& side, int r0, int n_rows, int hd, float* y);
+
 bool attn_quant_avx2_supported(const kv_quant_view& kv);
 void attn_quant_avx2(const kv_quant_view& kv, const attn_query_view& q, attn_state* states);
 

@@ -24,8 +24,23 @@ struct filled {
 };
 
 // Random K/V with per-channel offsets/magnitudes (realistic K), appended in `chunks` to layer 0.
+// A cheap approximately normal sample (sum of four uniforms, unit variance): test data only.
+struct fast_normal {
+  uint64_t s;
+  explicit fast_normal(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
+  template <class R>
+  float operator()(R&) {
+    float acc = 0.0f;
+    for (int i = 0; i < 4; ++i) {
+      s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+      acc += (float)(s >> 40) * (1.0f / 16777216.0f);
+    }
+    return (acc - 2.0f) * 1.7320508f;
+  }
+};
+
 std::vector<float> kv_data(std::mt19937& rng, int n, int nh, int hd, bool is_k, float outlier = 0.0f) {
-  std::normal_distribution<float> nd(0.f, 1.f);
+  fast_normal nd(rng());
   std::vector<float> ch_scale(hd), ch_off(hd);
   for (int c = 0; c < hd; ++c) {
     ch_scale[c] = is_k ? 0.5f + 1.5f * (float)((c * 37) % 11) / 10.0f : 1.0f;
@@ -140,26 +155,34 @@ TEST(kv_cache_quant, fused_equals_dequantize_then_attend) {
   std::printf("[fused vs dequantize-then-attend] %d configurations, worst relative error %.3g\n", idx, worst);
 }
 
-// Every format against float64 attention on the original values, with a named tolerance.
+// Every format against float64 attention on the original values, with a named tolerance on the
+// norm-wise relative error ||out - ref|| / ||ref|| over 16 decode queries x 8 heads.
 TEST(kv_cache_quant, accuracy_against_float64) {
   struct tol {
     const char* type;
     double max_rel;
   };
-  // Max-norm relative error of one decode step (1000 keys with per-channel offsets and spreads,
-  // int8 Q); measured values are about 0.7x these. q2 is ternary (levels -s, 0, s): use q2a/kivi2.
-  const tol tols[] = {{"q8", 0.035},  {"q8a", 0.03},  {"q4", 0.30},  {"q4a", 0.20},   {"q3", 0.60},  {"q3a", 0.45},
-                      {"q2", 2.4},    {"q2a", 1.5},   {"kivi8", 0.012}, {"kivi4", 0.18}, {"kivi2", 1.2}};
+  // q2 is ternary (levels -s, 0, s): prefer q2a or kivi2.
+  // Measured values are about 0.75x these (random keys with per-channel offsets and spreads, int8 Q).
+  const tol tols[] = {{"q8", 0.018},  {"q8a", 0.017}, {"q4", 0.24},    {"q4a", 0.20},   {"q3", 0.60},   {"q3a", 0.44},
+                      {"q2", 1.9},    {"q2a", 1.25},  {"kivi8", 0.010}, {"kivi4", 0.16}, {"kivi2", 0.95}};
   thread_pool pool(2);
-  const int hd = 128, nh = 2, gqa = 4, len = 1000;
+  const int hd = 128, nh = 2, gqa = 4, len = 1000, n_q = 16;
   for (const auto& t : tols) {
     auto p = base_params(t.type, t.type, hd, nh, len);
     auto f = fill(p, {len}, 5);
-    const auto q = queries(1, nh * gqa, hd, 9, 1.0f);
-    const auto out = attend(*f.cache, len - 1, 1, nh * gqa, q, pool);
-    const auto ref = attend_f64(f.k, f.v, q.data(), nh, hd, len - 1, 1, nh * gqa, 1.0f / std::sqrt((float)hd));
-    const double e = rel_err(out, ref);
-    std::printf("[accuracy] %-6s %s: relative error %.4f (tolerance %.2f)\n", t.type, f.cache->describe().c_str(), e,
+    double num = 0, den = 0;
+    for (int i = 0; i < n_q; ++i) {
+      const auto q = queries(1, nh * gqa, hd, 9 + i, 1.0f);
+      const auto out = attend(*f.cache, len - 1, 1, nh * gqa, q, pool);
+      const auto ref = attend_f64(f.k, f.v, q.data(), nh, hd, len - 1, 1, nh * gqa, 1.0f / std::sqrt((float)hd));
+      for (size_t j = 0; j < out.size(); ++j) {
+        num += (out[j] - ref[j]) * (out[j] - ref[j]);
+        den += ref[j] * ref[j];
+      }
+    }
+    const double e = std::sqrt(num / den);
+    std::printf("[accuracy] %-6s %s: relative error %.4f (tolerance %.3f)\n", t.type, f.cache->describe().c_str(), e,
                 t.max_rel);
     EXPECT_LE(e, t.max_rel) << t.type;
   }
