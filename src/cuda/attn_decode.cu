@@ -38,10 +38,11 @@ struct decode_args {
   dev_geom geo;
   const int32_t* indptr;
   const int32_t* indices;
-  const int4* items;  // [n_items] {seq, tok_begin, tok_end, 0}
+  const int4* items;  // [n_items] {seq, tok_begin, tok_end, indptr[seq]}
   const void* q;      // [batch][n_head][HD]
   float* ws_o;        // [n_items][n_kv_head][ng][HD]
   float2* ws_md;      // [n_items][n_kv_head][ng] {m (log2 units), d}
+  int n_work;         // n_items * n_kv_head; the grid loops over them (persistent blocks)
   int q_bf16;
   int n_head, n_kv_head, ng;
   float sm_scale_log2;  // scale * log2(e)
@@ -57,8 +58,12 @@ struct cfg {
   static constexpr int PPR = S::CB / PS;
   static constexpr int SCALE_BYTES = kChunk * S::NS * 2;  // one side, one chunk
   static constexpr int STAGE = 2 * kChunk * SR + 2 * SCALE_BYTES;
+  // f16: up to 4 stages in ~110 KB (2 blocks per SM); q8/q4: 4 stages (measured best, docs/perf.md)
   static constexpr int STAGES_FIT = 110 * 1024 / (kWarps * STAGE);
-  static constexpr int STAGES = STAGES_FIT < 2 ? 2 : STAGES_FIT > 4 ? 4 : STAGES_FIT;
+#ifndef KVQ_CUDA_Q_STAGES
+#define KVQ_CUDA_Q_STAGES 4
+#endif
+  static constexpr int STAGES = F != dfmt::f16 ? KVQ_CUDA_Q_STAGES : STAGES_FIT < 2 ? 2 : STAGES_FIT > 4 ? 4 : STAGES_FIT;
   static constexpr int PIPE = kWarps * STAGES * STAGE;
   static constexpr int EPI = kWarps * kMaxGroup * HD * 4 + kWarps * kMaxGroup * 8;
   static constexpr int REGION0 = (PIPE > EPI ? PIPE : EPI + 15) / 16 * 16;
@@ -66,34 +71,41 @@ struct cfg {
   static constexpr int QQ = kMaxGroup * HD * 2;  // int8 or f16 queries
   static constexpr int SMEM = REGION0 + QF + QQ + kMaxGroup * 4 + kMaxGroup * S::NB * 4;
   static constexpr int MT = F == dfmt::f16 ? HD / 16 : 2 * S::NB;  // P·V m16 tiles (channels)
+  // blocks per SM the register budget is shaped for (1: the compiler's choice; 5 measured slower)
+#ifndef KVQ_CUDA_Q4_MIN_BLOCKS
+#define KVQ_CUDA_Q4_MIN_BLOCKS 1
+#endif
+  static constexpr int MIN_BLOCKS = (F == dfmt::q4 && HD <= 128) ? KVQ_CUDA_Q4_MIN_BLOCKS : 1;
 };
 
 __device__ __forceinline__ uint32_t lds32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-// f16 scales of one token row, as floats.
+// The f16 scales of one token row as packed 32-bit words (NS = 1, 3: assembled from 16-bit loads).
 template <int NS>
-__device__ __forceinline__ void load_scales(const uint8_t* p, float (&out)[NS > 0 ? NS : 1]) {
-  if constexpr (NS == 1) {
-    out[0] = __half2float(*reinterpret_cast<const __half*>(p));
-  } else if constexpr (NS == 2) {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(p));
-    out[0] = f.x;
-    out[1] = f.y;
-  } else if constexpr (NS == 4 || NS == 8) {
-#pragma unroll
-    for (int k = 0; k < NS; k += 4) {
-      const uint2 w = *reinterpret_cast<const uint2*>(p + 2 * k);
-      const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&w.x));
-      const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&w.y));
-      out[k] = a.x;
-      out[k + 1] = a.y;
-      out[k + 2] = b.x;
-      out[k + 3] = b.y;
-    }
+__device__ __forceinline__ void load_scale_words(const uint8_t* sp, uint32_t (&w)[(NS + 1) / 2]) {
+  if constexpr (NS == 2) {
+    w[0] = *reinterpret_cast<const uint32_t*>(sp);
+  } else if constexpr (NS == 4) {
+    const uint2 x = *reinterpret_cast<const uint2*>(sp);
+    w[0] = x.x;
+    w[1] = x.y;
+  } else if constexpr (NS == 8) {
+    const uint4 x = *reinterpret_cast<const uint4*>(sp);
+    w[0] = x.x;
+    w[1] = x.y;
+    w[2] = x.z;
+    w[3] = x.w;
   } else {
 #pragma unroll
-    for (int k = 0; k < NS; ++k) out[k] = __half2float(reinterpret_cast<const __half*>(p)[k]);
+    for (int q2 = 0; q2 < (NS + 1) / 2; ++q2) {
+      const uint32_t lo = reinterpret_cast<const uint16_t*>(sp)[2 * q2];
+      const uint32_t hi = 2 * q2 + 1 < NS ? reinterpret_cast<const uint16_t*>(sp)[2 * q2 + 1] : 0u;
+      w[q2] = lo | hi << 16;
+    }
   }
+}
+__device__ __forceinline__ float scale_at(const uint32_t* w, int si) {
+  return __half2float(__ushort_as_half((unsigned short)(w[si >> 1] >> (16 * (si & 1)))));
 }
 
 // Byte i of token A's word and of token B's word, each in the low byte of one 16-bit lane.
@@ -102,26 +114,38 @@ __device__ __forceinline__ uint32_t pair_bytes(uint32_t wa, uint32_t wb, int i) 
 }
 
 template <dfmt F, int HD>
-__global__ void __launch_bounds__(kThreads) decode_kernel(decode_args a) {
+__global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kernel(decode_args a) {
   using S = shape<F, HD>;
   using C = cfg<F, HD>;
   extern __shared__ __align__(16) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int4 it = a.items[blockIdx.x];
-  const int seq = it.x, t0 = it.y, t1 = it.z, h = blockIdx.y;
+  for (int work = blockIdx.x; work < a.n_work; work += gridDim.x) {
+  const int4 it = a.items[work / a.n_kv_head];
+  const int seq = it.x, t0 = it.y, t1 = it.z, h = work % a.n_kv_head;
   const int nchunk = (t1 - t0 + kChunk - 1) / kChunk;
   const int my_chunks = nchunk > warp ? (nchunk - warp + kWarps - 1) / kWarps : 0;
-  const int32_t* pages = a.indices + a.indptr[seq];
+  const int32_t* pages = a.indices + it.w;
   const uint8_t* head_base = a.pool + (int64_t)h * a.geo.head_bytes;
   uint8_t* wbuf = smem + warp * C::STAGES * C::STAGE;
+  // Page ids of this warp's chunks [pg_base, pg_base + 32), one per lane (read 32 at a time, so the
+  // chunk loop never waits on a page-table load).
+  int pg_cache = 0, pg_base = -64;
+  auto page_of = [&](int i) {  // warp-uniform, i non-decreasing
+    if (i >= pg_base + 32) {
+      pg_base = i;
+      const int ii = i + lane;
+      pg_cache = ii < my_chunks ? pages[(t0 + (warp + ii * kWarps) * kChunk) >> a.geo.page_shift] : 0;
+    }
+    return __shfl_sync(kFull, pg_cache, (i - pg_base) & 31);
+  };
 
   // Loads this warp's i-th chunk into stage i % STAGES (one commit group, possibly empty).
   auto issue = [&](int i) {
+    const int64_t page = page_of(i);
     if (i < my_chunks) {
       const int tok = t0 + (warp + i * kWarps) * kChunk;
       const int nvalid = min(kChunk, t1 - tok);
-      const int64_t page = pages[tok / a.geo.page_size];
-      const int off = tok % a.geo.page_size;
+      const int off = tok & (a.geo.page_size - 1);
       const uint8_t* blk = head_base + page * a.geo.page_bytes;
       uint8_t* dst = wbuf + (i % C::STAGES) * C::STAGE;
       for (int p = lane; p < kChunk * C::PPR; p += 32) {
@@ -267,9 +291,9 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(decode_args a) {
         s[n][1] = cc[n][1] * sfac;
       }
     } else {
-      float kscale[4][S::NS];
+      uint32_t kw[4][(S::NS + 1) / 2];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) load_scales<S::NS>(ksc + rows[k] * S::NS * 2, kscale[k]);
+      for (int k = 0; k < 4; ++k) load_scale_words<S::NS>(ksc + rows[k] * S::NS * 2, kw[k]);
       s[0][0] = s[0][1] = s[1][0] = s[1][1] = 0.0f;
 #pragma unroll
       for (int bb = 0; bb < S::NB; ++bb) {
@@ -289,8 +313,8 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(decode_args a) {
           int cc[4] = {cinit[bb], cinit[bb], 0, 0};
           mma_s8(cc, qa0[bb], 0u, qa2[bb], 0u, b0, b1);
           const int si = S::scale_index(bb);
-          s[n][0] = fmaf(kscale[2 * n][si], __int_as_float(cc[0]) - kBiasF, s[n][0]);
-          s[n][1] = fmaf(kscale[2 * n + 1][si], __int_as_float(cc[1]) - kBiasF, s[n][1]);
+          s[n][0] = fmaf(scale_at(kw[2 * n], si), __int_as_float(cc[0]) - kBiasF, s[n][0]);
+          s[n][1] = fmaf(scale_at(kw[2 * n + 1], si), __int_as_float(cc[1]) - kBiasF, s[n][1]);
         }
       }
 #pragma unroll
@@ -311,19 +335,21 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(decode_args a) {
     mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
     const float m_new = fmaxf(m_run, mx);
     const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-    const float alpha = exp2f(m_run - m_use);
+    const float alpha = ex2(m_run - m_use);
     float p[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) p[k] = exp2f(s[k >> 1][k & 1] - m_use);
+    for (int k = 0; k < 4; ++k) p[k] = ex2(s[k >> 1][k & 1] - m_use);
     d_run = d_run * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
     m_run = m_new;
-    const float al0 = __shfl_sync(kFull, alpha, 8 * t), al1 = __shfl_sync(kFull, alpha, 8 * t + 4);
+    if (__any_sync(kFull, alpha != 1.0f)) {  // lazy rescale: skipped once the maxima settle
+      const float al0 = __shfl_sync(kFull, alpha, 8 * t), al1 = __shfl_sync(kFull, alpha, 8 * t + 4);
 #pragma unroll
-    for (int mt = 0; mt < C::MT; ++mt) {
-      acc[mt][0] *= al0;
-      acc[mt][1] *= al1;
-      acc[mt][2] *= al0;
-      acc[mt][3] *= al1;
+      for (int mt = 0; mt < C::MT; ++mt) {
+        acc[mt][0] *= al0;
+        acc[mt][1] *= al1;
+        acc[mt][2] *= al0;
+        acc[mt][3] *= al1;
+      }
     }
 
     // ---- P·V ----
@@ -344,40 +370,38 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(decode_args a) {
         vmax = warp_max(vmax);
         int e = 0;
         if (vmax > 0.0f) frexpf(vmax, &e);
+        e = max(e, -15);  // p * 2^-e stays <= 2^15 in f16
         pscale = ldexpf(1.0f, -e);
         inv_pscale = ldexpf(1.0f, e);
       }
-      float vscale[4][S::NS];
+      // P' = f16(p * 2^-e) * f16 V scale, in f16x2 (two roundings of 2^-11: far below the 1e-3 budget)
+      const uint32_t ph01 = pack_half2(p[0] * pscale, p[1] * pscale), ph23 = pack_half2(p[2] * pscale, p[3] * pscale);
+      uint32_t vw[4][(S::NS + 1) / 2];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        load_scales<S::NS>(vsc + rows[k] * S::NS * 2, vscale[k]);
-        p[k] *= pscale;
-      }
-      uint32_t w[S::NB][4];
+      for (int k = 0; k < 4; ++k) load_scale_words<S::NS>(vsc + rows[k] * S::NS * 2, vw[k]);
 #pragma unroll
       for (int bb = 0; bb < S::NB; ++bb) {
+        const int si = S::scale_index(bb);
+        const unsigned sel = (si & 1) ? 0x7632u : 0x5410u;
+        const uint32_t pb0 = hmul2_u32(ph01, __byte_perm(vw[0][si >> 1], vw[1][si >> 1], sel));
+        const uint32_t pb1 = hmul2_u32(ph23, __byte_perm(vw[2][si >> 1], vw[3][si >> 1], sel));
         const bool last_partial = S::PARTIAL && bb == S::NB - 1;
+        uint32_t w[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const uint8_t* row = vc + rows[k] * C::SR;
           if constexpr (F == dfmt::q4)
-            w[bb][k] = (last_partial && (g & 3) >= 2) ? 0u : lds32(row + 16 * bb + 4 * (g & 3));
+            w[k] = (last_partial && (g & 3) >= 2) ? 0u : lds32(row + 16 * bb + 4 * (g & 3));
           else
-            w[bb][k] = (last_partial && g >= 4) ? 0u : lds32(row + 32 * bb + 4 * g);
+            w[k] = (last_partial && g >= 4) ? 0u : lds32(row + 32 * bb + 4 * g);
         }
-      }
-#pragma unroll
-      for (int bb = 0; bb < S::NB; ++bb) {
-        const int si = S::scale_index(bb);
-        const uint32_t pb0 = pack_half2(p[0] * vscale[0][si], p[1] * vscale[1][si]);
-        const uint32_t pb1 = pack_half2(p[2] * vscale[2][si], p[3] * vscale[3][si]);
 #pragma unroll
         for (int mu = 0; mu < 2; ++mu) {
           uint32_t x[4];
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
             // r: 0 = (tokens 2t, 2t+1; byte 2mu), 1 = (same tokens; byte 2mu+1), 2, 3 = tokens 8+2t, 9+2t
-            const uint32_t pr = pair_bytes(w[bb][(r >> 1) * 2], w[bb][(r >> 1) * 2 + 1], 2 * mu + (r & 1));
+            const uint32_t pr = pair_bytes(w[(r >> 1) * 2], w[(r >> 1) * 2 + 1], 2 * mu + (r & 1));
             if constexpr (F == dfmt::q4)
               x[r] = hsub2_u32((pr & nib_mask) | 0x64006400u, nib_sub);
             else
@@ -431,7 +455,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(decode_args a) {
     }
   }
   __syncthreads();
-  const int64_t wsb = ((int64_t)blockIdx.x * a.n_kv_head + h) * a.ng;
+  const int64_t wsb = (int64_t)work * a.ng;  // work = item * n_kv_head + h
   for (int i = threadIdx.x; i < a.ng * HD; i += kThreads) {
     const int hh = i / HD, c = i % HD;
     float M = -INFINITY;
@@ -442,13 +466,15 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(decode_args a) {
     for (int w = 0; w < kWarps; ++w) {
       const float2 md = mdw[w * kMaxGroup + hh];
       if (md.x != -INFINITY) {
-        const float e = exp2f(md.x - M);
+        const float e = ex2(md.x - M);
         o += e * ow[(w * kMaxGroup + hh) * HD + c];
         d += e * md.y;
       }
     }
     a.ws_o[(wsb + hh) * HD + c] = o;
     if (c == 0) a.ws_md[wsb + hh] = make_float2(M, d);
+  }
+  __syncthreads();  // shared memory is reused by the next work item
   }
 }
 
@@ -471,88 +497,106 @@ struct merge_args {
 
 template <int HD>
 constexpr int merge_smem_bytes(int cap) {
-  return (3 * kMaxGroup * HD + 2 * kMaxGroup + kMaxGroup * cap) * 4;
+  return (2 * HD + 64 + cap) * 4;
 }
 
-// One block per (sequence, kv head): the exact window (f32 rotated q x f16 rows), the merge of the
-// work items' states (attn_state::merge in log2 units), o / d, the inverse rotation, the store.
+__device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  v = is_max ? warp_max(v) : warp_sum(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float r = red[0];
+  for (int w = 1; w < kWarps; ++w) r = is_max ? fmaxf(r, red[w]) : r + red[w];
+  return r;
+}
+
+// One block per (sequence, kv head, query head of the group): the exact window (f32 rotated q x f16
+// rows), the merge of the work items' states (attn_state::merge in log2 units), o / d, the inverse
+// rotation, the store.
 template <int HD>
 __global__ void __launch_bounds__(kThreads) merge_kernel(merge_args a) {
   extern __shared__ __align__(16) float fm[];
-  float* qf = fm;                      // [8][HD]
-  float* of = qf + kMaxGroup * HD;     // [8][HD]
-  float* eo = of + kMaxGroup * HD;     // [8][HD]
-  float* emd = eo + kMaxGroup * HD;    // [8][2]
-  float* sc = emd + 2 * kMaxGroup;     // [8][cap]
-  const int seq = blockIdx.x, h = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int ng = a.ng;
+  float* qf = fm;         // [HD] rotated query
+  float* of = qf + HD;    // [HD] exact-window o, then the output
+  float* red = of + HD;   // [64] reductions
+  float* sc = red + 64;   // [cap] exact-window scores, then probabilities
+  const int seq = blockIdx.x, h = blockIdx.y, hh = blockIdx.z, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int ne = a.elen ? a.elen[seq] : 0;
+  const int64_t qrow = (int64_t)seq * a.n_head + (int64_t)h * a.ng + hh;
+  float m_e = -INFINITY, d_e = 0.0f;
   if (ne > 0) {
-    for (int i = threadIdx.x; i < ng * HD; i += kThreads)
-      qf[i] = load_elem(a.q, ((int64_t)seq * a.n_head + (int64_t)h * ng) * HD + i, a.q_bf16 != 0);
-    if (a.rot_block > 1) fwht_rows_block(qf, ng, HD, a.rot_block, a.rot_scale);
+    for (int c = threadIdx.x; c < HD; c += kThreads) qf[c] = load_elem(a.q, qrow * HD + c, a.q_bf16 != 0);
+    if (a.rot_block > 1) fwht_rows_block(qf, 1, HD, a.rot_block, a.rot_scale);
     else __syncthreads();
     const int64_t eb = ((int64_t)seq * a.n_kv_head + h) * a.ecap * HD;
     const __half* kb = reinterpret_cast<const __half*>(a.ek) + eb;
     const __half* vb = reinterpret_cast<const __half*>(a.ev) + eb;
-    for (int i = warp; i < ng * ne; i += kWarps) {
-      const int hh = i / ne, j = i % ne;
+    for (int j = warp; j < ne; j += kWarps) {
       float dot = 0.0f;
-      for (int c = lane; c < HD; c += 32) dot = fmaf(qf[hh * HD + c], __half2float(kb[(int64_t)j * HD + c]), dot);
+      for (int c = lane; c < HD; c += 32) dot = fmaf(qf[c], __half2float(kb[(int64_t)j * HD + c]), dot);
       dot = warp_sum(dot);
-      if (lane == 0) sc[hh * a.ecap + j] = dot * a.sm_scale_log2;
+      if (lane == 0) sc[j] = dot * a.sm_scale_log2;
     }
     __syncthreads();
-    for (int hh = warp; hh < ng; hh += kWarps) {
-      float m = -INFINITY;
-      for (int j = lane; j < ne; j += 32) m = fmaxf(m, sc[hh * a.ecap + j]);
-      m = warp_max(m);
-      float d = 0.0f;
-      for (int j = lane; j < ne; j += 32) {
-        const float p = exp2f(sc[hh * a.ecap + j] - m);
-        sc[hh * a.ecap + j] = p;
-        d += p;
-      }
-      d = warp_sum(d);
-      if (lane == 0) {
-        emd[2 * hh] = m;
-        emd[2 * hh + 1] = d;
-      }
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < ne; j += kThreads) m = fmaxf(m, sc[j]);
+    m_e = block_reduce(m, red, true);
+    float d = 0.0f;
+    for (int j = threadIdx.x; j < ne; j += kThreads) {
+      const float p = ex2(sc[j] - m_e);
+      sc[j] = p;
+      d += p;
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < ng * HD; i += kThreads) {
-      const int hh = i / HD, c = i % HD;
+    d_e = block_reduce(d, red + 8, false);  // contains the barrier that publishes sc
+    for (int c = threadIdx.x; c < HD; c += kThreads) {
       float o = 0.0f;
-      for (int j = 0; j < ne; ++j) o = fmaf(sc[hh * a.ecap + j], __half2float(vb[(int64_t)j * HD + c]), o);
-      eo[i] = o;
+      for (int j = 0; j < ne; ++j) o = fmaf(sc[j], __half2float(vb[(int64_t)j * HD + c]), o);
+      of[c] = o;
     }
   }
   const int i0 = a.item_ptr[seq], i1 = a.item_ptr[seq + 1];
-  for (int i = threadIdx.x; i < ng * HD; i += kThreads) {
-    const int hh = i / HD, c = i % HD;
-    float M = ne > 0 ? emd[2 * hh] : -INFINITY;
-    for (int it = i0; it < i1; ++it) M = fmaxf(M, a.ws_md[((int64_t)it * a.n_kv_head + h) * ng + hh].x);
+  const int64_t stride = (int64_t)a.n_kv_head * a.ng;  // states between consecutive items
+  const int64_t k0 = ((int64_t)i0 * a.n_kv_head + h) * a.ng + hh;
+  float m = -INFINITY;
+  for (int it = threadIdx.x; it < i1 - i0; it += kThreads) m = fmaxf(m, a.ws_md[k0 + it * stride].x);
+  const float M = fmaxf(block_reduce(m, red + 16, true), m_e);
+  for (int c = threadIdx.x; c < HD; c += kThreads) {
     float o = 0.0f, d = 0.0f;
     if (ne > 0) {
-      const float e = exp2f(emd[2 * hh] - M);
-      o = eo[i] * e;
-      d = emd[2 * hh + 1] * e;
+      const float e = ex2(m_e - M);
+      o = of[c] * e;
+      d = d_e * e;
     }
-    for (int it = i0; it < i1; ++it) {
-      const int64_t k = ((int64_t)it * a.n_kv_head + h) * ng + hh;
-      const float2 md = a.ws_md[k];
-      const float e = exp2f(md.x - M);
-      o = fmaf(e, a.ws_o[k * HD + c], o);
+    int it = 0;
+    for (; it + 4 <= i1 - i0; it += 4) {  // four states in flight
+      float2 md[4];
+      float x[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        md[u] = a.ws_md[k0 + (it + u) * stride];
+        x[u] = a.ws_o[(k0 + (it + u) * stride) * HD + c];
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float e = ex2(md[u].x - M);
+        o = fmaf(e, x[u], o);
+        d = fmaf(e, md[u].y, d);
+      }
+    }
+    for (; it < i1 - i0; ++it) {
+      const float2 md = a.ws_md[k0 + it * stride];
+      const float e = ex2(md.x - M);
+      o = fmaf(e, a.ws_o[(k0 + it * stride) * HD + c], o);
       d = fmaf(e, md.y, d);
     }
-    of[i] = d > 0.0f ? o * (1.0f / d) : 0.0f;
+    of[c] = d > 0.0f ? o * (1.0f / d) : 0.0f;
   }
-  if (a.rot_block > 1) fwht_rows_block(of, ng, HD, a.rot_block, a.rot_scale);  // Hadamard: its own inverse
+  if (a.rot_block > 1) fwht_rows_block(of, 1, HD, a.rot_block, a.rot_scale);  // Hadamard: its own inverse
   else __syncthreads();
-  const int64_t ob = ((int64_t)seq * a.n_head + (int64_t)h * ng) * HD;
-  for (int i = threadIdx.x; i < ng * HD; i += kThreads) {
-    if (a.out_f16) reinterpret_cast<__half*>(a.out)[ob + i] = __float2half_rn(of[i]);
-    else reinterpret_cast<float*>(a.out)[ob + i] = of[i];
+  for (int c = threadIdx.x; c < HD; c += kThreads) {
+    if (a.out_f16) reinterpret_cast<__half*>(a.out)[qrow * HD + c] = __float2half_rn(of[c]);
+    else reinterpret_cast<float*>(a.out)[qrow * HD + c] = of[c];
   }
 }
 
@@ -565,7 +609,7 @@ struct decode_plan::impl {
   paged_kv_geometry geo;
   decode_params p;
   int batch = 0, ng = 0, exact_cap = 0, n_items = 0, split = 0;
-  int dec_smem = 0, merge_smem = 0;
+  int dec_smem = 0, merge_smem = 0, grid = 0;
   int4* items = nullptr;
   int* item_ptr = nullptr;
   float* ws_o = nullptr;
@@ -639,11 +683,37 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
     if (len[b] > INT32_MAX - 64) fail_unsupported("[cuda attn_decode] sequence " + std::to_string(b) + " is too long");
     total += len[b];
   }
-  int split = p.split_tokens;
-  if (split == 0) {  // about 4 waves of blocks; at least 128 tokens (8 chunks) per item
-    const int64_t want = (int64_t)sms * occ * 4;
-    const int64_t per = (total * f.n_kv_head + want - 1) / std::max<int64_t>(want, 1);  // items x kv heads ~ want
-    split = std::clamp(round16(std::max<int64_t>(per, 1)), 128, 16384);
+  // Split-KV: the grid is persistent (at most `slots` blocks looping over (item, kv head) work), so
+  // the item length T is chosen to minimise waves(T) * (T + fixed cost), the makespan of equal items.
+  const int64_t slots = (int64_t)sms * occ;
+  auto items_of = [&](int64_t T, int64_t* maxper) {
+    int64_t n = 0, mx = 0;
+    for (int b = 0; b < batch; ++b) {
+      if (len[b] == 0) continue;
+      const int64_t k = (len[b] + T - 1) / T;
+      n += k;
+      mx = std::max<int64_t>(mx, round16((len[b] + k - 1) / k));
+    }
+    *maxper = mx;
+    return n;
+  };
+  int64_t split = p.split_tokens;
+  if (split == 0) {
+    int64_t maxlen = 0;
+    for (int64_t l : len) maxlen = std::max(maxlen, l);
+    constexpr int64_t kFixed = 96;  // per-item cost in token equivalents (query prep, pipeline fill, merge)
+    double best = 1e300;
+    split = 64;
+    const int64_t step = std::max<int64_t>(16, round16(maxlen / 4096));  // at most ~4096 candidates
+    for (int64_t T = 64; T <= std::max<int64_t>(64, round16(maxlen)); T += step) {
+      int64_t mx = 0;
+      const int64_t n = items_of(T, &mx) * f.n_kv_head;
+      const double cost = (double)((n + slots - 1) / slots) * (double)(mx + kFixed);
+      if (cost < best) {
+        best = cost;
+        split = T;
+      }
+    }
   }
   std::vector<int4> items;
   std::vector<int> item_ptr(batch + 1, 0);
@@ -652,11 +722,13 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
     if (len[b] == 0) continue;
     const int64_t n = (len[b] + split - 1) / split;
     const int per = round16((len[b] + n - 1) / n);  // even items, multiples of 16 (chunks never straddle)
-    for (int64_t t0 = 0; t0 < len[b]; t0 += per) items.push_back(make_int4(b, (int)t0, (int)std::min<int64_t>(len[b], t0 + per), 0));
+    for (int64_t t0 = 0; t0 < len[b]; t0 += per)
+      items.push_back(make_int4(b, (int)t0, (int)std::min<int64_t>(len[b], t0 + per), indptr_host[b]));
   }
   item_ptr[batch] = (int)items.size();
   s.n_items = (int)items.size();
-  s.split = split;
+  s.split = (int)split;
+  s.grid = (int)std::min<int64_t>((int64_t)s.n_items * f.n_kv_head, slots);
   const size_t n_states = (size_t)std::max(s.n_items, 1) * f.n_kv_head * s.ng;
   check(cudaMalloc(&s.items, std::max<size_t>(1, items.size()) * sizeof(int4)), "cudaMalloc(items)");
   check(cudaMalloc(&s.item_ptr, (batch + 1) * sizeof(int)), "cudaMalloc(item_ptr)");
@@ -701,6 +773,7 @@ void decode_plan::run(const paged_kv_view& kv, const void* q, void* out, const e
       a.q = q;
       a.ws_o = s.ws_o;
       a.ws_md = s.ws_md;
+      a.n_work = s.n_items * f.n_kv_head;
       a.q_bf16 = s.p.q_elem == kv_elem::bf16;
       a.n_head = s.p.n_head;
       a.n_kv_head = f.n_kv_head;
@@ -708,7 +781,7 @@ void decode_plan::run(const paged_kv_view& kv, const void* q, void* out, const e
       a.sm_scale_log2 = s.p.scale * l2e;
       a.rot_block = s.geo.rot_block;
       a.rot_scale = s.geo.rot_scale;
-      decode_kernel<F, HD><<<dim3((unsigned)s.n_items, (unsigned)f.n_kv_head), kThreads, s.dec_smem, st>>>(a);
+      decode_kernel<F, HD><<<(unsigned)s.grid, kThreads, s.dec_smem, st>>>(a);
       check_launch("attn_decode (decode_kernel)");
     }
     merge_args m;
@@ -731,7 +804,7 @@ void decode_plan::run(const paged_kv_view& kv, const void* q, void* out, const e
     m.rot_block = s.geo.rot_block;
     m.rot_scale = s.geo.rot_scale;
     const int msmem = merge_smem_bytes<HD>(m.ecap);
-    merge_kernel<HD><<<dim3((unsigned)s.batch, (unsigned)f.n_kv_head), kThreads, msmem, st>>>(m);
+    merge_kernel<HD><<<dim3((unsigned)s.batch, (unsigned)f.n_kv_head, (unsigned)s.ng), kThreads, msmem, st>>>(m);
     check_launch("attn_decode (merge_kernel)");
   });
 }

@@ -28,6 +28,7 @@ struct dev_geom {
   int64_t head_bytes = 0;  // one (page, kv head) block
   int32_t k_codes = 0, v_codes = 0, k_scales = 0, v_scales = 0;  // offsets in the block
   int32_t page_size = 0;
+  int32_t page_shift = 0;  // log2(page_size)
 };
 
 inline dfmt to_dfmt(kv_format f) {
@@ -42,6 +43,7 @@ inline dev_geom to_dev(const paged_kv_geometry& g, int page_size) {
   d.k_scales = (int32_t)g.k_scales;
   d.v_scales = (int32_t)g.v_scales;
   d.page_size = page_size;
+  d.page_shift = page_size == 64 ? 6 : 4;
   return d;
 }
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
@@ -119,6 +121,12 @@ __device__ __forceinline__ uint32_t hsub2_u32(uint32_t a, uint32_t b) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
+__device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
+  __half2 x = *reinterpret_cast<const __half2*>(&a), y = *reinterpret_cast<const __half2*>(&b);
+  const __half2 r = __hmul2(x, y);
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
 __device__ __forceinline__ float load_elem(const void* p, int64_t i, bool bf16) {
   const uint16_t u = static_cast<const uint16_t*>(p)[i];
   return bf16 ? __bfloat162float(__ushort_as_bfloat16(u)) : __half2float(__ushort_as_half(u));
@@ -129,6 +137,13 @@ __device__ __forceinline__ uint16_t f16_round_up_dev(float v) {
   uint16_t h = __half_as_ushort(__float2half_rn(v));
   if (__half2float(__ushort_as_half(h)) < v && h < 0x7bff) ++h;
   return h;
+}
+
+// 2^x on the special-function unit (flush-to-zero; 2^-inf = 0).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 __device__ __forceinline__ float warp_max(float v) {

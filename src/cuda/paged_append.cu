@@ -41,14 +41,84 @@ __global__ void __launch_bounds__(32 * kAppendWarps) append_kernel(append_args a
   const int64_t tok = th / a.n_kv_head;
   const int h = (int)(th % a.n_kv_head);
   const void* src = side ? a.v : a.k;
-  float* x = xs[warp];
   const int64_t base = (tok * a.n_kv_head + h) * HD;
+  const int64_t slot0 = a.slots[tok];
+  if constexpr (HD % 32 == 0) {
+    // Registers only: element k * 32 + lane in x[k]; FWHT stages h < 32 through shuffles, h >= 32 across
+    // k; one 32-element group per k (group 32 when head_dim % 32 == 0).
+    constexpr int EPL = HD / 32;
+    float x[EPL];
+#pragma unroll
+    for (int k = 0; k < EPL; ++k) x[k] = load_elem(src, base + k * 32 + lane, a.bf16 != 0);
+    if (a.rot_block > 1) {
+      for (int hs = 1; hs < 32 && hs < a.rot_block; hs *= 2) {
+        const bool upper = lane & hs;
+#pragma unroll
+        for (int k = 0; k < EPL; ++k) {
+          const float y = __shfl_xor_sync(0xffffffffu, x[k], hs);
+          x[k] = upper ? __fsub_rn(y, x[k]) : __fadd_rn(x[k], y);
+        }
+      }
+#pragma unroll
+      for (int hk = 1; hk < EPL; hk *= 2) {
+        if (32 * hk >= a.rot_block) break;
+#pragma unroll
+        for (int k = 0; k < EPL; ++k)
+          if (!(k & hk) && k + hk < EPL) {
+            const float p = x[k], q = x[k + hk];
+            x[k] = __fadd_rn(p, q);
+            x[k + hk] = __fsub_rn(p, q);
+          }
+      }
+#pragma unroll
+      for (int k = 0; k < EPL; ++k) x[k] = __fmul_rn(x[k], a.rot_scale);
+    }
+    const int64_t page = slot0 / a.geo.page_size;
+    const int row = (int)(slot0 % a.geo.page_size);
+    uint8_t* blk = a.pool + page * a.geo.page_bytes + (int64_t)h * a.geo.head_bytes;
+    uint8_t* codes = blk + (side ? a.geo.v_codes : a.geo.k_codes) + (int64_t)row * S::CB;
+    if constexpr (F == dfmt::f16) {
+#pragma unroll
+      for (int k = 0; k < EPL; ++k)
+        reinterpret_cast<uint16_t*>(codes)[k * 32 + lane] = __half_as_ushort(__float2half_rn(x[k]));
+    } else {
+      constexpr float qmax = F == dfmt::q8 ? 127.0f : 7.0f;
+      constexpr int offset = F == dfmt::q8 ? 0 : 8;
+      uint16_t* scales = reinterpret_cast<uint16_t*>(blk + (side ? a.geo.v_scales : a.geo.k_scales)) + (int64_t)row * EPL;
+      float amax[EPL];
+#pragma unroll
+      for (int k = 0; k < EPL; ++k) {
+        x[k] = __half2float(__float2half_rn(x[k]));  // the cache stores f16-rounded values
+        amax[k] = fabsf(x[k]);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int k = 0; k < EPL; ++k) amax[k] = fmaxf(amax[k], __shfl_xor_sync(0xffffffffu, amax[k], o));
+#pragma unroll
+      for (int k = 0; k < EPL; ++k) {
+        const uint16_t sh = f16_round_up_dev(__fdiv_rn(amax[k], qmax));
+        const float sc = __half2float(__ushort_as_half(sh));
+        const float inv = sc > 0.0f ? __fdiv_rn(1.0f, sc) : 0.0f;
+        const float c = fminf(fmaxf(rintf(__fmul_rn(x[k], inv)), -qmax), qmax);
+        const int u = (int)c + offset;
+        if (lane == k) scales[k] = sh;
+        if constexpr (F == dfmt::q8) {
+          codes[k * 32 + lane] = (uint8_t)(int8_t)u;
+        } else {
+          const int hi = __shfl_down_sync(0xffffffffu, u, 16);
+          if (lane < 16) codes[k * 16 + lane] = (uint8_t)((u & 15) | (hi & 15) << 4);
+        }
+      }
+    }
+    return;
+  }
+  float* x = xs[warp];
   for (int i = lane; i < HD; i += 32) x[i] = load_elem(src, base + i, a.bf16 != 0);
   if (a.rot_block > 1) fwht_row_warp(x, HD, a.rot_block, a.rot_scale, lane);
   __syncwarp();
-  const int64_t slot = a.slots[tok];
-  const int64_t page = slot / a.geo.page_size;
-  const int row = (int)(slot % a.geo.page_size);
+  const int64_t page = slot0 / a.geo.page_size;
+  const int row = (int)(slot0 % a.geo.page_size);
   uint8_t* blk = a.pool + page * a.geo.page_bytes + (int64_t)h * a.geo.head_bytes;
   uint8_t* codes = blk + (side ? a.geo.v_codes : a.geo.k_codes) + (int64_t)row * S::CB;
   if constexpr (F == dfmt::f16) {
@@ -61,6 +131,7 @@ __global__ void __launch_bounds__(32 * kAppendWarps) append_kernel(append_args a
     constexpr int offset = F == dfmt::q8 ? 0 : 8;
     uint16_t* scales = reinterpret_cast<uint16_t*>(blk + (side ? a.geo.v_scales : a.geo.k_scales)) + (int64_t)row * NG;
     for (int i = lane; i < HD; i += 32) x[i] = __half2float(__float2half_rn(x[i]));  // the cache stores f16-rounded values
+    __syncwarp();
 #pragma unroll
     for (int gi = 0; gi < NG; ++gi) {
       float amax = 0.0f;
