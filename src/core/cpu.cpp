@@ -2,6 +2,8 @@
 
 #include <cpuid.h>
 
+#include <cstdint>
+
 #include <cstdlib>
 #include <cstring>
 
