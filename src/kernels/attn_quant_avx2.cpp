@@ -60,45 +60,56 @@ inline __m256 exp_neg256(__m256 x) {
 inline float f16(uint16_t h) { return _cvtsh_ss(h); }
 
 // One row of packed codes (hd % 32 == 0) -> hd bytes: u8 codes (2/3/4 bits) or the int8 codes.
-inline void unpack_row(int bits, const uint8_t* src, int hd, uint8_t* dst) {
+template <int Bits>
+inline void unpack_row_t(const uint8_t* src, int hd, uint8_t* dst) {
   const __m128i m0f = _mm_set1_epi8(0x0f);
   const __m256i m03 = _mm256_set1_epi8(0x03);
   for (int b = 0; b < hd; b += 32) {
-    switch (bits) {
-      case 8:
-        _mm256_storeu_si256((__m256i*)(dst + b), _mm256_loadu_si256((const __m256i*)src));
-        src += 32;
-        break;
-      case 4: {
-        const __m128i v = _mm_loadu_si128((const __m128i*)src);
-        _mm_storeu_si128((__m128i*)(dst + b), _mm_and_si128(v, m0f));
-        _mm_storeu_si128((__m128i*)(dst + b + 16), _mm_and_si128(_mm_srli_epi16(v, 4), m0f));
-        src += 16;
-        break;
+    if constexpr (Bits == 8) {
+      _mm256_storeu_si256((__m256i*)(dst + b), _mm256_loadu_si256((const __m256i*)src));
+      src += 32;
+    } else if constexpr (Bits == 4) {
+      const __m128i v = _mm_loadu_si128((const __m128i*)src);
+      _mm_storeu_si128((__m128i*)(dst + b), _mm_and_si128(v, m0f));
+      _mm_storeu_si128((__m128i*)(dst + b + 16), _mm_and_si128(_mm_srli_epi16(v, 4), m0f));
+      src += 16;
+    } else {  // 2 or 3 bits: the 2-bit plane, then (3 bits) the bit-2 plane
+      uint64_t w;
+      std::memcpy(&w, src, 8);
+      __m256i v = _mm256_and_si256(
+          _mm256_srlv_epi64(_mm256_set1_epi64x((long long)w), _mm256_set_epi64x(6, 4, 2, 0)), m03);
+      src += 8;
+      if constexpr (Bits == 3) {
+        uint32_t h;
+        std::memcpy(&h, src, 4);
+        const __m256i idx = _mm256_set_epi8(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,  //
+                                            1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+        const __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), idx);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit);
+        v = _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(4)));
+        src += 4;
       }
-      default: {  // 2 or 3 bits: the 2-bit plane, then (3 bits) the bit-2 plane
-        uint64_t w;
-        std::memcpy(&w, src, 8);
-        __m256i v = _mm256_and_si256(
-            _mm256_srlv_epi64(_mm256_set1_epi64x((long long)w), _mm256_set_epi64x(6, 4, 2, 0)), m03);
-        src += 8;
-        if (bits == 3) {
-          uint32_t h;
-          std::memcpy(&h, src, 4);
-          const __m256i idx = _mm256_set_epi8(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,  //
-                                              1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-          const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
-          const __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), idx);
-          const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit);
-          v = _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(4)));
-          src += 4;
-        }
-        _mm256_storeu_si256((__m256i*)(dst + b), v);
-        break;
-      }
+      _mm256_storeu_si256((__m256i*)(dst + b), v);
     }
   }
 }
+
+// n rows (row stride `stride` bytes) -> dst[n * hd]; the bit width dispatched once. Contiguous
+// rows (stride == packed row bytes) unpack as one stream: 32-element blocks never straddle rows.
+inline void unpack_rows(int bits, const uint8_t* src, int64_t stride, int n, int hd, uint8_t* dst) {
+  if (stride == (int64_t)hd * bits / 8) {
+    hd *= n;
+    n = 1;
+  }
+  switch (bits) {
+    case 8: for (int j = 0; j < n; ++j) unpack_row_t<8>(src + j * stride, hd, dst + j * hd); break;
+    case 4: for (int j = 0; j < n; ++j) unpack_row_t<4>(src + j * stride, hd, dst + j * hd); break;
+    case 3: for (int j = 0; j < n; ++j) unpack_row_t<3>(src + j * stride, hd, dst + j * hd); break;
+    default: for (int j = 0; j < n; ++j) unpack_row_t<2>(src + j * stride, hd, dst + j * hd); break;
+  }
+}
+inline void unpack_row(int bits, const uint8_t* src, int hd, uint8_t* dst) { unpack_rows(bits, src, 0, 1, hd, dst); }
 
 // i32 dot of 32 codes with 32 int8 query values (exact: no i16 saturation for |q| <= 127).
 template <bool Signed>
@@ -247,8 +258,8 @@ inline void load16(const void* row, int c, __m256& x0, __m256& x1) {
 // per column group (the V scale folded in) with row stride kB: w_b + g * 4 * kB. Register-blocked
 // 16 columns x 4 queries; each row's 16 columns are converted once for the four queries.
 template <vsrc V>
-void accumulate4(const void* const* vrow, int rows, int hd, int group, const float* wsb, const float* zs,
-                 float* const* o) {
+void accumulate4(const uint8_t* vbase, int64_t vstride, int rows, int hd, int group, const float* wsb,
+                 const float* zs, float* const* o) {
   for (int c = 0; c < hd; c += 16) {
     const int g = c / group;
     const float* w0 = wsb + (g * 4 + 0) * kB;
@@ -259,9 +270,10 @@ void accumulate4(const void* const* vrow, int rows, int hd, int group, const flo
     __m256 a10 = _mm256_loadu_ps(o[1] + c), a11 = _mm256_loadu_ps(o[1] + c + 8);
     __m256 a20 = _mm256_loadu_ps(o[2] + c), a21 = _mm256_loadu_ps(o[2] + c + 8);
     __m256 a30 = _mm256_loadu_ps(o[3] + c), a31 = _mm256_loadu_ps(o[3] + c + 8);
-    for (int j = 0; j < rows; ++j) {
+    const uint8_t* vr = vbase;
+    auto step = [&](const uint8_t* row, int j) {
       __m256 v0, v1;
-      load16<V>(vrow[j], c, v0, v1);
+      load16<V>(row, c, v0, v1);
       __m256 b = _mm256_broadcast_ss(w0 + j);
       a00 = _mm256_fmadd_ps(b, v0, a00);
       a01 = _mm256_fmadd_ps(b, v1, a01);
@@ -274,7 +286,13 @@ void accumulate4(const void* const* vrow, int rows, int hd, int group, const flo
       b = _mm256_broadcast_ss(w3 + j);
       a30 = _mm256_fmadd_ps(b, v0, a30);
       a31 = _mm256_fmadd_ps(b, v1, a31);
+    };
+    int j = 0;
+    for (; j + 2 <= rows; j += 2, vr += 2 * vstride) {
+      step(vr, j);
+      step(vr + vstride, j + 1);
     }
+    if (j < rows) step(vr, j);
     if (zs) {
       const __m256 z0 = _mm256_set1_ps(zs[g * 4 + 0]), z1 = _mm256_set1_ps(zs[g * 4 + 1]);
       const __m256 z2 = _mm256_set1_ps(zs[g * 4 + 2]), z3 = _mm256_set1_ps(zs[g * 4 + 3]);
@@ -297,6 +315,43 @@ void accumulate4(const void* const* vrow, int rows, int hd, int group, const flo
 inline void scale_o(float* o, int hd, float w) {
   const __m256 wv = _mm256_set1_ps(w);
   for (int i = 0; i < hd; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), wv));
+}
+
+// 8 rows x 4 f16 values (row stride `stride` f16) -> out[g * kB + r], g < 4, r < 8 (f32).
+inline void transpose4x8_f16(const uint16_t* p, int64_t stride, float* out) {
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m128i a = _mm_loadl_epi64((const __m128i*)(p + (2 * i) * stride));
+    const __m128i b = _mm_loadl_epi64((const __m128i*)(p + (2 * i + 1) * stride));
+    v[i] = _mm256_cvtph_ps(_mm_unpacklo_epi64(a, b));  // [r g0..g3 | r+1 g0..g3]
+  }
+  const __m256 lo01 = _mm256_unpacklo_ps(v[0], v[1]), hi01 = _mm256_unpackhi_ps(v[0], v[1]);
+  const __m256 lo23 = _mm256_unpacklo_ps(v[2], v[3]), hi23 = _mm256_unpackhi_ps(v[2], v[3]);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // [r0 r2 r4 r6 | r1 r3 r5 r7] -> r0..r7
+  _mm256_storeu_ps(out + 0 * kB, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(lo01, lo23, 0x44), order));
+  _mm256_storeu_ps(out + 1 * kB, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(lo01, lo23, 0xEE), order));
+  _mm256_storeu_ps(out + 2 * kB, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(hi01, hi23, 0x44), order));
+  _mm256_storeu_ps(out + 3 * kB, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(hi01, hi23, 0xEE), order));
+}
+
+// The block's per-token scales (and zeros) in [group][row] f32 layout; rows [n, kB) are zero.
+inline void block_scales(const uint16_t* sc, int64_t stride, int n, int ng, bool asym, float* s_out, float* z_out) {
+  int j = 0;
+  if (ng == 4)
+    for (; j + 8 <= n; j += 8) {
+      transpose4x8_f16(sc + j * stride, stride, s_out + j);
+      if (asym) transpose4x8_f16(sc + j * stride + 4, stride, z_out + j);
+    }
+  for (; j < n; ++j)
+    for (int g = 0; g < ng; ++g) {
+      s_out[g * kB + j] = f16(sc[j * stride + g]);
+      if (asym) z_out[g * kB + j] = f16(sc[j * stride + ng + g]);
+    }
+  for (int g = 0; g < ng; ++g)
+    for (int r = n; r < kB; ++r) s_out[g * kB + r] = z_out[g * kB + r] = 0.0f;
+  if (!asym)
+    for (int g = 0; g < ng; ++g)
+      for (int r = 0; r < n; ++r) z_out[g * kB + r] = 0.0f;
 }
 
 struct engine_args {
@@ -373,15 +428,11 @@ void engine(const engine_args& a) {
     const int n = max_limit - p0 < kB ? max_limit - p0 : kB;
     // (1) K rows of the block -> kbuf (codes, or f32 rows), and the block's K scales
     const float* krow[kB] = {};
+    if (k_int) unpack_rows(tk.bits, kv.k.codes + (int64_t)p0 * kv.k.code_stride, kv.k.code_stride, n, hd, kbuf);
     for (int j = 0; j < n; ++j) {
       const uint8_t* src = kv.k.codes + (int64_t)(p0 + j) * kv.k.code_stride;
       if (k_int) {
-        unpack_row(tk.bits, src, hd, kbuf + j * hd);
-        const uint16_t* ks = kv.k.scales + (int64_t)(p0 + j) * kv.k.scale_stride;
-        for (int gr = 0; gr < ngk; ++gr) {
-          ksv[gr * kB + j] = f16(ks[gr]);
-          kzv[gr * kB + j] = tk.asymmetric ? f16(ks[ngk + gr]) : 0.0f;
-        }
+        continue;
       } else if (k_chan) {
         alignas(32) uint8_t u[kMaxHd];
         unpack_row(tk.bits, src, hd, u);
@@ -396,10 +447,9 @@ void engine(const engine_args& a) {
         krow[j] = y;
       }
     }
-    for (int j = n; j < kB; ++j) {  // rows past the block: finite, and masked below
-      krow[j] = krow[0];
-      for (int gr = 0; gr < ngk; ++gr) ksv[gr * kB + j] = kzv[gr * kB + j] = 0.0f;
-    }
+    if (k_int)
+      block_scales(kv.k.scales + (int64_t)p0 * kv.k.scale_stride, kv.k.scale_stride, n, ngk, tk.asymmetric, ksv, kzv);
+    for (int j = n; j < kB; ++j) krow[j] = krow[0];  // rows past the block: finite, and masked below
     // (2) scores, 8 rows at a time, and (3) the online softmax of each query
     for (int t = 0; t < qv.n_tokens; ++t) {
       const int nt = limit[t] - p0 < n ? limit[t] - p0 : n;
@@ -476,26 +526,21 @@ void engine(const engine_args& a) {
     }
     // (4) V: rows of the block (codes unpacked once, or dense rows in place), accumulated into
     // every query with the V scales folded into the weights (weights of masked keys are 0)
-    const void* vrow[kB];
-    for (int j = 0; j < n; ++j) {
-      const uint8_t* src = kv.v.codes + (int64_t)(p0 + j) * kv.v.code_stride;
-      if (v_tok) {
-        unpack_row(tv.bits, src, hd, vbuf + j * hd);
-        vrow[j] = vbuf + j * hd;
-        const uint16_t* vsc = kv.v.scales + (int64_t)(p0 + j) * kv.v.scale_stride;
-        for (int gr = 0; gr < ngv; ++gr) {
-          const float sv = f16(vsc[gr]);
-          vsv[gr * kB + j] = sv;
-          vzv[gr * kB + j] = (tv.asymmetric ? f16(vsc[ngv + gr]) : 0.0f) - (float)tv.code_offset * sv;
-        }
-      } else {
-        vrow[j] = src;
-      }
+    const uint8_t* vbase = kv.v.codes + (int64_t)p0 * kv.v.code_stride;  // dense rows in place
+    int64_t vstride = kv.v.code_stride;
+    if (v_tok) {  // codes unpacked once, contiguous
+      unpack_rows(tv.bits, vbase, kv.v.code_stride, n, hd, vbuf);
+      vbase = vbuf;
+      vstride = hd;
     }
-    if (!v_tok)
-      for (int j = 0; j < kB; ++j) vsv[j] = 1.0f;
-    for (int j = n; j < kB; ++j)
-      for (int gr = 0; gr < ngv; ++gr) vsv[gr * kB + j] = vzv[gr * kB + j] = 0.0f;
+    if (v_tok) {  // scales, and zero - offset * scale, in [group][row] layout
+      block_scales(kv.v.scales + (int64_t)p0 * kv.v.scale_stride, kv.v.scale_stride, n, ngv, tv.asymmetric, vsv, vzv);
+      const __m256 off = _mm256_set1_ps((float)tv.code_offset);
+      for (int i = 0; i < ngv * kB; i += 8)
+        _mm256_storeu_ps(vzv + i, _mm256_fnmadd_ps(off, _mm256_loadu_ps(vsv + i), _mm256_loadu_ps(vzv + i)));
+    } else {
+      for (int j = 0; j < kB; ++j) vsv[j] = j < n ? 1.0f : 0.0f;
+    }
     int active[kMaxQ], na = 0, nrows[kMaxQ];
     for (int t = 0; t < qv.n_tokens; ++t) {
       const int nt = limit[t] - p0 < n ? limit[t] - p0 : n;
@@ -528,11 +573,11 @@ void engine(const engine_args& a) {
       const int group = v_tok ? kv.v.group : hd;
       const float* z = v_tok ? zs : nullptr;
       switch (vs) {
-        case vsrc::f32: accumulate4<vsrc::f32>(vrow, rows, hd, group, wsb, z, o); break;
-        case vsrc::f16: accumulate4<vsrc::f16>(vrow, rows, hd, group, wsb, z, o); break;
-        case vsrc::bf16: accumulate4<vsrc::bf16>(vrow, rows, hd, group, wsb, z, o); break;
-        case vsrc::u8: accumulate4<vsrc::u8>(vrow, rows, hd, group, wsb, z, o); break;
-        case vsrc::i8: accumulate4<vsrc::i8>(vrow, rows, hd, group, wsb, z, o); break;
+        case vsrc::f32: accumulate4<vsrc::f32>(vbase, vstride, rows, hd, group, wsb, z, o); break;
+        case vsrc::f16: accumulate4<vsrc::f16>(vbase, vstride, rows, hd, group, wsb, z, o); break;
+        case vsrc::bf16: accumulate4<vsrc::bf16>(vbase, vstride, rows, hd, group, wsb, z, o); break;
+        case vsrc::u8: accumulate4<vsrc::u8>(vbase, vstride, rows, hd, group, wsb, z, o); break;
+        case vsrc::i8: accumulate4<vsrc::i8>(vbase, vstride, rows, hd, group, wsb, z, o); break;
       }
     }
   }
