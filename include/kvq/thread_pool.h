@@ -26,6 +26,11 @@ class thread_pool {
   // Runs fn(i, thread_index) for i in [0, n) split into contiguous ranges; blocks until done.
   // Exceptions thrown by fn are rethrown in the caller (the first one).
   void parallel_for(int64_t n, const std::function<void(int64_t, int)>& fn);
+  // Work (in any consistent unit, e.g. multiply-adds) below which a loop runs on the calling
+  // thread alone: waking other threads costs more than such a loop saves.
+  static constexpr int64_t min_parallel_work = 1 << 16;
+  // parallel_for that runs serially (thread_index 0) when `work` < min_parallel_work.
+  void parallel_for(int64_t n, int64_t work, const std::function<void(int64_t, int)>& fn);
   // Runs fn(thread_index, n_threads) once on every thread.
   void run_on_all(const std::function<void(int, int)>& fn);
 

@@ -84,7 +84,8 @@ class kv_cache_dense final : public kv_cache {
                  std::to_string(p_.n_kv_head));
     const int hd = p_.head_dim, n_group = n_head / p_.n_kv_head;
     const int64_t n_items = (int64_t)p_.n_kv_head * n_tokens;
-    pool.parallel_for(n_items, [&](int64_t item, int) {
+    const int64_t work = n_items * ((int64_t)pos0 + n_tokens) * hd * n_group * 2;  // multiply-adds
+    pool.parallel_for(n_items, work, [&](int64_t item, int) {
       const int h = (int)(item / n_tokens), t = (int)(item % n_tokens);
       kv_dense_view kv;
       kv.k = k_.data() + row_index(il, seq_id, h, 0) * hd * kv_elem_bytes(ek_);

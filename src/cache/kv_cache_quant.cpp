@@ -53,8 +53,12 @@ kv_elem elem_of(kv_format f) {
 // Runs fn(item, thread) for item in [0, n) with dynamic scheduling (causal prefill items differ
 // in cost).
 template <class Fn>
-void parallel_dynamic(thread_pool& pool, int64_t n, Fn&& fn) {
+void parallel_dynamic(thread_pool& pool, int64_t n, int64_t work, Fn&& fn) {
   if (n <= 0) return;
+  if (work < thread_pool::min_parallel_work) {  // small (decode of a tiny model): stay on this thread
+    for (int64_t i = 0; i < n; ++i) fn(i, 0);
+    return;
+  }
   std::atomic<int64_t> next{0};
   pool.run_on_all([&](int tid, int) {
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i, tid);
@@ -509,7 +513,7 @@ void kv_cache_quant::attend(int il, int seq_id, int pos0, int n_tokens, int n_he
     q8_.resize(nq * hd);
     q8s_.resize(nq);
   }
-  pool.parallel_for(n_tokens, [&](int64_t t, int) {
+  pool.parallel_for(n_tokens, (int64_t)nq * hd * 8, [&](int64_t t, int) {
     float* r = &qr_[(size_t)t * n_head * hd];
     if (!k_.lambda.empty())
       for (int h = 0; h < n_head; ++h) {
@@ -543,7 +547,7 @@ void kv_cache_quant::attend(int il, int seq_id, int pos0, int n_tokens, int n_he
   if (n_chunks > 1) ows_.resize((size_t)(n_chunks - 1) * nq * hd);
   const bool dequant = p_.attn_impl == "dequant";
   const int n_sink = std::min(sq.n, p_.sink), n_tail = tail_len(sq);
-  parallel_dynamic(pool, (int64_t)nh * n_tiles * n_chunks, [&](int64_t item, int) {
+  parallel_dynamic(pool, (int64_t)nh * n_tiles * n_chunks, (int64_t)nq * sq.n * hd * 2, [&](int64_t item, int) {
     const int c = (int)(item % n_chunks), tl = (int)(item / n_chunks % n_tiles), h = (int)(item / n_chunks / n_tiles);
     const int ta = tl * tile, tb = std::min(n_tokens, ta + tile);
     const size_t hi = head_index(il, seq_id, h);
@@ -626,7 +630,7 @@ void kv_cache_quant::attend(int il, int seq_id, int pos0, int n_tokens, int n_he
     }
   });
   // 3. merge the chunks, normalise, undo λ_V and the V rotation once per head
-  pool.parallel_for(n_tokens, [&](int64_t t, int) {
+  pool.parallel_for(n_tokens, (int64_t)nq * hd * 8, [&](int64_t t, int) {
     for (int hq = 0; hq < n_head; ++hq) {
       const size_t i = (size_t)t * n_head + hq;
       attn_state& s0 = states_[i];

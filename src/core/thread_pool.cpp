@@ -109,4 +109,12 @@ void thread_pool::parallel_for(int64_t n, const std::function<void(int64_t, int)
   });
 }
 
+void thread_pool::parallel_for(int64_t n, int64_t work, const std::function<void(int64_t, int)>& fn) {
+  if (work < min_parallel_work) {
+    for (int64_t i = 0; i < n; ++i) fn(i, 0);
+    return;
+  }
+  parallel_for(n, fn);
+}
+
 }  // namespace kvq
