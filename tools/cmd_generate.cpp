@@ -21,12 +21,19 @@ int run_generate(generate_opts& o) {
   if (o.json) {
     r = generate(*m, *tok, o.p);
   } else {
-    std::fputs(o.p.prompt.c_str(), stdout);
-    std::fflush(stdout);
-    r = generate(*m, *tok, o.p, [](const std::string& piece) {
+    // The prompt is echoed with the first generated piece, so that an error found while
+    // validating or prefilling leaves nothing on stdout.
+    bool echoed = false;
+    auto echo_prompt = [&] {
+      if (!echoed) std::fputs(o.p.prompt.c_str(), stdout);
+      echoed = true;
+    };
+    r = generate(*m, *tok, o.p, [&](const std::string& piece) {
+      echo_prompt();
       std::fwrite(piece.data(), 1, piece.size(), stdout);
       std::fflush(stdout);
     });
+    echo_prompt();
     std::fputs("\n", stdout);
   }
   const double ratio = r.kv_bytes_per_token > 0 ? r.kv_bytes_per_token_f16 / r.kv_bytes_per_token : 0;

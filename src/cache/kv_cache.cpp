@@ -5,6 +5,7 @@
 #include "kvq/certified.h"
 #include "kvq/error.h"
 #include "kvq/quant.h"
+#include "kvq/rotation.h"
 
 namespace kvq {
 
@@ -17,6 +18,7 @@ static std::string joined_type_names() {
 std::vector<std::string> kv_type_names() {
   std::vector<std::string> names;
   for (int f = 0; f < (int)kv_format::count; ++f) names.push_back(kv_traits((kv_format)f).name);
+  names.push_back("certified");  // the tiered certified cache (certified.h)
   return names;
 }
 
@@ -36,6 +38,7 @@ void validate_cache_shape(const kv_cache_params& p) {
   need(p.head_dim, "head_dim");
   need(p.n_ctx, "n_ctx");
   need(p.n_seq, "n_seq");
+  if (p.rotation != "auto") parse_rotation(p.rotation);  // rejects unknown names for every type
   for (const auto* side : {&p.type_k, &p.type_v}) {
     bool known = false;
     for (const auto& t : kv_type_names()) known = known || t == *side;

@@ -22,6 +22,8 @@ generate_result generate(model& m, const tokenizer& tok, const generate_params& 
   using clock = std::chrono::steady_clock;
   generate_result r;
   if (p.prompt.empty()) fail_input("[generate] the prompt is empty (give one with -p)");
+  if (p.n_predict < -1)
+    fail_input("[generate] -n " + std::to_string(p.n_predict) + " must be >= -1 (-1: until end of generation)");
   if (p.n_batch <= 0) fail_input("[generate] batch size " + std::to_string(p.n_batch) + " must be > 0");
   r.n_ctx = resolve_n_ctx(m, p.n_ctx);
 
