@@ -26,12 +26,13 @@ constexpr float kF16Max = 65504.0f;
 constexpr kv_format kDefaultK = kv_format::q8;
 constexpr kv_format kDefaultV = kv_format::q4;
 
-// The next precision of a side whose bound keeps failing: int8 at most (an f16 fast tier would
-// duplicate the host tier; beyond int8 the ladder recomputes instead). Returns f when none.
+// The next precision of a side whose bound keeps failing: int8, then f16 (that head's fast tier
+// then costs as much as an f16 cache, traded for not reading the host tier). f when none.
 kv_format upgrade_of(kv_format f) {
   switch (f) {
     case kv_format::q2: case kv_format::q3: case kv_format::q4: return kv_format::q8;
     case kv_format::q2a: case kv_format::q3a: case kv_format::q4a: return kv_format::q8a;
+    case kv_format::q8: case kv_format::q8a: return kv_format::f16;
     default: return f;
   }
 }

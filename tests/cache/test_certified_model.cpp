@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -152,12 +153,21 @@ TEST(CertifiedModel, DISABLED_CertifiedReport) {
       const text_run r = run_text(*f.m, *c, f.ids, f.bos, n_ctx, n_chunks, n_ctx, pool);
       const certified_stats s = c->certified_statistics();
       const double n = (double)s.steps;
+      std::string fmts;  // final formats of new tokens: "K q8 x20 / V q4 x20"
+      for (int side = 0; side < 2; ++side) {
+        std::map<std::string, int> cnt;
+        for (const auto& h : c->heads()) ++cnt[kv_traits(side ? h.v_format : h.k_format).name];
+        fmts += side ? " / V" : "K";
+        for (const auto& [k, v] : cnt) fmts += " " + k + " x" + std::to_string(v);
+      }
+      const certified_tier_bytes tb = c->tier_bytes();
       std::printf("certified tol %-6g adapt %d  PPL %.4f  fell back %.3f%% (partial %.3f%%, full %.3f%%)  "
                   "bound/||o|| median %.3g p99 %.3g  bound/actual median %.3g p99 %.3g min %.3g  violations %llu  "
-                  "upgrades %d\n",
+                  "upgrades %d (%s; fast tier %.0f B/token)\n",
                   tol, (int)adapt, ppl(r), 100.0 * (s.partial + s.exact) / n, 100.0 * s.partial / n,
                   100.0 * s.exact / n, s.rel_bound_median, s.rel_bound_p99, s.ratio_median, s.ratio_p99, s.ratio_min,
-                  (unsigned long long)s.violations, s.heads_upgraded);
+                  (unsigned long long)s.violations, s.heads_upgraded, fmts.c_str(),
+                  (double)tb.fast_used / std::max(1, c->n_pos(0)));
       EXPECT_EQ(s.violations, 0u);
     }
 }
