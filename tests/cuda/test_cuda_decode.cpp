@@ -118,6 +118,11 @@ struct decode_case {
   kv_elem qe = kv_elem::f16;
   int split = 0;
 };
+// Printed in test names: without it gtest prints the struct's raw bytes (padding included),
+// which changes from run to run.
+void PrintTo(const decode_case& c, std::ostream* os) {
+  *os << "hd" << c.hd << "_gqa" << c.ng << "_p" << c.page_size << "_b" << c.batch;
+}
 
 // Runs the GPU kernel on a fresh random cache and returns the relative error vs the CPU oracle.
 double run_case(const decode_case& p, int64_t page_base = 0, std::string* info = nullptr) {

@@ -110,6 +110,7 @@ struct append_case {
   kv_elem elem;
   int page_size;
 };
+void PrintTo(const append_case& c, std::ostream* os) { *os << "hd" << c.hd << "_p" << c.page_size; }
 
 class CudaAppend : public ::testing::TestWithParam<append_case> {};
 
