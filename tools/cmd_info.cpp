@@ -21,12 +21,7 @@ int run_info(info_opts& o) {
   auto m = model::load(o.model_path);
   const model_hparams& hp = m->hparams();
   const int n_ctx = resolve_n_ctx(*m, o.n_ctx);
-  kv_cache_params base = o.kv;
-  const kv_cache_params shape = m->cache_params(n_ctx);
-  base.n_layer = shape.n_layer;
-  base.n_kv_head = shape.n_kv_head;
-  base.head_dim = shape.head_dim;
-  base.n_ctx = n_ctx;
+  const kv_cache_params base = m->cache_params(n_ctx, o.kv);
   kv_cache_params f16 = base;
   f16.type_k = f16.type_v = "f16";
   const double f16_bpt = kv_bytes_per_token(f16);

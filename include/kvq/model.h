@@ -58,8 +58,9 @@ class model {
   const model_hparams& hparams() const { return hp_; }
   const gguf_file& gguf() const { return *file_; }
 
-  // Cache parameters matching this model's shapes (n_layer, n_kv_head, head_dim).
-  kv_cache_params cache_params(int n_ctx) const;
+  // Cache parameters matching this model's shapes (n_layer, n_kv_head, head_dim), n_ctx and one
+  // sequence; the format options (types, rotation, windows...) are taken from `options`.
+  kv_cache_params cache_params(int n_ctx, const kv_cache_params& options = {}) const;
 
   // Runs tokens[0..n) at positions pos0..pos0+n-1 of sequence seq_id through the model, appending
   // their K/V to `cache` (which must hold exactly pos0 positions of seq_id).

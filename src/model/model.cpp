@@ -192,12 +192,13 @@ std::unique_ptr<model> model::load(const std::string& path) {
   return m;
 }
 
-kv_cache_params model::cache_params(int n_ctx) const {
-  kv_cache_params p;
+kv_cache_params model::cache_params(int n_ctx, const kv_cache_params& options) const {
+  kv_cache_params p = options;
   p.n_layer = hp_.n_layer;
   p.n_kv_head = hp_.n_kv_head;
   p.head_dim = hp_.head_dim;
   p.n_ctx = n_ctx;
+  p.n_seq = 1;
   return p;
 }
 

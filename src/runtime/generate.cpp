@@ -27,13 +27,7 @@ generate_result generate(model& m, const tokenizer& tok, const generate_params& 
   if (p.n_batch <= 0) fail_input("[generate] batch size " + std::to_string(p.n_batch) + " must be > 0");
   r.n_ctx = resolve_n_ctx(m, p.n_ctx);
 
-  kv_cache_params cp = p.cache;
-  const kv_cache_params shape = m.cache_params(r.n_ctx);
-  cp.n_layer = shape.n_layer;
-  cp.n_kv_head = shape.n_kv_head;
-  cp.head_dim = shape.head_dim;
-  cp.n_ctx = r.n_ctx;
-  cp.n_seq = 1;
+  const kv_cache_params cp = m.cache_params(r.n_ctx, p.cache);
   std::unique_ptr<kv_cache> cache = make_kv_cache(cp);  // validates types before any work
 
   r.prompt_ids = tok.encode(p.prompt, p.add_bos && tok.add_bos_default(), /*parse_special=*/true);
