@@ -36,7 +36,9 @@ namespace kvq {
 
 // Rows [row_begin, next segment's row_begin) of one side of one kv head, all in one format
 // (per_token or dense): row r has its codes at codes + (r - row_begin) * code_stride bytes and (per
-// token) its kv_row_scale_count f16 scales at scales + (r - row_begin) * scale_stride.
+// token) its kv_row_scale_count f16 scales at scales + (r - row_begin) * scale_stride. Rows are in
+// the side's rotated basis, or (rotated == false) in the original basis: K rows are then scored
+// with the unrotated query, V rows are rotated (f32) when read.
 struct cert_segment {
   int row_begin = 0;
   kv_format format = kv_format::f16;
@@ -45,13 +47,14 @@ struct cert_segment {
   const uint16_t* scales = nullptr;
   int64_t scale_stride = 0;
   int group = 0;  // per_token: elements per scale along head_dim
+  bool rotated = true;
 };
 
 // One side (K or V) of the fast tier of one kv head. Rows are in the basis `rot` (orthonormal).
 struct cert_side_view {
   const cert_segment* segs = nullptr;  // ascending row_begin, segs[0].row_begin == 0
   int n_segs = 0;
-  const uint16_t* err = nullptr;       // [n_pos] f16 ε_j >= ||R x_j - x̂_j|| (+ slack, docs/certified.md)
+  const uint16_t* err = nullptr;       // [n_pos] f16 ε_j >= ||R x_j - R x̂_j|| (+ slack, docs/certified.md)
   const rotation* rot = nullptr;
 };
 

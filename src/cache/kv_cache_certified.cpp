@@ -26,8 +26,9 @@ constexpr float kF16Max = 65504.0f;
 constexpr kv_format kDefaultK = kv_format::q8;
 constexpr kv_format kDefaultV = kv_format::q4;
 
-// The next precision of a side whose bound keeps failing: int8, then f16 (that head's fast tier
-// then costs as much as an f16 cache, traded for not reading the host tier). f when none.
+// The next precision of a side whose bound keeps failing: int8, then f16 (exact copies of the
+// originals: that head's fast tier then costs as much as an f16 cache, traded for not reading the
+// host tier). f when none.
 kv_format upgrade_of(kv_format f) {
   switch (f) {
     case kv_format::q2: case kv_format::q3: case kv_format::q4: return kv_format::q8;
@@ -146,7 +147,8 @@ class kv_cache_certified_impl final : public kv_cache_certified {
     return reinterpret_cast<uint16_t*>(host_->data()) + (head_index(il, seq, h) * p_.n_ctx + pos) * 2 * p_.head_dim;
   }
   void check_layer_seq(const char* op, int il, int seq_id) const;
-  void push_row(side_rows& s, kv_format f, const float* x_rot, const float* x16, double x_norm, double eta);
+  void push_row(side_rows& s, kv_format f, const float* x, const float* x_rot, const float* x16r, double x_norm,
+                double eta);
   void maybe_upgrade(int il);
   void record(int il, int n_head);
 
@@ -236,8 +238,11 @@ std::string kv_cache_certified_impl::describe() const {
          (p_.certify_measure ? "; measuring" : "");
 }
 
-void kv_cache_certified_impl::push_row(side_rows& s, kv_format f, const float* x_rot, const float* x16,
-                                       double x_norm, double eta) {
+// x: the f16 original (original basis); x_rot = fl(R x); x16r = f16(x_rot). Per-token formats
+// quantize x16r (rotated basis, as the compressed cache); dense formats keep x itself (original
+// basis: f16 rows are exact copies, ε only covers the rotation of V rows when they are read).
+void kv_cache_certified_impl::push_row(side_rows& s, kv_format f, const float* x, const float* x_rot,
+                                       const float* x16r, double x_norm, double eta) {
   const int hd = p_.head_dim;
   const auto& t = kv_traits(f);
   const int r = (int)s.err.size();
@@ -249,19 +254,23 @@ void kv_cache_certified_impl::push_row(side_rows& s, kv_format f, const float* x
   float xh[1024];
   uint8_t* c = s.codes.data() + c0;
   if (t.layout == kv_layout::per_token) {
-    quantize_row_ref(f, x16, hd, group_, c, s.scales.data() + s0);
+    quantize_row_ref(f, x16r, hd, group_, c, s.scales.data() + s0);
     dequantize_row_ref(f, c, s.scales.data() + s0, hd, group_, xh);
-  } else if (f == kv_format::f32) {
-    std::memcpy(c, x_rot, (size_t)hd * 4);
-    std::memcpy(xh, x_rot, (size_t)hd * 4);
+    s.err.push_back(cert_error_bound_f16(x_rot, xh, hd, x_norm, eta));
+    return;
+  }
+  if (f == kv_format::f32) {
+    std::memcpy(c, x, (size_t)hd * 4);
+    std::memcpy(xh, x, (size_t)hd * 4);
   } else {
     auto* h = reinterpret_cast<uint16_t*>(c);
     for (int i = 0; i < hd; ++i) {
-      h[i] = f == kv_format::f16 ? f32_to_f16(x_rot[i]) : f32_to_bf16(x_rot[i]);
+      h[i] = f == kv_format::f16 ? f32_to_f16(x[i]) : f32_to_bf16(x[i]);
       xh[i] = f == kv_format::f16 ? f16_to_f32(h[i]) : bf16_to_f32(h[i]);
     }
   }
-  s.err.push_back(cert_error_bound_f16(x_rot, xh, hd, x_norm, eta));
+  // ||x - x̂|| + η (||x|| + ||x̂||): covers the score (K, exact query) and the f32 rotation of V on read
+  s.err.push_back(cert_error_bound_f16(x, xh, hd, x_norm, eta));
 }
 
 void kv_cache_certified_impl::append(int il, int seq_id, int n_tokens, const float* k, const float* v) {
@@ -325,8 +334,8 @@ void kv_cache_certified_impl::append(int il, int seq_id, int n_tokens, const flo
       for (int side = 0; side < 2; ++side) {
         const float* r = &xr_[side * m + j * hd];
         for (int i = 0; i < hd; ++i) x16r[i] = f16_to_f32(f32_to_f16(r[i]));
-        push_row(side == 0 ? k_[hi] : v_[hi], side == 0 ? a.fk : a.fv, r, x16r, xn_[side * rows + j],
-                 side == 0 ? eta_k_ : eta_v_);
+        push_row(side == 0 ? k_[hi] : v_[hi], side == 0 ? a.fk : a.fv, &x16_[side * m + j * hd], r, x16r,
+                 xn_[side * rows + j], side == 0 ? eta_k_ : eta_v_);
       }
     }
   n += n_tokens;
@@ -407,6 +416,7 @@ void kv_cache_certified_impl::attend(int il, int seq_id, int pos0, int n_tokens,
           cs.scales = rows->scales.data() + g.scale_off;
           cs.scale_stride = kv_row_scale_count(g.format, hd, group_);
           cs.group = group_;
+          cs.rotated = kv_traits(g.format).layout != kv_layout::dense;
           segs.push_back(cs);
         }
       kv.k.segs = segs.data();

@@ -33,7 +33,8 @@ struct row_reader {
   const cert_side_view* s;
   int hd;
   int seg = 0;
-  void load(int r, float* y) {
+  // Loads row r into y; returns whether it is in the rotated basis (false: original basis).
+  bool load(int r, float* y) {
     while (seg + 1 < s->n_segs && s->segs[seg + 1].row_begin <= r) ++seg;
     while (seg > 0 && s->segs[seg].row_begin > r) --seg;
     const cert_segment& g = s->segs[seg];
@@ -42,17 +43,22 @@ struct row_reader {
     switch (g.format) {
       case kv_format::f32:
         for (int e = 0; e < hd; ++e) y[e] = reinterpret_cast<const float*>(c)[e];
-        return;
+        break;
       case kv_format::f16:
         for (int e = 0; e < hd; ++e) y[e] = f16_to_f32(reinterpret_cast<const uint16_t*>(c)[e]);
-        return;
+        break;
       case kv_format::bf16:
         for (int e = 0; e < hd; ++e) y[e] = bf16_to_f32(reinterpret_cast<const uint16_t*>(c)[e]);
-        return;
+        break;
       default:
         dequantize_row_ref(g.format, c, g.scales + i * g.scale_stride, hd, g.group, y);
-        return;
+        break;
     }
+    return g.rotated;
+  }
+  // A V row in the rotated basis (rows stored in the original basis are rotated here, in f32).
+  void load_rotated(int r, float* y) {
+    if (!load(r, y)) s->rot->forward(y);
   }
 };
 
@@ -108,6 +114,7 @@ struct scratch {
   std::vector<double> s, p, pe;  // [nq, n_max] scores, probabilities, p (e^δ - 1)
   std::vector<float> c;          // [nq, n_max] per-token contributions to the bound
   std::vector<float> kb, vb;     // [kBlock, hd] dequantized rows
+  std::vector<uint8_t> kb_rot;   // [kBlock] row of kb is in the rotated basis
   std::vector<double> o;         // [nq, hd] compressed-tier output (rotated V basis)
   std::vector<double> ex;        // [hd] exact output of one query
   std::vector<double> o1;        // [hd] stage-1 output
@@ -206,6 +213,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   w.pe.resize((size_t)nq * n_max);
   w.c.resize((size_t)nq * n_max);
   w.kb.resize((size_t)kBlock * hd);
+  w.kb_rot.resize(kBlock);
   w.vb.resize((size_t)kBlock * hd);
   w.o.resize((size_t)nq * hd);
   w.ex.resize(hd);
@@ -273,15 +281,16 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   row_reader rk{&kv.k, hd}, rv{&kv.v, hd};
   for (int r0 = 0; r0 < n_max; r0 += kBlock) {
     const int nb = std::min(kBlock, n_max - r0);
-    for (int j = 0; j < nb; ++j) rk.load(r0 + j, &w.kb[(size_t)j * hd]);
+    for (int j = 0; j < nb; ++j) w.kb_rot[j] = rk.load(r0 + j, &w.kb[(size_t)j * hd]);
     for (int qi = 0; qi < nq; ++qi) {
       const query_ctx& c = qs[qi];
       const int ne = std::min(nb, c.lim - r0);
       double* s = &w.s[(size_t)qi * n_max + r0];
       for (int j = 0; j < ne; ++j) {
         const float* k = &w.kb[(size_t)j * hd];
+        const float* qq = w.kb_rot[j] ? c.q_rot : c.q;  // original-basis rows: the exact query
         double a = 0;
-        for (int i = 0; i < hd; ++i) a += (double)c.q_rot[i] * k[i];
+        for (int i = 0; i < hd; ++i) a += (double)qq[i] * k[i];
         s[j] = a * scale;
       }
     }
@@ -297,7 +306,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   std::fill(w.o.begin(), w.o.end(), 0.0);
   for (int r0 = 0; r0 < n_max; r0 += kBlock) {
     const int nb = std::min(kBlock, n_max - r0);
-    for (int j = 0; j < nb; ++j) rv.load(r0 + j, &w.vb[(size_t)j * hd]);
+    for (int j = 0; j < nb; ++j) rv.load_rotated(r0 + j, &w.vb[(size_t)j * hd]);
     for (int qi = 0; qi < nq; ++qi) {
       const int ne = std::min(nb, qs[qi].lim - r0);
       const double* p = &w.p[(size_t)qi * n_max + r0];
@@ -312,7 +321,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   bt.assign(nq, bound_terms{});
   for (int r0 = 0; r0 < n_max; r0 += kBlock) {
     const int nb = std::min(kBlock, n_max - r0);
-    for (int j = 0; j < nb; ++j) rv.load(r0 + j, &w.vb[(size_t)j * hd]);
+    for (int j = 0; j < nb; ++j) rv.load_rotated(r0 + j, &w.vb[(size_t)j * hd]);
     for (int qi = 0; qi < nq; ++qi) {
       const query_ctx& c = qs[qi];
       const int ne = std::min(nb, c.lim - r0);
@@ -411,7 +420,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
             row_reader r1{&kv.v, hd};
             auto row = [&](int j) -> const float* {
               if (w.slot[j] >= 0) return &w.vx[(size_t)w.slot[j] * hd];
-              r1.load(j, w.vb.data());
+              r1.load_rotated(j, w.vb.data());
               return w.vb.data();
             };
             std::fill(w.o1.begin(), w.o1.end(), 0.0);

@@ -218,6 +218,37 @@ TEST(CertifiedBound, MeasureModeMatchesIndependentReference) {
   EXPECT_GE(s.ratio_p99, s.ratio_median);
 }
 
+// Adaptive precision changes the format of new tokens mid-sequence (q4 -> q8 -> f16 in the original
+// basis, on rotated sides): the bound stays valid over rows of mixed formats and bases.
+TEST(CertifiedBound, HoldsAcrossAdaptiveUpgrades) {
+  thread_pool pool(2);
+  const int n = 900, hd = 32, n_head = 2;
+  std::mt19937 rng(21);
+  std::vector<float> k = gauss(rng, (size_t)n * hd, 1.0f), v = gauss(rng, (size_t)n * hd, 1.0f);
+  std::vector<float> q = gauss(rng, (size_t)n * n_head * hd, 1.0f);
+  for (auto& x : v) x = f16r(x + 0.5f);
+  kv_cache_params p = cert_params(1, hd, n, 1e-3, "q4", "q4");
+  p.certify_adapt = true;
+  p.certify_measure = true;
+  auto c = make_kv_cache_certified(p);
+  std::vector<float> out((size_t)n_head * hd);
+  for (int t = 0; t < n; ++t) {
+    c->append(0, 0, 1, &k[(size_t)t * hd], &v[(size_t)t * hd]);
+    c->attend(0, 0, t, 1, n_head, &q[(size_t)t * n_head * hd], 0.18f, out.data(), pool);
+  }
+  const auto h = c->heads();
+  EXPECT_EQ(h[0].k_format, kv_format::f16);
+  EXPECT_EQ(h[0].v_format, kv_format::f16);
+  EXPECT_EQ(c->certified_statistics().heads_upgraded, 4);
+  EXPECT_EQ(c->certified_statistics().violations, 0u);
+  // (measuring counted the compressed-tier bound of every step above); every position once more,
+  // against this test's own float64 reference
+  checked r = attend_and_check(*c, k, v, q, 0, n, n_head, 0.18f, pool);
+  EXPECT_EQ(r.violations, 0);
+  EXPECT_GT(r.worst_ratio, 1.0);
+  EXPECT_EQ(c->certified_statistics().violations, 0u);
+}
+
 // The rotation rounding allowance η the bound assumes: ||fl(R x) - R x|| <= η ||x||, checked against
 // R x in float64 (block-diagonal Sylvester Hadamard, with the SRHT signs), over random vectors and
 // vectors with a huge dynamic range; for the SRFT (no float64 definition here) the round trip.
