@@ -129,7 +129,6 @@ struct scratch {
   std::vector<bound_terms> bt;   // [nq]
 };
 
-
 // Exact attention in f64 over the host tier (original basis): o[hd]. Returns its bound on
 // ||fl32(o) - o_true|| (rounding only) through *bound.
 void exact_attend(const cert_kv_view& kv, const query_ctx& qc, float scale, double* o, double* bound,
