@@ -12,6 +12,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter  # noqa: E402
 
 
 def main():
@@ -37,6 +38,9 @@ def main():
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     a1.set_yscale("log")
+    a1.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    a1.yaxis.set_major_formatter(ScalarFormatter())
+    a1.yaxis.set_minor_formatter(NullFormatter())
     fig.suptitle("kvq bench: %s, %d threads, %s fill" % (r.get("model_desc", r["model"]), r["n_threads"], r["fill"]),
                  fontsize=9)
     fig.savefig(sys.argv[2], dpi=110, format="png")
