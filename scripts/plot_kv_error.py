@@ -39,8 +39,9 @@ def main():
         grid = [[max(f["rel_err"][il * H + h], lo) for h in range(H)] for il in range(L)]
         im = ax.imshow(grid, aspect="auto", cmap="magma", norm=LogNorm(vmin=lo, vmax=hi), origin="upper")
         name = f["type_k"] if f["type_k"] == f["type_v"] else f["type_k"] + "/" + f["type_v"]
-        ax.set_title("%s  %.0f B/tok\nrel.err %.2e  TV %.2e" % (name, f["bytes_per_token"], f["mean_rel_err"],
-                                                                 f["mean_tv"]), fontsize=8)
+        tv = "TV %.2e" % f["mean_tv"] if "mean_tv" in f else "TV not computed"  # absent with --no-tv
+        ax.set_title("%s  %.0f B/tok\nrel.err %.2e  %s" % (name, f["bytes_per_token"], f["mean_rel_err"], tv),
+                     fontsize=8)
         ax.set_xlabel("head", fontsize=7)
         ax.set_ylabel("layer", fontsize=7)
         ax.tick_params(labelsize=6)

@@ -2,6 +2,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -62,6 +63,12 @@ struct kv_error_opts {
   bool explicit_kv = false;
 };
 
+std::string fmt_sci(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.3e", v);
+  return b;
+}
+
 std::vector<std::string> split_list(const std::string& s) {
   std::vector<std::string> out;
   std::stringstream ss(s);
@@ -82,18 +89,27 @@ nlohmann::json to_json(const kv_error_opts& o, const kv_error_result& r) {
   j["n_ctx"] = r.n_ctx;
   j["n_chunk"] = r.n_chunk;
   j["n_queries"] = r.n_queries;
-  j["tv"] = !o.no_tv;
+  j["tv"] = r.has_tv;
   j["seconds"] = r.seconds;
   j["formats"] = nlohmann::json::array();
   for (const auto& f : r.formats) {
     nlohmann::json w = nlohmann::json::array();
-    for (const auto& h : f.worst) w.push_back({{"layer", h.il}, {"head", h.head}, {"rel_err", h.rel_err}, {"tv", h.tv}});
-    j["formats"].push_back({{"type_k", f.type_k}, {"type_v", f.type_v}, {"describe", f.describe},
-                            {"bytes_per_token", f.bytes_per_token}, {"ratio_vs_f16", f.ratio_vs_f16},
-                            {"mean_rel_err", f.mean_rel_err}, {"max_rel_err", f.max_rel_err},
-                            {"mean_tv", f.mean_tv}, {"max_tv", f.max_tv},
-                            {"layer_rel_err", f.layer_rel_err}, {"layer_tv", f.layer_tv},
-                            {"rel_err", f.rel_err}, {"tv_per_head", f.tv}, {"worst", w}});
+    for (const auto& h : f.worst) {
+      nlohmann::json e = {{"layer", h.il}, {"head", h.head}, {"rel_err", h.rel_err}};
+      if (r.has_tv) e["tv"] = h.tv;
+      w.push_back(e);
+    }
+    nlohmann::json e = {{"type_k", f.type_k}, {"type_v", f.type_v}, {"describe", f.describe},
+                        {"bytes_per_token", f.bytes_per_token}, {"ratio_vs_f16", f.ratio_vs_f16},
+                        {"mean_rel_err", f.mean_rel_err}, {"max_rel_err", f.max_rel_err},
+                        {"layer_rel_err", f.layer_rel_err}, {"rel_err", f.rel_err}, {"worst", w}};
+    if (r.has_tv) {  // without --no-tv only: absent rather than a misleading 0
+      e["mean_tv"] = f.mean_tv;
+      e["max_tv"] = f.max_tv;
+      e["layer_tv"] = f.layer_tv;
+      e["tv_per_head"] = f.tv;
+    }
+    j["formats"].push_back(e);
   }
   return j;
 }
@@ -118,7 +134,8 @@ int run_kv_error(kv_error_opts& o) {
   }
   o.p.tv = !o.no_tv;
   if (o.p.n_ctx == 0) o.p.n_ctx = std::min(512, m->hparams().n_ctx_train);
-  const auto ids = perplexity_tokenize(*tok, read_text_file(o.text_path));
+  kv_error_check(*m, o.p);  // refuse bad flags before reading and tokenizing the text
+  const auto ids = perplexity_tokenize(*tok, read_text_file(o.text_path, "kv_error"), "kv_error");
   kv_error_progress prog;
   if (!o.no_progress)
     prog = [tty = ::isatty(2)](int done, int total) {
@@ -135,24 +152,36 @@ int run_kv_error(kv_error_opts& o) {
   std::printf("model %s: %d layers x %d heads (%d kv heads, head_dim %d); %d chunk(s) of %d tokens, %lld queries/head\n",
               o.model_path.c_str(), r.n_layer, r.n_head, r.n_kv_head, r.head_dim, r.n_chunk, r.n_ctx,
               (long long)r.n_queries);
-  std::printf("attention-output relative error and attention-probability TV distance vs an f32 cache\n\n");
-  std::printf("%-34s %9s %6s %11s %11s %10s %10s\n", "format", "B/token", "x f16", "mean relerr", "max relerr",
+  std::printf("attention-output relative error%s vs an f32 cache\n\n",
+              r.has_tv ? " and attention-probability TV distance" : " (TV distance not computed: --no-tv)");
+  // Column widths from the longest names: nothing is cut.
+  auto short_name = [](const kv_error_format& f) { return f.type_k == f.type_v ? f.type_k : f.type_k + "/" + f.type_v; };
+  int wd = 6, ws = 10;
+  for (const auto& f : r.formats) {
+    wd = std::max(wd, (int)f.describe.size());
+    ws = std::max(ws, (int)short_name(f).size());
+  }
+  auto tv_cell = [&](double v) { return r.has_tv ? fmt_sci(v) : std::string("-"); };
+  std::printf("%-*s %9s %6s %11s %11s %10s %10s\n", wd, "format", "B/token", "x f16", "mean relerr", "max relerr",
               "mean TV", "max TV");
   for (const auto& f : r.formats)
-    std::printf("%-34s %9.1f %6.2f %11.3e %11.3e %10.3e %10.3e\n", f.describe.substr(0, 34).c_str(),
-                f.bytes_per_token, f.ratio_vs_f16, f.mean_rel_err, f.max_rel_err, f.mean_tv, f.max_tv);
+    std::printf("%-*s %9.1f %6.2f %11.3e %11.3e %10s %10s\n", wd, f.describe.c_str(), f.bytes_per_token,
+                f.ratio_vs_f16, f.mean_rel_err, f.max_rel_err, tv_cell(f.mean_tv).c_str(), tv_cell(f.max_tv).c_str());
   std::printf("\nper layer, mean relative error over heads\n%-6s", "layer");
-  for (const auto& f : r.formats) std::printf(" %10s", (f.type_k == f.type_v ? f.type_k : f.type_k + "/" + f.type_v).c_str());
+  for (const auto& f : r.formats) std::printf(" %*s", ws, short_name(f).c_str());
   std::printf("\n");
   for (int il = 0; il < r.n_layer; ++il) {
     std::printf("%-6d", il);
-    for (const auto& f : r.formats) std::printf(" %10.3e", f.layer_rel_err[il]);
+    for (const auto& f : r.formats) std::printf(" %*.3e", ws, f.layer_rel_err[il]);
     std::printf("\n");
   }
-  std::printf("\nworst heads (layer:head relerr/TV)\n");
+  std::printf("\nworst heads (layer:head relerr%s)\n", r.has_tv ? "/TV" : "");
   for (const auto& f : r.formats) {
-    std::printf("%-10s", (f.type_k == f.type_v ? f.type_k : f.type_k + "/" + f.type_v).c_str());
-    for (const auto& h : f.worst) std::printf("  %d:%d %.2e/%.2e", h.il, h.head, h.rel_err, h.tv);
+    std::printf("%-*s", ws, short_name(f).c_str());
+    for (const auto& h : f.worst) {
+      if (r.has_tv) std::printf("  %d:%d %.2e/%.2e", h.il, h.head, h.rel_err, h.tv);
+      else std::printf("  %d:%d %.2e", h.il, h.head, h.rel_err);
+    }
     std::printf("\n");
   }
   if (!o.plot.empty()) std::printf("\nheat map written to %s\n", o.plot.c_str());

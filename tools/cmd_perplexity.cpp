@@ -73,6 +73,7 @@ nlohmann::json to_json(const perplexity_opts& o, const perplexity_result& r) {
 int run_perplexity(perplexity_opts& o) {
   auto m = model::load(o.model_path);
   auto tok = tokenizer::from_gguf(m->gguf());
+  perplexity_check(*m, o.p);  // refuse bad flags before reading and tokenizing a large text
   const std::string text = read_text_file(o.text_path);
   const auto ids = perplexity_tokenize(*tok, text);
   if (!o.no_progress)

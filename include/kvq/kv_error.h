@@ -44,7 +44,7 @@ struct kv_error_format {
   std::string type_k, type_v, describe;
   double bytes_per_token = 0, ratio_vs_f16 = 0;
   std::vector<double> rel_err;  // [n_layer, n_head]
-  std::vector<double> tv;       // [n_layer, n_head] (zeros when tv is off)
+  std::vector<double> tv;       // [n_layer, n_head] (zeros when tv is off: see kv_error_result::has_tv)
   std::vector<double> layer_rel_err, layer_tv;  // [n_layer] mean over heads
   double mean_rel_err = 0, max_rel_err = 0, mean_tv = 0, max_tv = 0;  // over (layer, head)
   std::vector<kv_error_head> worst;  // up to 5, largest rel_err first
@@ -54,6 +54,7 @@ struct kv_error_result {
   int n_layer = 0, n_head = 0, n_kv_head = 0, head_dim = 0;
   int n_ctx = 0, n_chunk = 0;
   int64_t n_queries = 0;  // query positions per head (n_chunk * n_ctx)
+  bool has_tv = false;    // the TV distance was computed (kv_error_params::tv); else tv fields are 0
   std::vector<kv_error_format> formats;
   double seconds = 0;
 };
@@ -61,9 +62,13 @@ struct kv_error_result {
 // Called after each (chunk, format) replay: steps done, total steps.
 using kv_error_progress = std::function<void(int done, int total)>;
 
+// Validates `p` against the model without any text (so a tool can refuse bad flags before it
+// reads and tokenizes a file). Errors (invalid_input): no formats, n_ctx outside [2, model
+// context], n_chunks < 1, unknown/unsupported format (from make_kv_cache). kv_error() runs it first.
+void kv_error_check(const model& m, const kv_error_params& p);
+
 // tokens: the text (e.g. perplexity_tokenize); bos: replaces each chunk's first token, or -1.
-// Errors (invalid_input): no formats, n_ctx outside [2, model context], text shorter than one
-// chunk, n_chunks < 1, unknown/unsupported format (from make_kv_cache, before any work).
+// Errors (invalid_input): those of kv_error_check(), text shorter than one chunk (before any work).
 kv_error_result kv_error(model& m, std::span<const int32_t> tokens, int32_t bos, const kv_error_params& p,
                          const kv_error_progress& progress = {});
 

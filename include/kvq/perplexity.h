@@ -103,14 +103,23 @@ struct perplexity_result {
 using perplexity_progress = std::function<void(int done, int total, int64_t tokens, double seconds)>;
 
 // Tokenizes `text` as llama.cpp's perplexity does (see above). Errors (invalid_input): empty text.
-std::vector<int32_t> perplexity_tokenize(const tokenizer& tok, const std::string& text);
+// op: the name that starts error messages ("[perplexity] ..."), so each tool names itself.
+std::vector<int32_t> perplexity_tokenize(const tokenizer& tok, const std::string& text,
+                                         const std::string& op = "perplexity");
+
+// Validates `p` against the model without any text, so a tool can refuse bad flags before it
+// reads and tokenizes a large file: n_ctx outside [4, model context], n_batch < 0, n_chunks == 0,
+// kl_top_k out of range, both kl_base_in and compare_type, unknown or unsupported cache types
+// (make_kv_cache), a KL base file that is missing, not a kvq file, or made with another
+// model/vocabulary/context. Errors: invalid_input (io when the base file cannot be opened).
+// perplexity() runs the same checks first.
+void perplexity_check(const model& m, const perplexity_params& p);
 
 // Evaluates `tokens` (already tokenized, e.g. by perplexity_tokenize) with the protocol above.
 // bos: the id that replaces the first token of each chunk (the vocabulary's BOS when it adds one,
 // see perplexity_bos()), or -1 (chunks keep their first token).
-// Errors (invalid_input): n_ctx outside [8, model context] or odd, fewer tokens than one chunk,
-// bad n_batch, unknown cache type, KL file that is missing, truncated or from another
-// model/vocabulary/context/text, both kl_base_in and compare_type given. io: cannot write
+// Errors (invalid_input): those of perplexity_check(), fewer tokens than one chunk, a token id
+// outside the vocabulary, a KL file that is truncated or made from another text. io: cannot write
 // kl_base_out (nothing is left behind). Validation happens before any evaluation.
 perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t bos,
                              const perplexity_params& p, const perplexity_progress& progress = {});
@@ -118,7 +127,8 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
 // BOS id when the vocabulary adds BOS (add_bos_default()), else -1.
 int32_t perplexity_bos(const tokenizer& tok);
 
-// Reads a text file whole. Errors: io (cannot open), invalid_input (empty file).
-std::string read_text_file(const std::string& path);
+// Reads a text file whole. Errors: io (cannot open), invalid_input (a directory, an empty file).
+// op: the name that starts error messages ("[perplexity] ...", "[kv_error] ...").
+std::string read_text_file(const std::string& path, const std::string& op = "perplexity");
 
 }  // namespace kvq

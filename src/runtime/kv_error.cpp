@@ -12,16 +12,6 @@ namespace kvq {
 
 namespace {
 
-kv_cache_params shaped(const model& m, kv_cache_params cp, int n_ctx) {
-  const kv_cache_params s = m.cache_params(n_ctx);
-  cp.n_layer = s.n_layer;
-  cp.n_kv_head = s.n_kv_head;
-  cp.head_dim = s.head_dim;
-  cp.n_ctx = n_ctx;
-  cp.n_seq = 1;
-  return cp;
-}
-
 // Q/K/V of every layer for one chunk. q: [n_layer][n_ctx, n_head, head_dim];
 // k, v: [n_layer][n_ctx, n_kv_head, head_dim].
 struct capture {
@@ -40,6 +30,25 @@ void replay(kv_cache& cache, const capture& cap, const std::vector<float>* v_all
 
 }  // namespace
 
+void kv_error_check(const model& m, const kv_error_params& p) {
+  const model_hparams& hp = m.hparams();
+  const int n = p.n_ctx;
+  if (p.formats.empty()) fail_input("[kv_error] no KV formats to compare (give -ctk/-ctv or --types)");
+  if (n < 2 || n > hp.n_ctx_train)
+    fail_input("[kv_error] context size -c " + std::to_string(n) + " must be in [2, " +
+               std::to_string(hp.n_ctx_train) + "] (the model's context)");
+  if (p.n_chunks < 1) fail_input("[kv_error] --chunks " + std::to_string(p.n_chunks) + " must be >= 1");
+  for (const auto& fp : p.formats) {
+    const kv_cache_params cp = m.cache_params(n, fp);
+    make_kv_cache(cp);
+    if (p.tv) {
+      kv_cache_params pp = cp;
+      pp.type_v = "f32";
+      make_kv_cache(pp);
+    }
+  }
+}
+
 kv_error_result kv_error(model& m, std::span<const int32_t> tokens, int32_t bos, const kv_error_params& p,
                          const kv_error_progress& progress) {
   using clock = std::chrono::steady_clock;
@@ -47,11 +56,7 @@ kv_error_result kv_error(model& m, std::span<const int32_t> tokens, int32_t bos,
   const model_hparams& hp = m.hparams();
   kv_error_result r;
   const int L = hp.n_layer, H = hp.n_head, G = hp.n_kv_head, D = hp.head_dim, n = p.n_ctx;
-  if (p.formats.empty()) fail_input("[kv_error] no KV formats to compare (give -ctk/-ctv or --types)");
-  if (n < 2 || n > hp.n_ctx_train)
-    fail_input("[kv_error] context size -c " + std::to_string(n) + " must be in [2, " +
-               std::to_string(hp.n_ctx_train) + "] (the model's context)");
-  if (p.n_chunks < 1) fail_input("[kv_error] --chunks " + std::to_string(p.n_chunks) + " must be >= 1");
+  kv_error_check(m, p);
   if ((int64_t)tokens.size() < n)
     fail_input("[kv_error] the text has " + std::to_string(tokens.size()) + " tokens, fewer than one chunk of -c " +
                std::to_string(n) + " tokens");
@@ -62,15 +67,16 @@ kv_error_result kv_error(model& m, std::span<const int32_t> tokens, int32_t bos,
   r.n_ctx = n;
   r.n_chunk = (int)std::min<int64_t>(p.n_chunks, (int64_t)tokens.size() / n);
   r.n_queries = (int64_t)r.n_chunk * n;
+  r.has_tv = p.tv;
 
   // Validate every format (and its exact-V probe variant) before any work.
   const int F = (int)p.formats.size();
   std::vector<std::unique_ptr<kv_cache>> caches, probes;
-  kv_cache_params f16p = shaped(m, kv_cache_params{}, n);
+  kv_cache_params f16p = m.cache_params(n);
   f16p.type_k = f16p.type_v = "f16";
   const double f16_bpt = kv_bytes_per_token(f16p);
   for (const auto& fp : p.formats) {
-    const kv_cache_params cp = shaped(m, fp, n);
+    const kv_cache_params cp = m.cache_params(n, fp);
     caches.push_back(make_kv_cache(cp));
     kv_error_format f;
     f.type_k = cp.type_k;
@@ -85,7 +91,7 @@ kv_error_result kv_error(model& m, std::span<const int32_t> tokens, int32_t bos,
       probes.push_back(make_kv_cache(pp));
     }
   }
-  kv_cache_params refp = shaped(m, kv_cache_params{}, n);
+  kv_cache_params refp = m.cache_params(n);
   refp.type_k = refp.type_v = "f32";
   auto ref_cache = make_kv_cache(refp);
   auto capture_cache = make_kv_cache(refp);

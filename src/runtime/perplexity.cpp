@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <sstream>
@@ -15,18 +16,21 @@ namespace kvq {
 
 using namespace ppl_detail;
 
-std::string read_text_file(const std::string& path) {
+std::string read_text_file(const std::string& path, const std::string& op) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    fail_input("[" + op + "] text file '" + path + "' is a directory, not a file");
   std::ifstream f(path, std::ios::binary);
-  if (!f) fail(errc::io, "[perplexity] cannot open text file '" + path + "'");
+  if (!f) fail(errc::io, "[" + op + "] cannot open text file '" + path + "'");
   std::ostringstream ss;
   ss << f.rdbuf();
   std::string s = ss.str();
-  if (s.empty()) fail_input("[perplexity] text file '" + path + "' is empty");
+  if (s.empty()) fail_input("[" + op + "] text file '" + path + "' is empty");
   return s;
 }
 
-std::vector<int32_t> perplexity_tokenize(const tokenizer& tok, const std::string& text) {
-  if (text.empty()) fail_input("[perplexity] the text is empty");
+std::vector<int32_t> perplexity_tokenize(const tokenizer& tok, const std::string& text, const std::string& op) {
+  if (text.empty()) fail_input("[" + op + "] the text is empty");
   // llama.cpp: common_tokenize(ctx, text, add_special = true, parse_special = false).
   std::vector<int32_t> ids = tok.encode(text, tok.add_bos_default(), /*parse_special=*/false);
   if (tok.add_eos_default() && tok.eos() >= 0) ids.push_back(tok.eos());
@@ -36,16 +40,6 @@ std::vector<int32_t> perplexity_tokenize(const tokenizer& tok, const std::string
 int32_t perplexity_bos(const tokenizer& tok) { return tok.add_bos_default() ? tok.bos() : -1; }
 
 namespace {
-
-kv_cache_params shaped(const model& m, kv_cache_params cp, int n_ctx) {
-  const kv_cache_params s = m.cache_params(n_ctx);
-  cp.n_layer = s.n_layer;
-  cp.n_kv_head = s.n_kv_head;
-  cp.head_dim = s.head_dim;
-  cp.n_ctx = n_ctx;
-  cp.n_seq = 1;
-  return cp;
-}
 
 // Runs one chunk through the model with a fresh cache; logits: [n_ctx, n_vocab].
 void eval_chunk(model& m, kv_cache& cache, std::span<const int32_t> chunk, int n_batch, thread_pool& pool,
@@ -68,43 +62,59 @@ nlohmann::json file_header(const model& m, const perplexity_params& p, int n_chu
           {"type_k", p.cache.type_k}, {"type_v", p.cache.type_v}};
 }
 
-// Checks a base file against this run; returns its codec.
-kl_codec check_base_file(kl_file_reader& r, const model& m, const perplexity_params& p, int n_chunk, int n_scored,
-                         uint64_t hash, int64_t n_tokens) {
+[[noreturn]] void base_mismatch(const std::string& f, const std::string& what, const std::string& file_v,
+                                const std::string& run_v) {
+  fail_input("[perplexity] KL base file '" + f + "' was made with " + what + " " + file_v + ", this run has " + run_v +
+             " (make a new base with --kl-base)");
+}
+
+// Checks a base file's model and context against this run (no text needed); returns its codec.
+kl_codec check_base_model(kl_file_reader& r, const model& m, const perplexity_params& p) {
   const nlohmann::json& h = r.header();
   const model_hparams& hp = m.hparams();
   const std::string& f = r.path();
-  auto mismatch = [&](const std::string& what, const std::string& file_v, const std::string& run_v) {
-    fail_input("[perplexity] KL base file '" + f + "' was made with " + what + " " + file_v + ", this run has " +
-               run_v + " (make a new base with --kl-base)");
-  };
   try {
-    if (h.at("arch").get<std::string>() != hp.arch) mismatch("architecture", h.at("arch"), hp.arch);
+    if (h.at("arch").get<std::string>() != hp.arch) base_mismatch(f, "architecture", h.at("arch"), hp.arch);
     if (h.at("model").get<std::string>() != hp.name)
-      mismatch("model", "'" + h.at("model").get<std::string>() + "'", "'" + hp.name + "'");
+      base_mismatch(f, "model", "'" + h.at("model").get<std::string>() + "'", "'" + hp.name + "'");
     if (h.at("n_vocab").get<int>() != hp.n_vocab)
-      mismatch("a vocabulary of", std::to_string(h.at("n_vocab").get<int>()), std::to_string(hp.n_vocab));
+      base_mismatch(f, "a vocabulary of", std::to_string(h.at("n_vocab").get<int>()), std::to_string(hp.n_vocab));
     if (h.at("n_embd").get<int>() != hp.n_embd || h.at("n_layer").get<int>() != hp.n_layer)
-      mismatch("model shape n_embd/n_layer",
-               std::to_string(h.at("n_embd").get<int>()) + "/" + std::to_string(h.at("n_layer").get<int>()),
-               std::to_string(hp.n_embd) + "/" + std::to_string(hp.n_layer));
+      base_mismatch(f, "model shape n_embd/n_layer",
+                    std::to_string(h.at("n_embd").get<int>()) + "/" + std::to_string(h.at("n_layer").get<int>()),
+                    std::to_string(hp.n_embd) + "/" + std::to_string(hp.n_layer));
     if (h.at("n_ctx").get<int>() != p.n_ctx)
-      mismatch("context size -c", std::to_string(h.at("n_ctx").get<int>()), std::to_string(p.n_ctx));
-    if (h.at("tokens_fnv1a64").get<std::string>() != hex64(hash) || h.at("n_tokens").get<int64_t>() != n_tokens)
-      mismatch("a different text or tokenizer: tokens",
-               std::to_string(h.at("n_tokens").get<int64_t>()) + " (hash " + h.at("tokens_fnv1a64").get<std::string>() + ")",
-               std::to_string(n_tokens) + " (hash " + hex64(hash) + ")");
-    if (h.at("n_scored_per_chunk").get<int>() != n_scored)
-      mismatch("scored tokens per chunk", std::to_string(h.at("n_scored_per_chunk").get<int>()), std::to_string(n_scored));
-    if (h.at("n_chunk").get<int>() < n_chunk)
-      fail_input("[perplexity] KL base file '" + f + "' holds " + std::to_string(h.at("n_chunk").get<int>()) +
-                 " chunks but this run evaluates " + std::to_string(n_chunk) + " (use --chunks " +
-                 std::to_string(h.at("n_chunk").get<int>()) + " or fewer)");
+      base_mismatch(f, "context size -c", std::to_string(h.at("n_ctx").get<int>()), std::to_string(p.n_ctx));
     kl_codec c;
     c.n_vocab = hp.n_vocab;
     c.top_k = h.at("top_k").get<int>();
     if (c.top_k < 0 || c.top_k > hp.n_vocab)
       fail_input("[perplexity] KL base file '" + f + "': top_k " + std::to_string(c.top_k) + " is out of range");
+    return c;
+  } catch (const nlohmann::json::exception& e) {
+    fail_input("[perplexity] KL base file '" + f + "': header field missing or of the wrong type: " + e.what());
+  }
+}
+
+// Checks a base file against this run's text; returns its codec.
+kl_codec check_base_file(kl_file_reader& r, const model& m, const perplexity_params& p, int n_chunk, int n_scored,
+                         uint64_t hash, int64_t n_tokens) {
+  const kl_codec c = check_base_model(r, m, p);
+  const nlohmann::json& h = r.header();
+  const std::string& f = r.path();
+  try {
+    if (h.at("tokens_fnv1a64").get<std::string>() != hex64(hash) || h.at("n_tokens").get<int64_t>() != n_tokens)
+      base_mismatch(f, "a different text or tokenizer: tokens",
+                    std::to_string(h.at("n_tokens").get<int64_t>()) + " (hash " +
+                        h.at("tokens_fnv1a64").get<std::string>() + ")",
+                    std::to_string(n_tokens) + " (hash " + hex64(hash) + ")");
+    if (h.at("n_scored_per_chunk").get<int>() != n_scored)
+      base_mismatch(f, "scored tokens per chunk", std::to_string(h.at("n_scored_per_chunk").get<int>()),
+                    std::to_string(n_scored));
+    if (h.at("n_chunk").get<int>() < n_chunk)
+      fail_input("[perplexity] KL base file '" + f + "' holds " + std::to_string(h.at("n_chunk").get<int>()) +
+                 " chunks but this run evaluates " + std::to_string(n_chunk) + " (use --chunks " +
+                 std::to_string(h.at("n_chunk").get<int>()) + " or fewer)");
     const uint64_t need = (uint64_t)h.at("n_chunk").get<int>() * (uint64_t)n_scored * c.record_bytes();
     if (r.remaining_bytes() != need)
       fail_input("[perplexity] KL base file '" + f + "' has " + std::to_string(r.remaining_bytes()) +
@@ -172,6 +182,35 @@ kld_stats finish_kld(kld_accum& a) {
 
 }  // namespace
 
+void perplexity_check(const model& m, const perplexity_params& p) {
+  const model_hparams& hp = m.hparams();
+  const int V = hp.n_vocab;
+  if (p.n_ctx < 4)
+    fail_input("[perplexity] context size -c " + std::to_string(p.n_ctx) + " must be >= 4");
+  if (p.n_ctx > hp.n_ctx_train)
+    fail_input("[perplexity] context size -c " + std::to_string(p.n_ctx) + " exceeds the model's context " +
+               std::to_string(hp.n_ctx_train) + " (" + hp.arch + ".context_length)");
+  if (p.n_batch < 0) fail_input("[perplexity] batch size -b " + std::to_string(p.n_batch) + " must be >= 0");
+  if (p.n_chunks == 0) fail_input("[perplexity] --chunks 0 must be >= 1 (or < 0 for all)");
+  if (!p.kl_base_in.empty() && !p.compare_type.empty())
+    fail_input("[perplexity] give either a KL base file (--kl-compare) or --compare TYPE, not both");
+  if (p.kl_top_k < -1 || p.kl_top_k > V)
+    fail_input("[perplexity] --kl-top-k " + std::to_string(p.kl_top_k) + " must be -1, 0 or in [1, n_vocab " +
+               std::to_string(V) + "]");
+  // Cache types and options (make_kv_cache validates; a chunk-sized cache is small).
+  const kv_cache_params cp = m.cache_params(p.n_ctx, p.cache);
+  make_kv_cache(cp);
+  if (!p.compare_type.empty()) {
+    kv_cache_params rp = cp;
+    rp.type_k = rp.type_v = p.compare_type;
+    make_kv_cache(rp);
+  }
+  if (!p.kl_base_in.empty()) {
+    kl_file_reader r(p.kl_base_in);
+    check_base_model(r, m, p);
+  }
+}
+
 perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t bos, const perplexity_params& p,
                              const perplexity_progress& progress) {
   using clock = std::chrono::steady_clock;
@@ -180,17 +219,7 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
   perplexity_result r;
 
   // ---- validate everything before any evaluation ----
-  if (p.n_ctx < 4)
-    fail_input("[perplexity] context size -c " + std::to_string(p.n_ctx) + " must be >= 4");
-  if (p.n_ctx > hp.n_ctx_train)
-    fail_input("[perplexity] context size -c " + std::to_string(p.n_ctx) + " exceeds the model's context " +
-               std::to_string(hp.n_ctx_train) + " (" + hp.arch + ".context_length)");
-  if (p.n_batch < 0) fail_input("[perplexity] batch size -b " + std::to_string(p.n_batch) + " must be >= 0");
-  if (!p.kl_base_in.empty() && !p.compare_type.empty())
-    fail_input("[perplexity] give either a KL base file (--kl-compare) or --compare TYPE, not both");
-  if (p.kl_top_k < -1 || p.kl_top_k > V)
-    fail_input("[perplexity] --kl-top-k " + std::to_string(p.kl_top_k) + " must be -1, 0 or in [1, n_vocab " +
-               std::to_string(V) + "]");
+  perplexity_check(m, p);
   for (int32_t t : tokens)
     if (t < 0 || t >= V) fail_input("[perplexity] token id " + std::to_string(t) + " is outside the vocabulary");
   r.n_ctx = p.n_ctx;
@@ -201,12 +230,11 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
     fail_input("[perplexity] the text has " + std::to_string(r.n_tokens) + " tokens, fewer than one chunk of -c " +
                std::to_string(p.n_ctx) + " tokens (use a longer text or a smaller -c)");
   r.n_chunk = (int)(p.n_chunks < 0 ? max_chunks : std::min<int64_t>(p.n_chunks, max_chunks));
-  if (r.n_chunk < 1) fail_input("[perplexity] --chunks " + std::to_string(p.n_chunks) + " must be >= 1 (or < 0 for all)");
   const int first = p.n_ctx / 2;
   const int n_scored = p.n_ctx - 1 - first;
   r.n_scored_per_chunk = n_scored;
 
-  const kv_cache_params cp = shaped(m, p.cache, p.n_ctx);
+  const kv_cache_params cp = m.cache_params(p.n_ctx, p.cache);
   std::unique_ptr<kv_cache> cache = make_kv_cache(cp);
   std::unique_ptr<kv_cache> ref_cache;
   if (!p.compare_type.empty()) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 
 #include "kvq/error.h"
@@ -147,8 +148,22 @@ void kl_file_writer::commit() {
 }
 
 kl_file_reader::kl_file_reader(const std::string& path) : path_(path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    fail_input("[perplexity] KL base file '" + path + "' is a directory, not a file");
   f_ = std::fopen(path.c_str(), "rb");
   if (!f_) fail(errc::io, "[perplexity] cannot open the KL base file '" + path + "'");
+  try {
+    read_header();
+  } catch (...) {
+    std::fclose(f_);  // the destructor does not run when the constructor throws
+    f_ = nullptr;
+    throw;
+  }
+}
+
+void kl_file_reader::read_header() {
+  const std::string& path = path_;
   char magic[8];
   uint32_t n = 0;
   if (std::fread(magic, 1, 8, f_) != 8 || std::memcmp(magic, kMagic, 8) != 0)

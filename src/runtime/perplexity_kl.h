@@ -61,6 +61,7 @@ class kl_file_reader {
   uint64_t remaining_bytes();          // bytes after the current position
 
  private:
+  void read_header();
   std::string path_;
   std::FILE* f_ = nullptr;
   nlohmann::json header_;

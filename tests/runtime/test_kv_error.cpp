@@ -147,6 +147,32 @@ TEST(KvError, BadInput) {
   EXPECT_NE(msg(p, std::span<const int32_t>(s.ids.data(), 10)).find("fewer than one chunk"), std::string::npos);
   p.n_ctx = s.m->hparams().n_ctx_train + 1;
   EXPECT_NE(msg(p, s.ids).find("model's context"), std::string::npos);
+  // The same checks without any text; their messages name kv_error, not perplexity.
+  std::string e;
+  try {
+    kv_error_check(*s.m, p);
+  } catch (const error& x) {
+    e = x.what();
+  }
+  EXPECT_EQ(e.rfind("[kv_error] context size -c", 0), 0u) << e;
+}
+
+// With tv off the result says so (has_tv), and rel_err is unchanged by it.
+TEST(KvError, NoTvIsMarkedAndLeavesRelErrUnchanged) {
+  KVQ_REQUIRE_DATA(mp, "models/stories260K/stories260K.gguf");
+  KVQ_REQUIRE_DATA(tp, "data/tinystories-val-794k/tinystories_val.txt");
+  setup s = load(mp, tp);
+  kv_error_params p;
+  p.n_ctx = 32;
+  p.n_threads = 1;
+  p.formats = {fmt("q4", "q4")};
+  const kv_error_result with = kv_error(*s.m, s.ids, perplexity_bos(*s.tok), p);
+  p.tv = false;
+  const kv_error_result without = kv_error(*s.m, s.ids, perplexity_bos(*s.tok), p);
+  EXPECT_TRUE(with.has_tv);
+  EXPECT_FALSE(without.has_tv);
+  EXPECT_GT(with.formats[0].mean_tv, 0.0);
+  EXPECT_EQ(without.formats[0].rel_err, with.formats[0].rel_err);
 }
 
 }  // namespace

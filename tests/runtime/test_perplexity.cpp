@@ -327,6 +327,41 @@ TEST(Perplexity, BadInputIsRefusedUpFrontAndLeavesNoFile) {
         << e.path();
 }
 
+// A directory is named as such (not "empty"); each tool's op starts the message; flags are checked
+// against the model before any text is read (perplexity_check, no tokens needed).
+TEST(Perplexity, TextFileErrorsNameDirectoryAndOpAndFlagsAreCheckedWithoutText) {
+  KVQ_REQUIRE_DATA(mp, kStories);
+  errc code{};
+  const std::string dir = temp_path("a_dir");
+  fs::create_directories(dir);
+  const std::string msg = error_of([&] { read_text_file(dir); }, &code);
+  EXPECT_NE(msg.find("'" + dir + "' is a directory"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("empty"), std::string::npos) << msg;
+  EXPECT_EQ(code, errc::invalid_input);
+  fs::remove(dir);
+  EXPECT_EQ(error_of([&] { read_text_file(temp_path("missing.txt"), "kv_error"); }).rfind("[kv_error] cannot open", 0),
+            0u);
+  EXPECT_EQ(error_of([&] { read_text_file(temp_path("missing.txt")); }).rfind("[perplexity] cannot open", 0), 0u);
+
+  auto m = model::load(mp);
+  perplexity_params p;
+  p.n_ctx = 64;
+  EXPECT_EQ(error_of([&] { perplexity_check(*m, p); }), "");
+  p.n_ctx = 3;
+  EXPECT_NE(error_of([&] { perplexity_check(*m, p); }, &code).find("context size -c 3"), std::string::npos);
+  EXPECT_EQ(code, errc::invalid_input);
+  p.n_ctx = 64;
+  p.n_chunks = 0;
+  EXPECT_NE(error_of([&] { perplexity_check(*m, p); }).find("--chunks 0"), std::string::npos);
+  p.n_chunks = -1;
+  p.cache.type_v = "q5_nonexistent";
+  EXPECT_NE(error_of([&] { perplexity_check(*m, p); }).find("q5_nonexistent"), std::string::npos);
+  p.cache.type_v = "f16";
+  p.kl_base_in = temp_path("missing.kld");
+  EXPECT_NE(error_of([&] { perplexity_check(*m, p); }, &code).find("missing.kld"), std::string::npos);
+  EXPECT_EQ(code, errc::io);
+}
+
 // The tool: exit code 2 with a clear message, and no half-written KL file.
 TEST(Perplexity, CliBadInputExitsWithCode2) {
   KVQ_REQUIRE_DATA(mp, kStories);

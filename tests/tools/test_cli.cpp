@@ -2,6 +2,9 @@
 // and exit code 2 with a clear message on bad input.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -118,6 +121,74 @@ TEST(Cli, BadInputExitsWithCode2) {
     EXPECT_EQ(r.rc, 2) << c.argv[1] << " ... " << r.err;
     EXPECT_NE((r.err + r.out).find(c.needle), std::string::npos) << "expected '" << c.needle << "' in: " << r.err;
   }
+}
+
+// perplexity and kv-error: a directory is named as one, each tool's messages carry its own op,
+// flags are refused before the text is read, and kv-error without TV shows no TV numbers.
+TEST(Cli, PerplexityAndKvErrorNewUserErrors) {
+  KVQ_REQUIRE_DATA(model, "models/stories260K/stories260K.gguf");
+  const std::string bin = test::kvq_bin();
+  const std::string dir = ::testing::TempDir() + "kvq_cli_dir_" + std::to_string(::getpid());
+  const std::string empty = dir + "/empty.txt";
+  std::filesystem::create_directories(dir);
+  std::ofstream(empty).close();
+  struct bad { std::vector<std::string> argv; std::string needle, absent; };
+  const std::vector<bad> cases = {
+      {{bin, "perplexity", "-m", model, "-f", dir}, "[perplexity] text file '" + dir + "' is a directory", "empty"},
+      {{bin, "kv-error", "-m", model, "-f", dir}, "[kv_error] text file '" + dir + "' is a directory", "perplexity"},
+      {{bin, "kv-error", "-m", model, "-f", dir + "/missing.txt"}, "[kv_error] cannot open", "perplexity"},
+      {{bin, "kv-error", "-m", model, "-f", empty}, "[kv_error] text file", "perplexity"},
+      // flags first: the (empty) text is not even read
+      {{bin, "perplexity", "-m", model, "-f", empty, "-c", "3"}, "context size -c 3", "empty"},
+      {{bin, "perplexity", "-m", model, "-f", empty, "--chunks", "0"}, "--chunks 0", "empty"},
+      {{bin, "perplexity", "-m", model, "-f", empty, "-ctk", "q5_zz"}, "q5_zz", "empty"},
+      {{bin, "kv-error", "-m", model, "-f", empty, "-c", "99999"}, "[kv_error] context size -c 99999", "empty"},
+  };
+  for (const auto& c : cases) {
+    const auto r = run_cmd(c.argv);
+    EXPECT_EQ(r.rc, 2) << c.argv[1] << " " << c.argv.back() << ": " << r.err;
+    EXPECT_NE(r.err.find(c.needle), std::string::npos) << "expected '" << c.needle << "' in: " << r.err;
+    EXPECT_EQ(r.err.find(c.absent), std::string::npos) << "did not expect '" << c.absent << "' in: " << r.err;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Cli, KvErrorNoTvShowsNoTvNumbersAndFullFormatNames) {
+  KVQ_REQUIRE_DATA(model, "models/stories260K/stories260K.gguf");
+  KVQ_REQUIRE_DATA(text, "data/tinystories-val-794k/tinystories_val.txt");
+  const std::string bin = test::kvq_bin();
+  const std::vector<std::string> base = {bin, "kv-error", "-m", model, "-f", text, "-c", "32", "-t", "1",
+                                         "--no-progress", "-ctk", "kivi4", "-ctv", "q4"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return run_cmd(a);
+  };
+  const auto js = with({"--json"});
+  ASSERT_EQ(js.rc, 0) << js.err;
+  const auto j = nlohmann::json::parse(js.out);
+  ASSERT_EQ(j["formats"].size(), 1u);
+  EXPECT_TRUE(j["tv"].get<bool>());
+  EXPECT_GT(j["formats"][0]["mean_tv"].get<double>(), 0.0);
+  const std::string describe = j["formats"][0]["describe"];
+  ASSERT_GT(describe.size(), 34u);  // longer than the old fixed column
+
+  const auto nj = with({"--json", "--no-tv"});
+  ASSERT_EQ(nj.rc, 0) << nj.err;
+  const auto n = nlohmann::json::parse(nj.out);
+  EXPECT_FALSE(n["tv"].get<bool>());
+  EXPECT_FALSE(n["formats"][0].contains("mean_tv"));  // absent, not 0
+  EXPECT_FALSE(n["formats"][0]["worst"][0].contains("tv"));
+  EXPECT_EQ(n["formats"][0]["mean_rel_err"], j["formats"][0]["mean_rel_err"]);
+
+  const auto table = with({"--no-tv"});
+  ASSERT_EQ(table.rc, 0) << table.err;
+  EXPECT_NE(table.out.find(describe), std::string::npos) << table.out;  // the whole name
+  EXPECT_EQ(table.out.find("0.000e+00"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("not computed"), std::string::npos) << table.out;
+  const auto full = with({});
+  ASSERT_EQ(full.rc, 0) << full.err;
+  EXPECT_NE(full.out.find(describe), std::string::npos) << full.out;
 }
 
 }  // namespace
