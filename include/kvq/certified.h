@@ -133,6 +133,7 @@ uint16_t cert_error_bound_f16(const float* x_rot, const float* x_hat, int head_d
 struct certified_tier_bytes {
   size_t fast = 0, fast_used = 0;  // codes, scales and ε of the compressed tier (allocated / holding positions)
   size_t host = 0, host_used = 0;  // f16 originals (mapped / holding positions)
+  size_t fast_used_peak = 0, host_used_peak = 0;  // largest fast_used / host_used after any append
   bool host_file_backed = false;   // host tier lives in a file under kv_cache_params::host_dir
 };
 
@@ -147,6 +148,28 @@ struct certified_stats {
   double ratio_median = 0, ratio_p99 = 0, ratio_min = 0;  // bound_fast / error_fast
   uint64_t violations = 0;         // steps where a bound (fast or returned) < actual error: must be 0
 };
+
+// Everything a tool prints about one certified cache (kvq generate / perplexity / bench): a
+// snapshot, copyable, independent of the cache's lifetime. Steps are (layer, query head, query
+// token): a forward of T tokens through a model with n_layer layers and n_head query heads adds
+// T * n_layer * n_head steps, and steps == certified + partial + exact.
+struct certified_report {
+  std::string type_k, type_v;  // as given in kv_cache_params ("certified", "q4", ...)
+  std::string describe;        // describe() of the cache
+  int n_layer = 0, n_kv_head = 0, head_dim = 0;
+  double tol = 0;              // kv_cache_params::certify_tol
+  bool measure = false;        // stats.ratio_* / measured / violations are meaningful
+  certified_stats stats;
+  certified_tier_bytes tiers;          // at the time of the report (peaks: over the cache's life)
+  double fast_bytes_per_token = 0;     // fast tier, all layers, K + V + ε, at the formats new tokens get now
+  double host_bytes_per_token = 0;     // host tier: n_layer * n_kv_head * 2 * head_dim * 2 bytes
+  std::vector<std::string> upgrades;   // adaptive precision, in order: "layer 2 kv head 1 V q4->q8"
+};
+
+// The report as text lines (no trailing newline on the last), each starting with `prefix`:
+// the cache, steps certified / partly / fully recomputed (counts and %), bound / ||output||,
+// (measure) bound / actual error median and p99, tier bytes, upgrades.
+std::string format_certified_report(const certified_report& r, const std::string& prefix = "");
 
 // Per (layer, kv head): the precision new tokens are stored at and the bound history.
 struct certified_head_info {
@@ -163,7 +186,9 @@ class kv_cache_certified : public kv_cache {
   virtual std::vector<certified_head_info> heads() const = 0;
   // The steps of the most recent attend call: [n_tokens, n_head] (tests and diagnostics).
   virtual const std::vector<cert_step>& last_steps() const = 0;
-  // Multi-line human summary: tiers, steps certified / partly / fully recomputed, bounds, upgrades.
+  // Snapshot of the statistics, tier bytes and upgrades (see certified_report).
+  virtual certified_report report() const = 0;
+  // Multi-line human summary: format_certified_report(report()) with a final newline.
   virtual std::string summary() const = 0;
 };
 
@@ -182,5 +207,30 @@ double kv_bytes_per_token_certified(const kv_cache_params& p);
 
 // The certified interface of c, or nullptr when c is another cache.
 const kv_cache_certified* as_certified(const kv_cache& c);
+
+// Collects the report of every certified cache that make_kv_cache / make_kv_cache_certified
+// creates, on any thread, while the collector exists. perplexity(), generate() and bench()
+// create and destroy their caches inside the call; a tool wraps the call in a collector and
+// prints reports() afterwards:
+//   certified_collector col;
+//   const perplexity_result r = perplexity(m, ids, bos, p);
+//   for (const certified_report& c : col.reports()) ...
+// Collectors may nest (each receives every cache). Thread safety: reports() snapshots a cache
+// that is still alive through its report(), so call it while no collected cache is in attend /
+// append on another thread (e.g. after the library call returned).
+class certified_collector {
+ public:
+  certified_collector();
+  ~certified_collector();
+  certified_collector(const certified_collector&) = delete;
+  certified_collector& operator=(const certified_collector&) = delete;
+  // One report per cache, in creation order: a destroyed cache as it was when destroyed, a live
+  // one as it is now. Caches that never stored a token (made only to validate params) are left out.
+  std::vector<certified_report> reports() const;
+  struct state;
+
+ private:
+  std::shared_ptr<state> state_;
+};
 
 }  // namespace kvq

@@ -10,6 +10,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cache/kv_cache_certified_collect.h"
 #include "cache/kv_cache_certified_host.h"
 #include "cache/kv_cache_impl.h"
 #include "kvq/certified.h"
@@ -109,6 +110,14 @@ struct head_adapt {  // per (layer, kv head)
 class kv_cache_certified_impl final : public kv_cache_certified {
  public:
   explicit kv_cache_certified_impl(const kv_cache_params& p);
+  ~kv_cache_certified_impl() override {
+    if (collected_) cert_collect::detach(this);
+  }
+  // Registers with the live certified_collector objects (make_kv_cache_certified only).
+  void collect() {
+    collected_ = true;
+    cert_collect::attach(this);
+  }
 
   const kv_cache_params& params() const override { return p_; }
   void append(int il, int seq_id, int n_tokens, const float* k, const float* v) override;
@@ -132,14 +141,14 @@ class kv_cache_certified_impl final : public kv_cache_certified {
   certified_stats certified_statistics() const override;
   std::vector<certified_head_info> heads() const override;
   const std::vector<cert_step>& last_steps() const override { return last_steps_; }
-  std::string summary() const override;
+  certified_report report() const override;
+  std::string summary() const override { return format_certified_report(report()) + "\n"; }
 
-  double bytes_per_token() const {
-    auto row = [&](kv_format f) {
-      return (double)kv_code_bytes(f, p_.head_dim) + 2.0 * kv_row_scale_count(f, p_.head_dim, group_) + 2.0;
-    };
-    return (double)p_.n_layer * p_.n_kv_head * (row(fk_) + row(fv_) + 4.0 * p_.head_dim);
+  // Fast-tier bytes of one row (codes, scales, ε).
+  double row_bytes(kv_format f) const {
+    return (double)kv_code_bytes(f, p_.head_dim) + 2.0 * kv_row_scale_count(f, p_.head_dim, group_) + 2.0;
   }
+  double bytes_per_token() const { return (double)p_.n_layer * p_.n_kv_head * (row_bytes(fk_) + row_bytes(fv_) + 4.0 * p_.head_dim); }
 
  private:
   size_t head_index(int il, int seq, int h) const { return ((size_t)il * p_.n_seq + seq) * p_.n_kv_head + h; }
@@ -161,6 +170,8 @@ class kv_cache_certified_impl final : public kv_cache_certified {
   std::vector<int> n_;             // [n_layer, n_seq] positions stored
   std::vector<head_adapt> adapt_;  // [n_layer, n_kv_head]
   std::unique_ptr<host_region> host_;
+  bool collected_ = false;
+  size_t fast_peak_ = 0, host_peak_ = 0;  // largest used bytes of each tier after an append
   // statistics
   kv_cache_stats base_stats_;
   certified_stats cs_;
@@ -340,6 +351,11 @@ void kv_cache_certified_impl::append(int il, int seq_id, int n_tokens, const flo
       }
     }
   n += n_tokens;
+  if (il == p_.n_layer - 1) {
+    const certified_tier_bytes tb = tier_bytes();
+    fast_peak_ = tb.fast_used_peak;
+    host_peak_ = tb.host_used_peak;
+  }
 }
 
 void kv_cache_certified_impl::truncate(int seq_id, int n_keep) {
@@ -524,6 +540,8 @@ certified_tier_bytes kv_cache_certified_impl::tier_bytes() const {
   t.host = host_->size();
   for (int n : n_) t.host_used += (size_t)n * p_.n_kv_head * 2 * p_.head_dim * sizeof(uint16_t);
   t.host_file_backed = host_->file_backed();
+  t.fast_used_peak = std::max(fast_peak_, t.fast_used);
+  t.host_used_peak = std::max(host_peak_, t.host_used);
   return t;
 }
 
@@ -554,37 +572,60 @@ std::vector<certified_head_info> kv_cache_certified_impl::heads() const {
   return r;
 }
 
-std::string kv_cache_certified_impl::summary() const {
-  const certified_stats s = certified_statistics();
-  const certified_tier_bytes t = tier_bytes();
-  const double n = s.steps ? (double)s.steps : 1.0;
-  char buf[1024];
-  std::string r = describe() + "\n";
-  std::snprintf(buf, sizeof buf, "tiers: fast %.1f KiB (%.1f KiB used), host %.1f KiB (%.1f KiB used, %s)\n",
-                t.fast / 1024.0, t.fast_used / 1024.0, t.host / 1024.0, t.host_used / 1024.0,
-                t.host_file_backed ? "file-backed" : "in RAM");
-  r += buf;
-  std::snprintf(buf, sizeof buf,
-                "steps %llu: certified %.3f%%, partly recomputed %.3f%% (%.1f tokens each), fully recomputed "
-                "%.3f%%\n",
-                (unsigned long long)s.steps, 100.0 * s.certified / n, 100.0 * s.partial / n,
-                s.partial ? (double)s.tokens_recomputed / s.partial : 0.0, 100.0 * s.exact / n);
-  r += buf;
-  std::snprintf(buf, sizeof buf, "bound / ||output||: median %.3g, p99 %.3g\n", s.rel_bound_median, s.rel_bound_p99);
-  r += buf;
-  if (p_.certify_measure) {
-    std::snprintf(buf, sizeof buf, "bound / actual error: median %.3g, p99 %.3g, min %.3g (%llu steps), violations %llu\n",
-                  s.ratio_median, s.ratio_p99, s.ratio_min, (unsigned long long)s.measured,
-                  (unsigned long long)s.violations);
-    r += buf;
-  }
-  r += "adaptive precision: " + std::to_string(s.heads_upgraded) + " upgrade(s)";
-  for (size_t i = 0; i < upgrades_.size() && i < 16; ++i) r += (i ? ", " : ": ") + upgrades_[i];
-  if (upgrades_.size() > 16) r += ", ...";
-  return r + "\n";
+certified_report kv_cache_certified_impl::report() const {
+  certified_report r;
+  r.type_k = p_.type_k;
+  r.type_v = p_.type_v;
+  r.describe = describe();
+  r.n_layer = p_.n_layer;
+  r.n_kv_head = p_.n_kv_head;
+  r.head_dim = p_.head_dim;
+  r.tol = p_.certify_tol;
+  r.measure = p_.certify_measure;
+  r.stats = certified_statistics();
+  r.tiers = tier_bytes();
+  for (const head_adapt& a : adapt_) r.fast_bytes_per_token += row_bytes(a.fk) + row_bytes(a.fv);
+  r.host_bytes_per_token = (double)p_.n_layer * p_.n_kv_head * 4.0 * p_.head_dim;
+  r.upgrades = upgrades_;
+  return r;
 }
 
 }  // namespace
+
+std::string format_certified_report(const certified_report& r, const std::string& prefix) {
+  const certified_stats& s = r.stats;
+  const certified_tier_bytes& t = r.tiers;
+  const double n = s.steps ? (double)s.steps : 1.0;
+  char buf[1024];
+  std::string out = prefix + r.describe + "\n";
+  std::snprintf(buf, sizeof buf,
+                "steps %llu (layer x query head x token): certified %llu (%.3f%%), partly recomputed %llu (%.3f%%, "
+                "%.1f tokens each), fully recomputed %llu (%.3f%%)\n",
+                (unsigned long long)s.steps, (unsigned long long)s.certified, 100.0 * s.certified / n,
+                (unsigned long long)s.partial, 100.0 * s.partial / n,
+                s.partial ? (double)s.tokens_recomputed / s.partial : 0.0, (unsigned long long)s.exact,
+                100.0 * s.exact / n);
+  out += prefix + buf;
+  std::snprintf(buf, sizeof buf, "bound / ||output||: median %.3g, p99 %.3g\n", s.rel_bound_median, s.rel_bound_p99);
+  out += prefix + buf;
+  if (r.measure) {
+    std::snprintf(buf, sizeof buf,
+                  "bound / actual error: median %.3g, p99 %.3g, min %.3g (%llu steps with an error), violations %llu\n",
+                  s.ratio_median, s.ratio_p99, s.ratio_min, (unsigned long long)s.measured,
+                  (unsigned long long)s.violations);
+    out += prefix + buf;
+  }
+  std::snprintf(buf, sizeof buf,
+                "tiers: fast %.1f KiB used (peak %.1f, %.0f bytes/token), host %.1f KiB used (peak %.1f, %.0f "
+                "bytes/token, %s)\n",
+                t.fast_used / 1024.0, t.fast_used_peak / 1024.0, r.fast_bytes_per_token, t.host_used / 1024.0,
+                t.host_used_peak / 1024.0, r.host_bytes_per_token, t.host_file_backed ? "file-backed" : "in RAM");
+  out += prefix + buf;
+  out += prefix + "adaptive precision: " + std::to_string(s.heads_upgraded) + " upgrade(s)";
+  for (size_t i = 0; i < r.upgrades.size() && i < 16; ++i) out += (i ? ", " : ": ") + r.upgrades[i];
+  if (r.upgrades.size() > 16) out += ", ...";
+  return out;
+}
 
 bool is_certified(const kv_cache_params& p) {
   if (p.type_k == "certified" || p.type_v == "certified") return true;
@@ -597,7 +638,9 @@ bool is_certified(const kv_cache_params& p) {
 }
 
 std::unique_ptr<kv_cache_certified> make_kv_cache_certified(const kv_cache_params& p) {
-  return std::make_unique<kv_cache_certified_impl>(p);
+  auto c = std::make_unique<kv_cache_certified_impl>(p);
+  c->collect();
+  return c;
 }
 
 double kv_bytes_per_token_certified(const kv_cache_params& p) {

@@ -1,0 +1,57 @@
+// Printing the certified-cache reports (include/kvq/certified.h) of kvq generate / perplexity /
+// bench: stderr lines in text mode, a "certified" JSON object. The statistics come from the
+// library (certified_collector); this header only formats them.
+#pragma once
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "kvq/certified.h"
+
+namespace kvq::cli {
+
+inline nlohmann::json certified_json(const certified_report& r) {
+  const certified_stats& s = r.stats;
+  const double n = s.steps ? (double)s.steps : 1.0;
+  nlohmann::json j{{"type_k", r.type_k}, {"type_v", r.type_v}, {"describe", r.describe}, {"tol", r.tol},
+                   {"steps", s.steps}, {"certified", s.certified}, {"partial", s.partial}, {"exact", s.exact},
+                   {"certified_pct", 100.0 * s.certified / n}, {"partial_pct", 100.0 * s.partial / n},
+                   {"exact_pct", 100.0 * s.exact / n}, {"tokens_recomputed", s.tokens_recomputed},
+                   {"rel_bound_median", s.rel_bound_median}, {"rel_bound_p99", s.rel_bound_p99},
+                   {"heads_upgraded", s.heads_upgraded}, {"upgrades", r.upgrades}, {"measure", r.measure}};
+  if (r.measure) {
+    j["measured"] = s.measured;
+    j["ratio_median"] = s.ratio_median;
+    j["ratio_p99"] = s.ratio_p99;
+    j["ratio_min"] = s.ratio_min;
+    j["violations"] = s.violations;
+  }
+  const certified_tier_bytes& t = r.tiers;
+  j["tiers"] = {{"fast_bytes", t.fast}, {"fast_bytes_used", t.fast_used}, {"fast_bytes_used_peak", t.fast_used_peak},
+                {"fast_bytes_per_token", r.fast_bytes_per_token}, {"host_bytes", t.host},
+                {"host_bytes_used", t.host_used}, {"host_bytes_used_peak", t.host_used_peak},
+                {"host_bytes_per_token", r.host_bytes_per_token}, {"host_file_backed", t.host_file_backed}};
+  return j;
+}
+
+// Adds the reports to a tool's JSON: "certified" is the object of the first certified cache
+// created (perplexity/generate: the cache under test; perplexity --compare certified adds the
+// second to "certified_others"); with as_array (bench: one cache per format) "certified" is the
+// array of all of them. Nothing is added when there is none.
+inline void add_certified_json(nlohmann::json& j, const std::vector<certified_report>& rs, bool as_array = false) {
+  if (rs.empty()) return;
+  if (as_array) {
+    j["certified"] = nlohmann::json::array();
+    for (const auto& r : rs) j["certified"].push_back(certified_json(r));
+    return;
+  }
+  j["certified"] = certified_json(rs[0]);
+  for (size_t i = 1; i < rs.size(); ++i) j["certified_others"].push_back(certified_json(rs[i]));
+}
+
+// "[kvq] certified ..." lines on stderr, one block per cache.
+inline void print_certified_reports(const std::vector<certified_report>& rs) {
+  for (const auto& r : rs) std::fprintf(stderr, "%s\n", format_certified_report(r, "[kvq] ").c_str());
+}
+
+}  // namespace kvq::cli
