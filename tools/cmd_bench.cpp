@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "certified_report.h"
 #include "cli.h"
 #include "kvq/bench.h"
 #include "kvq/error.h"
@@ -117,9 +118,11 @@ int run_bench(bench_opts& o) {
       std::fprintf(stderr, tty ? "\r\033[K[kvq] %s" : "[kvq] %s\n", what.c_str());
       std::fflush(stderr);
     };
+  certified_collector certified;  // certified cache statistics (tools/certified_report.h)
   const bench_result r = bench(*m, ids, o.p, prog);
   if (!o.no_progress && ::isatty(2)) std::fprintf(stderr, "\r\033[K");
-  const nlohmann::json j = to_json(o, r);
+  nlohmann::json j = to_json(o, r);
+  add_certified_json(j, certified.reports(), /*as_array=*/true);
   if (!o.plot.empty()) run_plot_script("plot_bench.py", j.dump(), o.plot);
   if (o.json) {
     std::printf("%s\n", j.dump().c_str());
@@ -144,6 +147,7 @@ int run_bench(bench_opts& o) {
   for (const auto& w : r.rows) beyond = beyond || w.beyond_train_ctx;
   if (beyond) std::printf("\n* beyond the model's training context: speed only\n");
   if (!o.plot.empty()) std::printf("\nplot written to %s\n", o.plot.c_str());
+  print_certified_reports(certified.reports());
   return 0;
 }
 
