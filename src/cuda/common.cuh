@@ -139,6 +139,18 @@ __device__ __forceinline__ uint16_t f16_round_up_dev(float v) {
   return h;
 }
 
+// kvq::quantize_row_ref's signed scale of a symmetric group with minimum mn <= 0 and maximum
+// mx >= 0: the extreme element maps to -qneg, the other sign uses up to +qpos; the sign of the
+// scale is stored in the f16 bits (q8: qneg == qpos, never negative).
+__device__ __forceinline__ uint16_t signed_scale_dev(float mn, float mx, float qneg, float qpos) {
+  const bool neg = qneg == qpos || -mn >= mx;
+  const float ext = neg ? -mn : mx, other = neg ? mx : -mn;
+  const float mag = qneg == qpos ? __fdiv_rn(fmaxf(ext, other), qpos)
+                                 : fmaxf(__fdiv_rn(ext, qneg), __fdiv_rn(other, qpos));
+  const uint16_t mh = f16_round_up_dev(mag);
+  return neg || mh == 0 ? mh : (uint16_t)(mh | 0x8000u);
+}
+
 // 2^x on the special-function unit (flush-to-zero; 2^-inf = 0).
 __device__ __forceinline__ float ex2(float x) {
   float y;

@@ -82,25 +82,29 @@ __global__ void __launch_bounds__(32 * kAppendWarps) append_kernel(append_args a
       for (int k = 0; k < EPL; ++k)
         reinterpret_cast<uint16_t*>(codes)[k * 32 + lane] = __half_as_ushort(__float2half_rn(x[k]));
     } else {
-      constexpr float qmax = F == dfmt::q8 ? 127.0f : 7.0f;
+      constexpr float qpos = F == dfmt::q8 ? 127.0f : 7.0f, qneg = F == dfmt::q8 ? 127.0f : 8.0f;
       constexpr int offset = F == dfmt::q8 ? 0 : 8;
       uint16_t* scales = reinterpret_cast<uint16_t*>(blk + (side ? a.geo.v_scales : a.geo.k_scales)) + (int64_t)row * EPL;
-      float amax[EPL];
+      float mx[EPL], mn[EPL];
 #pragma unroll
       for (int k = 0; k < EPL; ++k) {
         x[k] = __half2float(__float2half_rn(x[k]));  // the cache stores f16-rounded values
-        amax[k] = fabsf(x[k]);
+        mx[k] = fmaxf(x[k], 0.0f);
+        mn[k] = fminf(x[k], 0.0f);
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
-        for (int k = 0; k < EPL; ++k) amax[k] = fmaxf(amax[k], __shfl_xor_sync(0xffffffffu, amax[k], o));
+        for (int k = 0; k < EPL; ++k) {
+          mx[k] = fmaxf(mx[k], __shfl_xor_sync(0xffffffffu, mx[k], o));
+          mn[k] = fminf(mn[k], __shfl_xor_sync(0xffffffffu, mn[k], o));
+        }
 #pragma unroll
       for (int k = 0; k < EPL; ++k) {
-        const uint16_t sh = f16_round_up_dev(__fdiv_rn(amax[k], qmax));
+        const uint16_t sh = signed_scale_dev(mn[k], mx[k], qneg, qpos);
         const float sc = __half2float(__ushort_as_half(sh));
-        const float inv = sc > 0.0f ? __fdiv_rn(1.0f, sc) : 0.0f;
-        const float c = fminf(fmaxf(rintf(__fmul_rn(x[k], inv)), -qmax), qmax);
+        const float inv = sc != 0.0f ? __fdiv_rn(1.0f, sc) : 0.0f;
+        const float c = fminf(fmaxf(rintf(__fmul_rn(x[k], inv)), -qneg), qpos);
         const int u = (int)c + offset;
         if (lane == k) scales[k] = sh;
         if constexpr (F == dfmt::q8) {
@@ -127,22 +131,26 @@ __global__ void __launch_bounds__(32 * kAppendWarps) append_kernel(append_args a
   } else {
     constexpr int G = HD % 32 == 0 ? 32 : HD;
     constexpr int NG = HD / G;
-    constexpr float qmax = F == dfmt::q8 ? 127.0f : 7.0f;
+    constexpr float qpos = F == dfmt::q8 ? 127.0f : 7.0f, qneg = F == dfmt::q8 ? 127.0f : 8.0f;
     constexpr int offset = F == dfmt::q8 ? 0 : 8;
     uint16_t* scales = reinterpret_cast<uint16_t*>(blk + (side ? a.geo.v_scales : a.geo.k_scales)) + (int64_t)row * NG;
     for (int i = lane; i < HD; i += 32) x[i] = __half2float(__float2half_rn(x[i]));  // the cache stores f16-rounded values
     __syncwarp();
 #pragma unroll
     for (int gi = 0; gi < NG; ++gi) {
-      float amax = 0.0f;
-      for (int i = lane; i < G; i += 32) amax = fmaxf(amax, fabsf(x[gi * G + i]));
-      amax = warp_max(amax);
-      const uint16_t sh = f16_round_up_dev(__fdiv_rn(amax, qmax));
+      float mx = 0.0f, mn = 0.0f;
+      for (int i = lane; i < G; i += 32) {
+        mx = fmaxf(mx, x[gi * G + i]);
+        mn = fminf(mn, x[gi * G + i]);
+      }
+      mx = warp_max(mx);
+      mn = -warp_max(-mn);
+      const uint16_t sh = signed_scale_dev(mn, mx, qneg, qpos);
       const float s = __half2float(__ushort_as_half(sh));
-      const float inv = s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;
+      const float inv = s != 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;
       for (int i = lane; i < G; i += 32) {
         float c = rintf(__fmul_rn(x[gi * G + i], inv));
-        c = fminf(fmaxf(c, -qmax), qmax);
+        c = fminf(fmaxf(c, -qneg), qpos);
         us[warp][gi * G + i] = (uint8_t)(int8_t)((int)c + offset);
       }
       if (lane == 0) scales[gi] = sh;

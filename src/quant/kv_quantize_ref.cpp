@@ -22,15 +22,28 @@ namespace {
 void quantize_group(const kv_format_traits& t, const float* x, int n, int stride, uint8_t* u,
                     uint16_t* scale_out, uint16_t* zero_out) {
   if (!t.asymmetric) {
-    float amax = 0.0f;
-    for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[(int64_t)i * stride]));
-    const int qmax = t.code_max - t.code_offset;  // 127, 7, 3, 1
-    const uint16_t sh = f16_round_up(amax / (float)qmax);
+    // Signed scale (as llama.cpp's q4_0): the element of largest magnitude maps to the negative end
+    // -qneg of the code range, the other sign uses up to +qpos, so 4 bits use all 16 codes
+    // [-8, 7] and no element is clamped: |x - d * c| <= |d| / 2 everywhere. The sign of d is
+    // stored in the f16 scale. q8 keeps +-127 (qneg == qpos) and a non-negative scale.
+    const int qpos = t.code_max - t.code_offset;  // 127, 7, 3, 1
+    const int qneg = t.code_offset - t.code_min;  // 127, 8, 4, 2
+    float mn = 0.0f, mx = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      mn = std::min(mn, x[(int64_t)i * stride]);
+      mx = std::max(mx, x[(int64_t)i * stride]);
+    }
+    const bool neg = qneg == qpos || -mn >= mx;  // the extreme element is negative (or q8)
+    const float ext = neg ? -mn : mx, other = neg ? mx : -mn;
+    const float mag = qneg == qpos ? std::max(ext, other) / (float)qpos
+                                   : std::max(ext / (float)qneg, other / (float)qpos);
+    const uint16_t mh = f16_round_up(mag);
+    const uint16_t sh = neg || mh == 0 ? mh : (uint16_t)(mh | 0x8000u);
     const float s = f16_to_f32(sh);
-    const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+    const float inv = s != 0.0f ? 1.0f / s : 0.0f;
     for (int i = 0; i < n; ++i) {
       float c = std::rint(x[(int64_t)i * stride] * inv);
-      c = std::min(std::max(c, (float)-qmax), (float)qmax);
+      c = std::min(std::max(c, (float)-qneg), (float)qpos);
       u[i] = (uint8_t)(int8_t)((int)c + t.code_offset);
     }
     *scale_out = sh;

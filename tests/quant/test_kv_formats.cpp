@@ -99,7 +99,7 @@ TEST(kv_formats, per_token_error_at_most_half_scale) {
             const int c = t.bits == 8 ? (int)(int8_t)u[i] : (int)u[i];
             ASSERT_GE(c, t.code_min);
             ASSERT_LE(c, t.code_max);
-            const float s = f16_to_f32(sc[i / group]);
+            const float s = std::fabs(f16_to_f32(sc[i / group]));  // 4/3/2-bit scales carry a sign
             ASSERT_LE(std::fabs(y[i] - x[i]), s * 0.5f * (1 + 1e-5f) + 1e-30f)
                 << t.name << " hd " << hd << " g " << group << " i " << i << " x " << x[i] << " y " << y[i];
           }
@@ -129,10 +129,50 @@ TEST(kv_formats, zero_and_constant_groups) {
           EXPECT_EQ(f16_to_f32(sc[i / 32]), 0.0f) << t.name;
           ASSERT_EQ(y[i], f16r(c)) << t.name;
         } else {
-          ASSERT_LE(std::fabs(y[i] - f16r(c)), f16_to_f32(sc[i / 32]) * 0.5f) << t.name;
+          ASSERT_LE(std::fabs(y[i] - f16r(c)), std::fabs(f16_to_f32(sc[i / 32])) * 0.5f) << t.name;
         }
       }
     }
+  }
+}
+
+// The signed scale of the 4/3/2-bit symmetric formats (llama.cpp q4_0's convention): the extreme
+// element lands on the negative end of the code range, whichever its sign, and the step is
+// max(extreme / qneg, other side / qpos), recomputed here from the definition.
+TEST(kv_formats, signed_scale_uses_the_negative_end) {
+  std::mt19937 rng(11);
+  for (kv_format f : {kv_format::q4, kv_format::q3, kv_format::q2}) {
+    const auto& t = kv_traits(f);
+    const int qpos = t.code_max - t.code_offset, qneg = t.code_offset - t.code_min;
+    ASSERT_EQ(qneg, qpos + 1) << t.name;
+    int n_neg_scale = 0;
+    for (int trial = 0; trial < 200; ++trial) {
+      auto x = random_row(rng, 32, 1.0f);  // one planted +9 outlier: flip every other row
+      if (trial % 2)
+        for (auto& v : x) v = -v;
+      std::vector<uint8_t> codes(kv_code_bytes(f, 32)), u(32);
+      uint16_t sc = 0;
+      quantize_row_ref(f, x.data(), 32, 32, codes.data(), &sc);
+      unpack_codes(t.bits, codes.data(), 32, u.data());
+      double mn = 0, mx = 0;
+      int iext = 0;
+      for (int i = 0; i < 32; ++i) {
+        mn = std::min(mn, (double)x[i]);
+        mx = std::max(mx, (double)x[i]);
+        if (std::fabs(x[i]) > std::fabs(x[iext])) iext = i;
+      }
+      const bool neg = -mn >= mx;
+      const double want = neg ? std::max(-mn / qneg, mx / qpos) : std::max(mx / qneg, -mn / qpos);
+      const double s = f16_to_f32(sc);
+      ASSERT_EQ(s < 0, !neg) << t.name;
+      n_neg_scale += s < 0;
+      ASSERT_GE(std::fabs(s), want * (1 - 1e-7)) << t.name;          // rounded up to f16
+      ASSERT_LE(std::fabs(s), want * (1 + 1.0 / 1024)) << t.name;     // by at most one f16 ulp
+      if (std::fabs(x[iext]) >= qpos * std::fabs(s) * 1.0001)        // strictly beyond +qpos steps
+        ASSERT_EQ((int)u[iext] - t.code_offset, -qneg) << t.name << " x " << x[iext];
+    }
+    EXPECT_GT(n_neg_scale, 40) << t.name;  // both signs of the extreme occur in random rows
+    EXPECT_LT(n_neg_scale, 160) << t.name;
   }
 }
 
