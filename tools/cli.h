@@ -26,7 +26,7 @@ struct registrar {
 
 // --cache-type-k (-ctk), --cache-type-v (-ctv), --kv-rot, --kv-group, --kv-sink, --kv-recent,
 // --kv-kivi-group, --kv-residual, --kv-channel-scale, --kv-seed; certified attention: --kv-certify,
-// --kv-tol, --kv-host-dir, --kv-certify-measure.
+// --kv-tol, --kv-host-dir, --kv-certify-measure, --kv-certify-no-adapt.
 void add_kv_flags(CLI::App* app, kv_cache_params& p);
 
 // Writes `text` to `path` atomically (temp file + rename), so a failure never leaves a
