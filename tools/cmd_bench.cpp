@@ -2,6 +2,9 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -21,6 +24,7 @@ namespace {
 struct bench_opts {
   std::string model_path, shape, weights = "q8_0", text_path, types, depths = "0,512,4096", plot;
   int shape_layers = 0;
+  double max_kv_gib = 0;  // 0: half of MemAvailable; < 0: no limit
   bench_params p;
   kv_cache_params kv;
   bool json = false, no_progress = false, explicit_kv = false;
@@ -39,9 +43,14 @@ std::vector<T> split(const std::string& s, const char* what) {
         std::string v = t;
         int mul = 1;
         if (!v.empty() && (v.back() == 'k' || v.back() == 'K')) { mul = 1024; v.pop_back(); }
-        const int x = std::stoi(v, &used);
-        if (used != v.size()) throw std::invalid_argument(t);
-        out.push_back(x * mul);
+        const long long x = std::stoll(v, &used);
+        if (used != v.size() || v.empty()) throw std::invalid_argument(t);
+        if (x * mul > std::numeric_limits<int>::max() || x * mul < std::numeric_limits<int>::min())
+          fail_input(std::string("[bench] ") + what + " " + t + ": too large (at most " +
+                     std::to_string(std::numeric_limits<int>::max()) + ")");
+        out.push_back((int)(x * mul));
+      } catch (const error&) {
+        throw;
       } catch (const std::exception&) {
         fail_input(std::string("[bench] ") + what + ": '" + t + "' is not an integer");
       }
@@ -52,7 +61,68 @@ std::vector<T> split(const std::string& s, const char* what) {
   return out;
 }
 
-nlohmann::json to_json(const bench_opts& o, const bench_result& r) {
+// Machine facts for the report: CPU model name, CPUs online, load averages (1 min).
+struct machine_info {
+  std::string cpu;
+  int n_cpu = 0;
+  double load_start = -1, load_end = -1;
+};
+
+std::string cpu_model_name() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("model name", 0) == 0) {
+      const size_t c = line.find(':');
+      return c == std::string::npos ? "" : line.substr(line.find_first_not_of(" \t", c + 1));
+    }
+  return "";
+}
+
+double load_average() {
+  std::ifstream f("/proc/loadavg");
+  double l = -1;
+  if (!(f >> l)) return -1;
+  return l;
+}
+
+// MemAvailable in bytes, or 0 when unknown.
+size_t mem_available() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  size_t kib = 0;
+  std::string unit;
+  while (f >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024;
+  return 0;
+}
+
+std::string read_text(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) fail_input("[bench] -f '" + path + "' is a directory, not a text file");
+  std::ifstream f(path, std::ios::binary);
+  if (!f) fail(errc::io, "[bench] -f: cannot open text file '" + path + "'");
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  if (ss.str().empty()) fail_input("[bench] -f: text file '" + path + "' is empty");
+  return ss.str();
+}
+
+// Runs f and re-tags a kvq::error from another layer as "[bench] <context><message>".
+template <typename F>
+auto as_bench(const std::string& context, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const error& e) {
+    std::string msg = e.what();
+    if (msg.rfind("[bench]", 0) == 0) throw;
+    if (!msg.empty() && msg[0] == '[' && msg.find("] ") != std::string::npos) msg = msg.substr(msg.find("] ") + 2);
+    throw error(e.code(), "[bench] " + context + msg);
+  }
+}
+
+nlohmann::json to_json(const bench_opts& o, const bench_result& r, const machine_info& mi) {
   nlohmann::json j;
   j["model"] = o.shape.empty() ? o.model_path : "synthetic:" + o.shape;
   j["model_desc"] = r.model_desc;
@@ -60,8 +130,11 @@ nlohmann::json to_json(const bench_opts& o, const bench_result& r) {
   j["fill"] = r.fill;
   j["n_threads"] = r.n_threads;
   j["n_ctx"] = r.n_ctx;
+  j["n_ctx_train"] = r.n_ctx_train;
   j["n_decode"] = o.p.n_decode;
   j["n_prefill"] = o.p.n_prefill;
+  j["machine"] = {{"cpu", mi.cpu}, {"n_cpu", mi.n_cpu}, {"load_average_start", mi.load_start},
+                  {"load_average_end", mi.load_end}};
   j["rows"] = nlohmann::json::array();
   for (const auto& w : r.rows)
     j["rows"].push_back({{"type_k", w.type_k}, {"type_v", w.type_v}, {"describe", w.describe},
@@ -79,30 +152,40 @@ nlohmann::json to_json(const bench_opts& o, const bench_result& r) {
   return j;
 }
 
+// Checks before the (long) run that the plot can be written: runs the plotter on a one-row
+// result into a scratch file next to FILE, then removes it.
+void check_plotter(const std::string& png) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(png).parent_path();
+  std::error_code ec;
+  if (!dir.empty() && !fs::is_directory(dir, ec))
+    fail(errc::io, "[bench] --plot '" + png + "': directory '" + dir.string() + "' does not exist");
+  const std::string probe = png + ".check.png";
+  nlohmann::json j{{"model", "check"}, {"model_desc", "check"}, {"fill", "real"}, {"n_threads", 1}, {"n_ctx_train", 0}};
+  j["rows"] = nlohmann::json::array({{{"type_k", "f16"}, {"type_v", "f16"}, {"depth", 0}, {"decode_tokens_per_s", 1.0},
+                                      {"kv_bytes_used", 0}, {"beyond_train_ctx", false}}});
+  as_bench("--plot '" + png + "': cannot plot before the run: ", [&] { run_plot_script("plot_bench.py", j.dump(), probe); });
+  std::remove(probe.c_str());
+}
+
+// bench_check, naming the flag that sets the memory limit.
+void check(const kv_cache_params& shape, const bench_params& p) {
+  try {
+    bench_check(shape, p);
+  } catch (const error& e) {
+    const std::string msg = e.what();
+    if (msg.find("more than the limit") == std::string::npos) throw;
+    throw error(e.code(), msg + " (--max-kv-gib; default: half the available memory)");
+  }
+}
+
 int run_bench(bench_opts& o) {
   if (o.model_path.empty() == o.shape.empty())
     fail_input("[bench] give exactly one of -m MODEL or --shape NAME");
-  std::unique_ptr<model> m;
-  std::vector<int32_t> ids;
-  if (!o.shape.empty()) {
-    ggml_type wt;
-    if (o.weights == "f16") wt = ggml_type::f16;
-    else if (o.weights == "q8_0") wt = ggml_type::q8_0;
-    else if (o.weights == "q4_0") wt = ggml_type::q4_0;
-    else fail_input("[bench] --weights '" + o.weights + "' must be f16, q8_0 or q4_0");
-    const model_shape s = find_model_shape(o.shape);
-    if (!o.no_progress)
-      std::fprintf(stderr, "[kvq] writing a synthetic %s (%s weights%s) to a temporary GGUF...\n", s.name.c_str(),
-                   o.weights.c_str(), o.shape_layers > 0 ? (", " + std::to_string(o.shape_layers) + " layers").c_str() : "");
-    m = make_synthetic_model(s, wt, o.shape_layers, o.p.seed);
-    if (!o.text_path.empty()) fail_input("[bench] -f TEXT needs a real model (-m): a synthetic model has no tokenizer");
-  } else {
-    m = model::load(o.model_path);
-    if (!o.text_path.empty()) {
-      auto tok = tokenizer::from_gguf(m->gguf());
-      ids = perplexity_tokenize(*tok, read_text_file(o.text_path));
-    }
-  }
+  if (!o.shape.empty() && !o.text_path.empty())
+    fail_input("[bench] -f TEXT needs a real model (-m): a synthetic model has no tokenizer");
+
+  // Formats, depths and limits first: everything that can be refused is refused before any work.
   std::vector<std::string> types = split<std::string>(o.types, "--types");
   if (o.explicit_kv) o.p.formats.push_back(o.kv);
   if (types.empty() && !o.explicit_kv) types = {"f16", "q8", "q4", "kivi2"};
@@ -112,42 +195,97 @@ int run_bench(bench_opts& o) {
     o.p.formats.push_back(c);
   }
   o.p.depths = split<int>(o.depths, "--depths");
+  if (o.max_kv_gib > 0) {
+    o.p.max_kv_bytes = (size_t)(o.max_kv_gib * 1024.0 * 1024.0 * 1024.0);
+  } else if (o.max_kv_gib == 0) {
+    o.p.max_kv_bytes = mem_available() / 2;  // the caches share the machine with the model and others
+  }
+  ggml_type wt = ggml_type::q8_0;
+  model_shape shape;
+  if (!o.shape.empty()) {
+    if (o.weights == "f16") wt = ggml_type::f16;
+    else if (o.weights == "q8_0") wt = ggml_type::q8_0;
+    else if (o.weights == "q4_0") wt = ggml_type::q4_0;
+    else fail_input("[bench] --weights '" + o.weights + "' must be f16, q8_0 or q4_0");
+    shape = find_model_shape(o.shape);
+    if (o.shape_layers < 0) fail_input("[bench] --shape-layers " + std::to_string(o.shape_layers) + " must be >= 0");
+    kv_cache_params cs;
+    cs.n_layer = o.shape_layers > 0 ? o.shape_layers : shape.n_layer;
+    cs.n_kv_head = shape.n_kv_head;
+    cs.head_dim = shape.head_dim;
+    check(cs, o.p);  // before writing gigabytes of synthetic weights
+  }
+  if (!o.plot.empty()) check_plotter(o.plot);
+
+  std::unique_ptr<model> m;
+  std::vector<int32_t> ids;
+  if (!o.shape.empty()) {
+    if (!o.no_progress)
+      std::fprintf(stderr, "[kvq] writing a synthetic %s (%s weights%s) to a temporary GGUF...\n", shape.name.c_str(),
+                   o.weights.c_str(), o.shape_layers > 0 ? (", " + std::to_string(o.shape_layers) + " layers").c_str() : "");
+    m = as_bench("", [&] { return make_synthetic_model(shape, wt, o.shape_layers, o.p.seed); });
+  } else {
+    m = as_bench("-m '" + o.model_path + "': ", [&] { return model::load(o.model_path); });
+    check(m->cache_params(1), o.p);
+    if (!o.text_path.empty()) {
+      const std::string text = read_text(o.text_path);
+      ids = as_bench("-f '" + o.text_path + "': ", [&] {
+        auto tok = tokenizer::from_gguf(m->gguf());
+        return perplexity_tokenize(*tok, text);
+      });
+    }
+  }
   bench_progress prog;
   if (!o.no_progress)
     prog = [tty = ::isatty(2)](const std::string& what) {
       std::fprintf(stderr, tty ? "\r\033[K[kvq] %s" : "[kvq] %s\n", what.c_str());
       std::fflush(stderr);
     };
+  machine_info mi;
+  mi.cpu = cpu_model_name();
+  mi.n_cpu = (int)::sysconf(_SC_NPROCESSORS_ONLN);
+  mi.load_start = load_average();
   certified_collector certified;  // certified cache statistics (tools/certified_report.h)
   const bench_result r = bench(*m, ids, o.p, prog);
+  mi.load_end = load_average();
   if (!o.no_progress && ::isatty(2)) std::fprintf(stderr, "\r\033[K");
-  nlohmann::json j = to_json(o, r);
+  nlohmann::json j = to_json(o, r, mi);
   add_certified_json(j, certified.reports(), /*as_array=*/true);
-  if (!o.plot.empty()) run_plot_script("plot_bench.py", j.dump(), o.plot);
+
+  // Results first, the plot after: a plot failure must not lose a long run.
   if (o.json) {
     std::printf("%s\n", j.dump().c_str());
-    return 0;
+  } else {
+    std::printf("model: %s%s\n", r.model_desc.c_str(), o.shape.empty() ? "" : (", " + o.weights + " weights").c_str());
+    std::printf("machine: %s, %d CPUs, load average %.2f at start, %.2f at end\n", mi.cpu.c_str(), mi.n_cpu,
+                mi.load_start, mi.load_end);
+    std::printf("threads %d, fill %s, %d decode steps (median, formats interleaved), %d prefill tokens, cache n_ctx %d\n\n",
+                r.n_threads, r.fill.c_str(), o.p.n_decode, o.p.n_prefill, r.n_ctx);
+    std::printf("| %-11s | %6s | %12s | %6s | %12s | %6s | %10s | %7s |\n", "KV", "depth", "decode tok/s", "x f16",
+                "prefill t/s", "x f16", "KV MiB", "f16/KV");
+    std::printf("| %s | %s | %s | %s | %s | %s | %s | %s |\n", std::string(11, '-').c_str(),
+                std::string(6, '-').c_str(), std::string(12, '-').c_str(), std::string(6, '-').c_str(),
+                std::string(12, '-').c_str(), std::string(6, '-').c_str(), std::string(10, '-').c_str(),
+                std::string(7, '-').c_str());
+    for (const auto& w : r.rows) {
+      const std::string name = (w.type_k == w.type_v ? w.type_k : w.type_k + "/" + w.type_v) +
+                               (w.beyond_train_ctx ? "*" : "");
+      std::printf("| %-11s | %6d | %12.2f | %6.2f | %12.1f | %6.2f | %10.2f | %7.2f |\n", name.c_str(), w.depth,
+                  w.decode_tokens_per_s, w.decode_speedup_vs_f16, w.prefill_tokens_per_s, w.prefill_speedup_vs_f16,
+                  w.kv_bytes_used / 1048576.0, w.kv_bytes_ratio_vs_f16);
+    }
+    bool beyond = false;
+    for (const auto& w : r.rows) beyond = beyond || w.beyond_train_ctx;
+    if (beyond)
+      std::printf("\n* timed positions go past the training context (%d): speed only\n", r.n_ctx_train);
+    print_certified_reports(certified.reports());
   }
-  std::printf("model: %s%s\n", r.model_desc.c_str(), o.shape.empty() ? "" : (", " + o.weights + " weights").c_str());
-  std::printf("threads %d, fill %s, %d decode steps (median), %d prefill tokens, cache n_ctx %d\n\n", r.n_threads,
-              r.fill.c_str(), o.p.n_decode, o.p.n_prefill, r.n_ctx);
-  std::printf("| %-11s | %6s | %12s | %6s | %12s | %6s | %10s | %7s |\n", "KV", "depth", "decode tok/s", "x f16",
-              "prefill t/s", "x f16", "KV MiB", "f16/KV");
-  std::printf("| %s | %s | %s | %s | %s | %s | %s | %s |\n", std::string(11, '-').c_str(), std::string(6, '-').c_str(),
-              std::string(12, '-').c_str(), std::string(6, '-').c_str(), std::string(12, '-').c_str(),
-              std::string(6, '-').c_str(), std::string(10, '-').c_str(), std::string(7, '-').c_str());
-  for (const auto& w : r.rows) {
-    const std::string name = (w.type_k == w.type_v ? w.type_k : w.type_k + "/" + w.type_v) +
-                             (w.beyond_train_ctx ? "*" : "");
-    std::printf("| %-11s | %6d | %12.2f | %6.2f | %12.1f | %6.2f | %10.2f | %7.2f |\n", name.c_str(), w.depth,
-                w.decode_tokens_per_s, w.decode_speedup_vs_f16, w.prefill_tokens_per_s, w.prefill_speedup_vs_f16,
-                w.kv_bytes_used / 1048576.0, w.kv_bytes_ratio_vs_f16);
+  std::fflush(stdout);
+  if (!o.plot.empty()) {
+    as_bench("--plot '" + o.plot + "': the results above are complete, the plot failed: ",
+             [&] { run_plot_script("plot_bench.py", j.dump(), o.plot); });
+    std::fprintf(stderr, "[kvq] plot written to %s\n", o.plot.c_str());
   }
-  bool beyond = false;
-  for (const auto& w : r.rows) beyond = beyond || w.beyond_train_ctx;
-  if (beyond) std::printf("\n* beyond the model's training context: speed only\n");
-  if (!o.plot.empty()) std::printf("\nplot written to %s\n", o.plot.c_str());
-  print_certified_reports(certified.reports());
   return 0;
 }
 
@@ -169,6 +307,15 @@ const registrar reg{{"bench", "decode/prefill speed and KV memory of KV formats 
   app->add_option("-t,--threads", o->p.n_threads, "threads (0: all)")->capture_default_str();
   app->add_option("--fill", o->p.fill, "real (prefill) or synthetic (append K/V with the model's statistics)")->capture_default_str();
   app->add_option("--seed", o->p.seed, "seed of the synthetic weights, K/V and token ids")->capture_default_str();
+  app->add_option("-c,--ctx-size", o->p.n_ctx,
+                  "cache positions per format (0: deepest depth + timed positions); every depth must fit")
+      ->capture_default_str();
+  app->add_option("--ctx-train", o->p.n_ctx_train,
+                  "training context that marks rows speed-only '*' (0: the model's context_length)")
+      ->capture_default_str();
+  app->add_option("--max-kv-gib", o->max_kv_gib,
+                  "refuse depths whose caches (all formats together) exceed this (0: half the available memory; -1: no limit)")
+      ->capture_default_str();
   app->add_option("--plot", o->plot, "write a PNG of decode tok/s and KV memory against depth");
   app->add_flag("--json", o->json, "print one JSON object");
   app->add_flag("--no-progress", o->no_progress, "no progress on stderr");

@@ -2,22 +2,33 @@
 // synthetic random-weight models of published shapes for measuring speed at realistic head_dim
 // without downloading weights (speed does not depend on the weight values).
 //
-// Protocol, for each format and each depth d (ascending; the cache is reused and filled further):
-//  1. fill the cache of sequence 0 to d positions:
+// Protocol. All requested formats run side by side in one pass (f16 is added when missing, as the
+// baseline of every ratio), each with its own cache of n_ctx positions, so that load from other
+// processes hits every format alike:
+//  0. warm-up (untimed): one forward of max(n_prefill, 1) tokens and one decode step on the first
+//     cache, then cleared (pages in the weights, sizes the model's scratch buffers);
+//  for each depth d (ascending; the caches are reused and filled further):
+//  1. fill every cache to d positions:
 //     - "real": model::forward over fill tokens in batches of n_batch (a real prefill);
 //     - "synthetic": cache::append of K/V rows drawn per layer and channel from N(mean, std),
 //       where mean/std are measured on the K/V (after RoPE) of a real prefill of up to 256 tokens
 //       of this model (so outlier channels and scales are those of the model), through the same
 //       append path the model uses, n_batch rows at a time;
-//  2. prefill: time n_prefill tokens in one forward at positions d.. (tokens/s), then truncate
-//     back to d;
-//  3. decode: n_decode + 1 single-token forwards at positions d, d+1, ...; the first is a warm-up;
-//     decode tokens/s = 1 / median step time; then truncate back to d.
-// KV bytes are cache::bytes_used() at depth d. f16 always runs (added when not requested) so every
-// row has its ratio to f16 at the same depth measured in the same run. Depths beyond the model's
-// training context measure speed only (the row says so).
+//  2. per format: one untimed decode step at d (warm-up of this cache at this depth), then
+//     prefill: n_prefill tokens in one forward at positions d.. (tokens/s); truncate back to d;
+//  3. decode: n_decode + 1 rounds; in each round every format runs one single-token forward at
+//     position d + round (formats in a rotating order); round 0 is a warm-up and is not timed;
+//     decode tokens/s = 1 / median step time; then every cache is truncated back to d.
+// KV bytes are cache::bytes_used() at depth d. Depths whose timed positions go past the model's
+// training context (n_ctx_train, or bench_params::n_ctx_train) measure speed only (the row says so).
 // Tokens for the fill, prefill and decode come from `tokens` (a text), repeated as needed, or
 // are pseudo-random ids when it is empty.
+//
+// Cache size: n_ctx = bench_params::n_ctx, or (0) the deepest depth + the timed positions
+// max(n_decode + 1, n_prefill). Every depth must leave room for its timed positions, and the caches
+// of all formats together (kv_bytes_per_token x n_ctx each) must fit in max_kv_bytes; both are
+// checked before any work (bench_check), so a depth that cannot run fails at once instead of
+// allocating, filling or swapping for hours.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -41,6 +52,9 @@ struct bench_params {
   int n_threads = 0;     // 0: all hardware threads
   std::string fill = "real";  // "real" | "synthetic"
   uint64_t seed = 1234;
+  int n_ctx = 0;             // cache positions per format; 0: deepest depth + timed positions
+  int n_ctx_train = 0;       // training context for beyond_train_ctx; 0: the model's (GGUF)
+  size_t max_kv_bytes = 0;   // limit on all caches together (bytes); 0: none
 };
 
 struct bench_row {
@@ -66,14 +80,23 @@ struct bench_result {
   std::string model_desc;  // arch, layers, heads, head_dim, weight type
   int n_threads = 0;
   int n_ctx = 0;           // cache size used (max depth + timed tokens)
+  int n_ctx_train = 0;     // training context the rows were marked against
   std::vector<bench_row> rows;  // format-major, depth-minor
 };
 
 // Called with a short description of the step being run ("q4 depth 4096: fill").
 using bench_progress = std::function<void(const std::string& what)>;
 
-// Errors (invalid_input): no formats, unknown type (from make_kv_cache, before any work),
-// negative depth, n_decode < 1, n_prefill < 0, n_batch < 1, unknown fill.
+// Validates `p` for a model whose cache has the shape of `shape` (n_layer, n_kv_head, head_dim;
+// its other fields are ignored) and returns the cache n_ctx that bench() allocates. Needs no model,
+// so a tool can check before building one. Errors (invalid_input, message starting "[bench]"):
+// no formats or depths, unknown type or bad format option, negative depth, a depth whose timed
+// positions do not fit n_ctx, caches larger than max_kv_bytes (the message names the depth, the
+// limit and the deepest depth that fits), n_decode < 1, n_prefill < 0, n_batch < 1, unknown fill.
+int bench_check(const kv_cache_params& shape, const bench_params& p);
+
+// Errors: those of bench_check (before any work), token ids outside the vocabulary; every message
+// starts with "[bench]" (errors of the layers below are re-tagged, keeping their code).
 bench_result bench(model& m, std::span<const int32_t> tokens, const bench_params& p,
                    const bench_progress& progress = {});
 

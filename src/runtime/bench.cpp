@@ -4,7 +4,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <limits>
 #include <map>
+#include <new>
 
 #include "kvq/error.h"
 
@@ -140,141 +143,240 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// Re-tags an error of a lower layer ("[kv_cache] unknown K cache type ...") as bench's, keeping its
+// code, so that every message of kvq bench starts with "[bench]".
+[[noreturn]] void rethrow_as_bench(const error& e, const std::string& context) {
+  std::string msg = e.what();
+  if (msg.rfind("[bench]", 0) == 0) throw e;
+  if (!msg.empty() && msg[0] == '[') {
+    const size_t close = msg.find("] ");
+    if (close != std::string::npos) msg = msg.substr(close + 2);
+  }
+  throw error(e.code(), "[bench] " + context + msg);
+}
+
+std::string format_name(const kv_cache_params& f) { return f.type_k == f.type_v ? f.type_k : f.type_k + "/" + f.type_v; }
+
+std::string gib(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
+  return buf;
+}
+
+// f16 first (the baseline of every ratio), then the requested formats in order.
+std::vector<kv_cache_params> with_baseline(const bench_params& p, std::vector<bool>* baseline_only) {
+  std::vector<kv_cache_params> formats;
+  bool has_f16 = false;
+  for (const auto& f : p.formats) has_f16 = has_f16 || (f.type_k == "f16" && f.type_v == "f16");
+  if (!has_f16 && !p.formats.empty()) {
+    kv_cache_params f16 = p.formats.front();
+    f16.type_k = f16.type_v = "f16";
+    formats.push_back(f16);
+    if (baseline_only) baseline_only->push_back(true);
+  }
+  for (const auto& f : p.formats) {
+    formats.push_back(f);
+    if (baseline_only) baseline_only->push_back(false);
+  }
+  return formats;
+}
+
+// Positions past the depth that one (format, depth) uses: decode warm-up + n_decode steps, or prefill.
+int64_t timed_positions(const bench_params& p) { return std::max<int64_t>((int64_t)p.n_decode + 1, p.n_prefill); }
+
 }  // namespace
+
+int bench_check(const kv_cache_params& shape, const bench_params& p) {
+  if (p.formats.empty()) fail_input("[bench] no KV formats to run");
+  if (p.depths.empty()) fail_input("[bench] no depths to run (--depths)");
+  if (p.n_decode < 1) fail_input("[bench] -n " + std::to_string(p.n_decode) + " decode steps must be >= 1");
+  if (p.n_prefill < 0) fail_input("[bench] prefill tokens " + std::to_string(p.n_prefill) + " must be >= 0");
+  if (p.n_batch < 1) fail_input("[bench] batch " + std::to_string(p.n_batch) + " must be >= 1");
+  if (p.n_ctx < 0) fail_input("[bench] cache n_ctx " + std::to_string(p.n_ctx) + " must be >= 0 (0: automatic)");
+  if (p.n_ctx_train < 0) fail_input("[bench] training context " + std::to_string(p.n_ctx_train) + " must be >= 0");
+  if (p.fill != "real" && p.fill != "synthetic")
+    fail_input("[bench] --fill '" + p.fill + "' must be real or synthetic");
+  for (int d : p.depths)
+    if (d < 0) fail_input("[bench] --depths " + std::to_string(d) + ": a depth must be >= 0");
+  const int64_t timed = timed_positions(p);
+  const std::string timed_what = std::to_string(timed) + " timed positions (max of " +
+                                 std::to_string(p.n_decode) + " decode steps + 1 warm-up and " +
+                                 std::to_string(p.n_prefill) + " prefill tokens)";
+  const int64_t deepest = *std::max_element(p.depths.begin(), p.depths.end());
+  int64_t n_ctx = p.n_ctx > 0 ? p.n_ctx : deepest + timed;
+  if (p.n_ctx > 0 && deepest + timed > n_ctx)
+    fail_input("[bench] --depths " + std::to_string(deepest) + ": depth + " + timed_what + " = " +
+               std::to_string(deepest + timed) + " does not fit the cache n_ctx " + std::to_string(n_ctx) +
+               " (-c); the deepest depth it allows is " + std::to_string(std::max<int64_t>(0, n_ctx - timed)));
+  if (n_ctx > std::numeric_limits<int>::max())
+    fail_input("[bench] --depths " + std::to_string(deepest) + ": depth + " + timed_what +
+               " exceeds the largest position a cache holds (" + std::to_string(std::numeric_limits<int>::max()) + ")");
+  double per_token = 0;  // all formats together
+  std::string names;
+  for (kv_cache_params f : with_baseline(p, nullptr)) {
+    f.n_layer = shape.n_layer;
+    f.n_kv_head = shape.n_kv_head;
+    f.head_dim = shape.head_dim;
+    f.n_ctx = (int)n_ctx;
+    f.n_seq = 1;
+    try {
+      per_token += kv_bytes_per_token(f);  // validates type, options and head_dim on a 1-position cache
+    } catch (const error& e) {
+      rethrow_as_bench(e, "KV format '" + format_name(f) + "': ");
+    }
+    names += (names.empty() ? "" : ", ") + format_name(f);
+  }
+  if (p.max_kv_bytes > 0 && per_token * (double)n_ctx > (double)p.max_kv_bytes) {
+    const int64_t fits = (int64_t)std::floor((double)p.max_kv_bytes / per_token) - timed;
+    fail_input("[bench] --depths " + std::to_string(deepest) + ": the caches of " + names + " at n_ctx " +
+               std::to_string(n_ctx) + " (depth + " + std::to_string(timed) + " timed positions) need " +
+               gib(per_token * (double)n_ctx) + ", more than the limit of " + gib((double)p.max_kv_bytes) +
+               (fits >= 0 ? "; the deepest depth that fits is " + std::to_string(fits) : std::string("; no depth fits")));
+  }
+  return (int)n_ctx;
+}
 
 bench_result bench(model& m, std::span<const int32_t> tokens, const bench_params& p, const bench_progress& progress) {
   const model_hparams& hp = m.hparams();
   bench_result r;
-  if (p.formats.empty()) fail_input("[bench] no KV formats to run");
-  if (p.depths.empty()) fail_input("[bench] no depths to run");
-  for (int d : p.depths)
-    if (d < 0) fail_input("[bench] depth " + std::to_string(d) + " must be >= 0");
-  if (p.n_decode < 1) fail_input("[bench] -n " + std::to_string(p.n_decode) + " decode steps must be >= 1");
-  if (p.n_prefill < 0) fail_input("[bench] prefill tokens " + std::to_string(p.n_prefill) + " must be >= 0");
-  if (p.n_batch < 1) fail_input("[bench] batch " + std::to_string(p.n_batch) + " must be >= 1");
-  if (p.fill != "real" && p.fill != "synthetic")
-    fail_input("[bench] --fill '" + p.fill + "' must be real or synthetic");
+  r.n_ctx = bench_check(m.cache_params(1), p);
   for (int32_t t : tokens)
-    if (t < 0 || t >= hp.n_vocab) fail_input("[bench] token id " + std::to_string(t) + " is outside the vocabulary");
+    if (t < 0 || t >= hp.n_vocab)
+      fail_input("[bench] token id " + std::to_string(t) + " is outside the vocabulary (" + std::to_string(hp.n_vocab) + ")");
   std::vector<int> depths = p.depths;
   std::sort(depths.begin(), depths.end());
   depths.erase(std::unique(depths.begin(), depths.end()), depths.end());
   r.fill = p.fill;
-  r.n_ctx = depths.back() + std::max(p.n_decode + 1, p.n_prefill);
+  r.n_ctx_train = p.n_ctx_train > 0 ? p.n_ctx_train : hp.n_ctx_train;
+  const int timed = (int)timed_positions(p);
 
-  // f16 first (the baseline of every ratio), then the requested formats in order.
-  std::vector<kv_cache_params> formats;
   std::vector<bool> baseline_only;
-  bool has_f16 = false;
-  for (const auto& f : p.formats) has_f16 = has_f16 || (f.type_k == "f16" && f.type_v == "f16");
-  if (!has_f16) {
-    kv_cache_params f16 = p.formats.front();
-    f16.type_k = f16.type_v = "f16";
-    formats.push_back(f16);
-    baseline_only.push_back(true);
-  }
-  for (const auto& f : p.formats) {
-    formats.push_back(f);
-    baseline_only.push_back(false);
-  }
-  const kv_cache_params shape = m.cache_params(r.n_ctx);
-  for (auto& f : formats) {
-    f.n_layer = shape.n_layer;
-    f.n_kv_head = shape.n_kv_head;
-    f.head_dim = shape.head_dim;
-    f.n_ctx = r.n_ctx;
-    f.n_seq = 1;
-    kv_bytes_per_token(f);  // validates the type and options before any work
-  }
+  std::vector<kv_cache_params> formats = with_baseline(p, &baseline_only);
+  const size_t F = formats.size();
+  for (auto& f : formats) f = m.cache_params(r.n_ctx, f);
   r.model_desc = hp.arch + ", " + std::to_string(hp.n_layer) + " layers, n_embd " + std::to_string(hp.n_embd) +
                  ", " + std::to_string(hp.n_head) + "/" + std::to_string(hp.n_kv_head) + " heads, head_dim " +
                  std::to_string(hp.head_dim) + ", vocab " + std::to_string(hp.n_vocab) +
                  (hp.name.empty() ? std::string() : " (" + hp.name + ")");
-
-  thread_pool pool(p.n_threads);
-  r.n_threads = pool.size();
-  token_source src{tokens, hp.n_vocab, p.seed};
-  kv_stats stats;
-  if (p.fill == "synthetic") {
-    if (progress) progress("measuring K/V statistics on a real prefill");
-    stats = measure_kv_stats(m, src, pool, p.seed);
-  }
-  std::vector<float> logits(hp.n_vocab), kb, vb;  // [n_vocab]: last token only
-  std::vector<int32_t> toks;
   auto say = [&](const std::string& what) {
     if (progress) progress(what);
   };
 
-  for (size_t fi = 0; fi < formats.size(); ++fi) {
-    const kv_cache_params& cp = formats[fi];
-    const std::string name = cp.type_k == cp.type_v ? cp.type_k : cp.type_k + "/" + cp.type_v;
-    std::unique_ptr<kv_cache> cache = make_kv_cache(cp);
+  try {
+    thread_pool pool(p.n_threads);
+    r.n_threads = pool.size();
+    token_source src{tokens, hp.n_vocab, p.seed};
+    kv_stats stats;
+    if (p.fill == "synthetic") {
+      say("measuring K/V statistics on a real prefill");
+      stats = measure_kv_stats(m, src, pool, p.seed);
+    }
+    std::vector<float> logits(hp.n_vocab), kb, vb;  // [n_vocab]: last token only
+    std::vector<int32_t> toks;
+    std::vector<std::unique_ptr<kv_cache>> caches(F);
+    std::vector<std::string> names(F), describe(F);
+    for (size_t fi = 0; fi < F; ++fi) {
+      say("allocating the " + format_name(formats[fi]) + " cache (n_ctx " + std::to_string(r.n_ctx) + ")");
+      caches[fi] = make_kv_cache(formats[fi]);
+      names[fi] = format_name(formats[fi]);
+      describe[fi] = caches[fi]->describe();
+    }
+    auto decode_step = [&](kv_cache& c, int pos) {
+      const int32_t id = src.at(pos);
+      m.forward(std::span<const int32_t>(&id, 1), pos, 0, c, pool, logits.data(), false);
+    };
+
+    // 0. warm-up, untimed
+    say("warm-up");
+    src.fill(0, std::max(1, p.n_prefill), toks);
+    m.forward(toks, 0, 0, *caches[0], pool, logits.data(), false);
+    decode_step(*caches[0], (int)toks.size());
+    caches[0]->clear(0);
+
+    std::vector<std::vector<bench_row>> rows(F);  // [format][depth]
     int filled = 0;
     for (int d : depths) {
-      bench_row row;
-      row.type_k = cp.type_k;
-      row.type_v = cp.type_v;
-      row.describe = cache->describe();
-      row.baseline_only = baseline_only[fi];
-      row.depth = d;
-      row.beyond_train_ctx = d + std::max(p.n_decode + 1, p.n_prefill) > hp.n_ctx_train;
-      row.kv_bytes_per_token = kv_bytes_per_token(cp);
-
-      // 1. fill to depth d
-      say(name + " depth " + std::to_string(d) + ": fill (" + p.fill + ")");
-      const auto tf = clock_type::now();
-      if (filled > d) {  // cannot happen with ascending depths; kept for safety
-        cache->clear(0);
-        filled = 0;
-      }
-      if (p.fill == "real") {
+      const std::string at = " depth " + std::to_string(d);
+      std::vector<bench_row> row(F);
+      // 1. fill every cache to depth d
+      for (size_t fi = 0; fi < F; ++fi) {
+        kv_cache& c = *caches[fi];
+        bench_row& w = row[fi];
+        w.type_k = formats[fi].type_k;
+        w.type_v = formats[fi].type_v;
+        w.describe = describe[fi];
+        w.baseline_only = baseline_only[fi];
+        w.depth = d;
+        w.beyond_train_ctx = r.n_ctx_train > 0 && (int64_t)d + timed > r.n_ctx_train;
+        w.kv_bytes_per_token = kv_bytes_per_token(formats[fi]);
+        const auto tf = clock_type::now();
+        auto last_say = clock_type::time_point{};
         for (int pos = filled; pos < d; pos += p.n_batch) {
+          if (seconds_since(last_say) >= 1.0) {  // progress at most once a second
+            say(names[fi] + at + ": fill (" + p.fill + ") " + std::to_string(pos) + "/" + std::to_string(d));
+            last_say = clock_type::now();
+          }
           const int nb = std::min(p.n_batch, d - pos);
-          src.fill(pos, nb, toks);
-          m.forward(toks, pos, 0, *cache, pool, logits.data(), false);
+          if (p.fill == "real") {
+            src.fill(pos, nb, toks);
+            m.forward(toks, pos, 0, c, pool, logits.data(), false);
+          } else {
+            fill_synthetic(c, stats, pos, pos + nb, nb, kb, vb);
+          }
         }
-      } else {
-        fill_synthetic(*cache, stats, filled, d, p.n_batch, kb, vb);
+        w.fill_seconds = seconds_since(tf);
+        w.kv_bytes_used = c.bytes_used();
+        w.kv_bytes_allocated = c.bytes();
       }
       filled = d;
-      row.fill_seconds = seconds_since(tf);
-      row.kv_bytes_used = cache->bytes_used();
-      row.kv_bytes_allocated = cache->bytes();
 
-      // 2. prefill n_prefill tokens at depth d
-      if (p.n_prefill > 0) {
-        say(name + " depth " + std::to_string(d) + ": prefill " + std::to_string(p.n_prefill));
+      // 2. per format: an untimed decode step, then the timed prefill
+      for (size_t fi = 0; fi < F; ++fi) {
+        kv_cache& c = *caches[fi];
+        decode_step(c, d);
+        c.truncate(0, d);
+        if (p.n_prefill == 0) continue;
+        say(names[fi] + at + ": prefill " + std::to_string(p.n_prefill));
         src.fill(d, p.n_prefill, toks);
         const auto t0 = clock_type::now();
-        m.forward(toks, d, 0, *cache, pool, logits.data(), false);
+        m.forward(toks, d, 0, c, pool, logits.data(), false);
         const double s = seconds_since(t0);
-        row.prefill_tokens_per_s = s > 0 ? p.n_prefill / s : 0;
-        cache->truncate(0, d);
+        row[fi].prefill_tokens_per_s = s > 0 ? p.n_prefill / s : 0;
+        c.truncate(0, d);
       }
 
-      // 3. decode: a warm-up step, then n_decode timed steps
-      say(name + " depth " + std::to_string(d) + ": decode " + std::to_string(p.n_decode));
-      std::vector<double> steps;
-      double total = 0;
-      for (int i = 0; i <= p.n_decode; ++i) {
-        const int32_t id = src.at(d + i);
-        const auto t0 = clock_type::now();
-        m.forward(std::span<const int32_t>(&id, 1), d + i, 0, *cache, pool, logits.data(), false);
-        const double s = seconds_since(t0);
-        if (i > 0) {
-          steps.push_back(s);
-          total += s;
+      // 3. decode rounds: every format one step per round, in a rotating order; round 0 untimed
+      say("depth " + std::to_string(d) + ": decode " + std::to_string(p.n_decode) + " x " + std::to_string(F) +
+          " formats");
+      std::vector<std::vector<double>> steps(F);
+      for (int i = 0; i <= p.n_decode; ++i)
+        for (size_t k = 0; k < F; ++k) {
+          const size_t fi = (k + (size_t)i) % F;
+          const auto t0 = clock_type::now();
+          decode_step(*caches[fi], d + i);
+          if (i > 0) steps[fi].push_back(seconds_since(t0));
         }
+      for (size_t fi = 0; fi < F; ++fi) {
+        caches[fi]->truncate(0, d);
+        bench_row& w = row[fi];
+        double total = 0;
+        for (double s : steps[fi]) total += s;
+        const double med = median(steps[fi]);
+        w.decode_ms_median = 1e3 * med;
+        w.decode_ms_min = 1e3 * *std::min_element(steps[fi].begin(), steps[fi].end());
+        w.decode_ms_max = 1e3 * *std::max_element(steps[fi].begin(), steps[fi].end());
+        w.decode_tokens_per_s = med > 0 ? 1.0 / med : 0;
+        w.decode_tokens_per_s_mean = total > 0 ? p.n_decode / total : 0;
+        rows[fi].push_back(w);
       }
-      cache->truncate(0, d);
-      const double med = median(steps);
-      row.decode_ms_median = 1e3 * med;
-      row.decode_ms_min = 1e3 * *std::min_element(steps.begin(), steps.end());
-      row.decode_ms_max = 1e3 * *std::max_element(steps.begin(), steps.end());
-      row.decode_tokens_per_s = med > 0 ? 1.0 / med : 0;
-      row.decode_tokens_per_s_mean = total > 0 ? p.n_decode / total : 0;
-      r.rows.push_back(row);
     }
+    for (auto& fr : rows)
+      for (auto& w : fr) r.rows.push_back(w);
+  } catch (const error& e) {
+    rethrow_as_bench(e, "");
+  } catch (const std::bad_alloc&) {
+    fail_input("[bench] out of memory allocating the caches at n_ctx " + std::to_string(r.n_ctx) +
+               " (--depths too deep for this machine; bench_params::max_kv_bytes sets the up-front limit)");
   }
 
   // Ratios to f16 at the same depth.

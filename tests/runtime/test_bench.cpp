@@ -1,14 +1,24 @@
 // kvq bench: row bookkeeping (bytes, ratios, baseline), both fill modes, synthetic models of
-// published shapes (weights, loading, cleanup), and bad input. No timing assertions.
+// published shapes (weights, loading, cleanup), the up-front checks of depths against the cache
+// and memory, the warm-up, and the CLI's bad input and plot handling (exit code 2, "[bench]"
+// messages, results printed before the plot). No timing assertions.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
 
 #include "kvq/bench.h"
 #include "kvq/error.h"
 #include "kvq/f16.h"
 #include "support/data_dir.h"
+#include "support/run_cmd.h"
 
 namespace kvq {
 namespace {
@@ -171,13 +181,212 @@ TEST(Bench, BadInput) {
   EXPECT_NE(msg(p).find("unknown K cache type 'q4x'"), std::string::npos);
   p.formats = {kv("q4")};
   p.depths = {-1};
-  EXPECT_NE(msg(p).find("depth -1"), std::string::npos);
+  EXPECT_NE(msg(p).find("--depths -1"), std::string::npos);
   p.depths = {0};
   p.fill = "magic";
   EXPECT_NE(msg(p).find("real or synthetic"), std::string::npos);
   p.fill = "real";
   p.n_decode = 0;
   EXPECT_NE(msg(p).find("decode steps"), std::string::npos);
+}
+
+TEST(Bench, CheckSizesTheCacheAndRefusesDepthsThatCannotRun) {
+  kv_cache_params shape;  // qwen3-1.7b's cache shape: 28 layers, 8 kv heads, head_dim 128
+  shape.n_layer = 28;
+  shape.n_kv_head = 8;
+  shape.head_dim = 128;
+  bench_params p;
+  p.formats = {kv("q4")};
+  p.depths = {32768, 0, 4096};
+  p.n_decode = 16;
+  p.n_prefill = 8;
+  // n_ctx: deepest depth + max(decode steps + 1 warm-up, prefill tokens)
+  EXPECT_EQ(bench_check(shape, p), 32768 + 17);
+  p.n_prefill = 64;
+  EXPECT_EQ(bench_check(shape, p), 32768 + 64);
+  auto msg = [&](const bench_params& q) -> std::string {
+    try {
+      bench_check(shape, q);
+    } catch (const error& e) {
+      EXPECT_EQ(e.code(), errc::invalid_input);
+      return e.what();
+    }
+    return "";
+  };
+  // An explicit cache n_ctx must hold every depth and its timed positions.
+  p.n_ctx = 32768;
+  std::string m = msg(p);
+  EXPECT_EQ(m.rfind("[bench] --depths 32768:", 0), 0u) << m;
+  EXPECT_NE(m.find("n_ctx 32768"), std::string::npos) << m;
+  EXPECT_NE(m.find("deepest depth it allows is " + std::to_string(32768 - 64)), std::string::npos) << m;
+  p.n_ctx = 32768 + 64;
+  EXPECT_EQ(bench_check(shape, p), 32768 + 64);
+  p.n_ctx = 0;
+  // Memory: f16 (the added baseline) 2 x 2 x 28 x 8 x 128 = 114688 bytes/token, q4 (g32: 64 code bytes
+  // + 4 f16 scales per head and side) 28 x 8 x 2 x 72 = 32256 bytes/token.
+  kv_cache_params f16 = shape, q4 = shape;
+  f16.n_ctx = q4.n_ctx = 1;
+  f16.type_k = f16.type_v = "f16";
+  q4.type_k = q4.type_v = "q4";
+  EXPECT_EQ(kv_bytes_per_token(f16), 114688.0);
+  const double per_token = kv_bytes_per_token(f16) + kv_bytes_per_token(q4);
+  p.max_kv_bytes = (size_t)(per_token * (32768 + 64));
+  EXPECT_EQ(bench_check(shape, p), 32768 + 64);  // exactly fits
+  p.max_kv_bytes -= 1;
+  m = msg(p);
+  EXPECT_EQ(m.rfind("[bench] --depths 32768:", 0), 0u) << m;
+  EXPECT_NE(m.find("f16, q4"), std::string::npos) << m;
+  EXPECT_NE(m.find("limit of"), std::string::npos) << m;
+  EXPECT_NE(m.find("deepest depth that fits is " + std::to_string(32768 - 1)), std::string::npos) << m;
+  p.max_kv_bytes = 0;
+  // Depths are checked before anything else runs, whatever their order.
+  p.depths = {0, -5, 16};
+  EXPECT_NE(msg(p).find("--depths -5"), std::string::npos);
+  p.depths = {std::numeric_limits<int>::max()};
+  EXPECT_NE(msg(p).find("largest position"), std::string::npos);
+  // Errors of the layers below carry bench's tag and the format.
+  p.depths = {0};
+  p.formats = {kv("q4"), kv("q9")};
+  m = msg(p);
+  EXPECT_EQ(m.rfind("[bench] KV format 'q9': ", 0), 0u) << m;
+}
+
+TEST(Bench, WarmUpRunsFirstAndTrainContextMarksRows) {
+  KVQ_REQUIRE_DATA(mp, "models/stories260K/stories260K.gguf");
+  auto m = model::load(mp);
+  bench_params p;
+  p.formats = {kv("q4")};
+  p.depths = {0, 24};
+  p.n_decode = 2;
+  p.n_prefill = 4;
+  p.n_threads = 1;
+  p.n_ctx_train = 16;  // stories260K was trained at 512 (its GGUF says 2048): the override wins
+  std::vector<std::string> said;
+  const bench_result r = bench(*m, {}, p, [&](const std::string& s) { said.push_back(s); });
+  // The warm-up comes before any fill, prefill or timed decode.
+  const auto warm = std::find(said.begin(), said.end(), "warm-up");
+  ASSERT_NE(warm, said.end());
+  for (auto it = said.begin(); it != warm; ++it)
+    for (const char* step : {"fill", "prefill", "decode"}) EXPECT_EQ(it->find(step), std::string::npos) << *it;
+  EXPECT_NE(warm + 1, said.end());
+  EXPECT_EQ(r.n_ctx_train, 16);
+  ASSERT_EQ(r.rows.size(), 4u);
+  for (const auto& row : r.rows) EXPECT_EQ(row.beyond_train_ctx, row.depth == 24) << row.depth;  // 0 + 4 <= 16
+  // The caches were truncated back after each depth: the 24-position f16 cache holds exactly 24.
+  const auto& hp = m->hparams();
+  EXPECT_EQ(r.rows[1].kv_bytes_used, (size_t)24 * 2 * 2 * hp.n_layer * hp.n_kv_head * hp.head_dim);
+}
+
+// ---- the CLI --------------------------------------------------------------------------------
+
+struct tmp_dir {
+  std::filesystem::path path;
+  tmp_dir() {
+    path = std::filesystem::temp_directory_path() / ("kvq_test_bench_cli_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(path);
+  }
+  ~tmp_dir() { std::filesystem::remove_all(path); }
+};
+
+void expect_bad_input(const test::cmd_result& r, const std::vector<std::string>& parts) {
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_EQ(r.err.rfind("error: [bench] ", 0), 0u) << r.err;
+  for (const auto& s : parts) EXPECT_NE(r.err.find(s), std::string::npos) << "'" << s << "' not in: " << r.err;
+  EXPECT_EQ(r.out, "") << "nothing is printed on bad input";
+}
+
+TEST(BenchCli, RefusesDepthsUpFrontNamingTheFlagValueAndLimit) {
+  KVQ_REQUIRE_DATA(mp, "models/stories260K/stories260K.gguf");
+  const std::string bin = test::kvq_bin();
+  // Deeper than the memory limit: refused before allocating or filling anything.
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--depths", "0,100k", "--max-kv-gib", "0.01", "--no-progress"}),
+                   {"--depths 102400", "limit of 0.01 GiB", "deepest depth that fits", "--max-kv-gib"});
+  // The default limit (half the available memory) refuses an absurd depth too.
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--depths", "2000000k", "--no-progress"}),
+                   {"--depths 2048000000"});
+  // A depth whose timed positions do not fit an explicit cache size.
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--depths", "0,4096", "-c", "4096", "-n", "16", "-p", "0",
+                                  "--no-progress"}),
+                   {"--depths 4096", "n_ctx 4096", "deepest depth it allows is 4079"});
+  // Same checks for a synthetic shape, before the synthetic weights are written.
+  expect_bad_input(test::run_cmd({bin, "bench", "--shape", "qwen3-1.7b", "--depths", "1000000", "--no-progress"}),
+                   {"--depths 1000000", "limit of"});
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--depths", "12,x", "--no-progress"}), {"--depths", "'x'"});
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--depths", "9999999999", "--no-progress"}),
+                   {"--depths 9999999999", "too large"});
+}
+
+TEST(BenchCli, ErrorsCarryTheBenchTag) {
+  KVQ_REQUIRE_DATA(mp, "models/stories260K/stories260K.gguf");
+  const std::string bin = test::kvq_bin();
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", "/nonexistent/model.gguf", "--no-progress"}),
+                   {"-m '/nonexistent/model.gguf'"});
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "-f", "/nonexistent/text.txt", "--no-progress"}),
+                   {"-f", "/nonexistent/text.txt"});
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "-ctk", "q4x", "--no-progress"}),
+                   {"KV format 'q4x/f16'", "unknown K cache type 'q4x'"});
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--types", "f16,q4,q5", "--no-progress"}),
+                   {"KV format 'q5'"});
+  expect_bad_input(test::run_cmd({bin, "bench", "--shape", "gpt-5", "--no-progress"}), {"gpt-5", "qwen3-1.7b"});
+}
+
+TEST(BenchCli, PlotFailureKeepsTheResults) {
+  KVQ_REQUIRE_DATA(mp, "models/stories260K/stories260K.gguf");
+  const std::string bin = test::kvq_bin();
+  tmp_dir dir;
+  // A plot into a missing directory is refused before the run.
+  const std::string missing = (dir.path / "no" / "such" / "dir" / "b.png").string();
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--depths", "0,8", "-n", "2", "-p", "2", "--plot", missing,
+                                  "--no-progress"}),
+                   {"--plot '" + missing + "'", "does not exist"});
+  // A plotter that passes the check before the run and fails after it (a stand-in for python3,
+  // selected by KVQ_PYTHON): the table is on stdout, the error names the file, exit code 2.
+  const std::string fake = (dir.path / "fake_python.sh").string();
+  {
+    std::ofstream f(fake);
+    f << "#!/bin/sh\n"
+         "if [ -e \"" << (dir.path / "called").string() << "\" ]; then echo 'plotter broke' >&2; exit 3; fi\n"
+         "touch \"" << (dir.path / "called").string() << "\" && touch \"$3\"\n";
+  }
+  ::chmod(fake.c_str(), 0755);
+  const std::string png = (dir.path / "b.png").string();
+  ::setenv("KVQ_PYTHON", fake.c_str(), 1);
+  const auto r = test::run_cmd({bin, "bench", "-m", mp, "--types", "q4", "--depths", "0,8", "-n", "2", "-p", "2",
+                                "-t", "1", "--plot", png, "--no-progress"});
+  ::unsetenv("KVQ_PYTHON");
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_NE(r.out.find("| f16         |      8 |"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("| q4          |      8 |"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("error: [bench] --plot '" + png + "'"), std::string::npos) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(png));
+  EXPECT_FALSE(std::filesystem::exists(png + ".check.png")) << "the probe plot is removed";
+  // --json: the object is printed (and parses) before the plot fails.
+  std::filesystem::remove(dir.path / "called");
+  ::setenv("KVQ_PYTHON", fake.c_str(), 1);
+  const auto rj = test::run_cmd({bin, "bench", "-m", mp, "--types", "q4", "--depths", "0", "-n", "1", "-p", "0",
+                                 "-t", "1", "--plot", png, "--json", "--no-progress"});
+  ::unsetenv("KVQ_PYTHON");
+  EXPECT_EQ(rj.rc, 2) << rj.err;
+  const auto j = nlohmann::json::parse(rj.out);
+  EXPECT_EQ(j["rows"].size(), 2u);
+  EXPECT_EQ(j["machine"]["n_cpu"].get<int>(), (int)::sysconf(_SC_NPROCESSORS_ONLN));
+}
+
+TEST(BenchCli, PlotWritesAPng) {
+  KVQ_REQUIRE_DATA(mp, "models/stories260K/stories260K.gguf");
+  if (test::run_cmd({"/usr/bin/python3", "-c", "import matplotlib"}).rc != 0)
+    GTEST_SKIP() << "/usr/bin/python3 with matplotlib (python3-matplotlib) not available";
+  tmp_dir dir;
+  const std::string png = (dir.path / "bench.png").string();
+  const auto r = test::run_cmd({test::kvq_bin(), "bench", "-m", mp, "--types", "q4", "--depths", "0,8", "-n", "2", "-p",
+                                "2", "-t", "1", "--plot", png, "--no-progress"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  std::ifstream f(png, std::ios::binary);
+  char magic[8] = {};
+  f.read(magic, 8);
+  EXPECT_EQ(std::string(magic, 8), std::string("\x89PNG\r\n\x1a\n", 8));
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path), std::filesystem::directory_iterator()), 1)
+      << "only the PNG is left (no probe or temporary files)";
 }
 
 }  // namespace
