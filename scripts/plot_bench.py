@@ -3,7 +3,8 @@
 
 usage: plot_bench.py RESULT.json OUT.png   (RESULT.json = the tool's --json object)
 Left: decode tokens/s (median step, log scale) per KV format; right: KV bytes held at that depth (MiB).
-The x axis is symmetric-log so that depth 0 fits next to 32K.
+The x axis is symmetric-log so that depth 0 fits next to 32K; a dashed line marks the model's training
+context when some depths go past it (those points measure speed only).
 """
 import json
 import sys
@@ -30,8 +31,12 @@ def main():
         d = [x["depth"] for x in rows]
         a1.plot(d, [x["decode_tokens_per_s"] for x in rows], marker="o", label=name)
         a2.plot(d, [x["kv_bytes_used"] / 1048576.0 for x in rows], marker="o", label=name)
+    train = r.get("n_ctx_train", 0)
+    beyond = any(row.get("beyond_train_ctx", False) for row in r["rows"])
     for ax, title, unit in ((a1, "decode speed", "tokens/s"), (a2, "KV cache held", "MiB")):
         ax.set_xscale("symlog", linthresh=512)
+        if beyond and train > 0:  # rows past the training context measure speed only
+            ax.axvline(train, color="grey", linestyle="--", linewidth=1, label="training context")
         ax.set_xlabel("context depth (tokens)")
         ax.set_ylabel(unit)
         ax.set_title(title)
