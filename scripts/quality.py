@@ -106,7 +106,7 @@ def build_state(repo):
     dirty = []
     for line in git(repo, "status", "--porcelain").splitlines():
         path = line[3:]
-        if path.startswith(("src/", "include/", "tools/", "CMakeLists")):
+        if path.startswith(("src/", "include/", "tools/", "CMakeLists")) and not path.startswith("src/cuda/"):
             dirty.append(path)
     return commit, dirty
 
