@@ -38,7 +38,8 @@ namespace kvq {
 // (per_token or dense): row r has its codes at codes + (r - row_begin) * code_stride bytes and (per
 // token) its kv_row_scale_count f16 scales at scales + (r - row_begin) * scale_stride. Rows are in
 // the side's rotated basis, or (rotated == false) in the original basis: K rows are then scored
-// with the unrotated query, V rows are rotated (f32) when read.
+// with the unrotated query; V rows are rotated (f32) when read if any V row is in the rotated basis,
+// else the whole V side is used in the original basis (no rotation, no rotation allowance).
 struct cert_segment {
   int row_begin = 0;
   kv_format format = kv_format::f16;
@@ -54,7 +55,9 @@ struct cert_segment {
 struct cert_side_view {
   const cert_segment* segs = nullptr;  // ascending row_begin, segs[0].row_begin == 0
   int n_segs = 0;
-  const uint16_t* err = nullptr;       // [n_pos] f16 ε_j >= ||R x_j - R x̂_j|| (+ slack, docs/certified.md)
+  // [n_pos] f16 ε_j (docs/certified.md): rotated rows ε_j >= ||R x_j - x̂_j|| (+ slack); rows in the
+  // original basis ε_j >= ||x_j - x̂_j|| (the kernel adds the allowance of rotating a V row on read)
+  const uint16_t* err = nullptr;
   const rotation* rot = nullptr;
 };
 

@@ -157,7 +157,7 @@ class kv_cache_certified_impl final : public kv_cache_certified {
   }
   void check_layer_seq(const char* op, int il, int seq_id) const;
   void push_row(side_rows& s, kv_format f, const float* x, const float* x_rot, const float* x16r, double x_norm,
-                double eta, bool is_v);
+                double eta);
   void maybe_upgrade(int il);
   void record(int il, int n_head);
 
@@ -253,7 +253,7 @@ std::string kv_cache_certified_impl::describe() const {
 // quantize x16r (rotated basis, as the compressed cache); dense formats keep x itself (original
 // basis: f16 rows are exact copies, ε only covers the rotation of V rows when they are read).
 void kv_cache_certified_impl::push_row(side_rows& s, kv_format f, const float* x, const float* x_rot,
-                                       const float* x16r, double x_norm, double eta, bool is_v) {
+                                       const float* x16r, double x_norm, double eta) {
   const int hd = p_.head_dim;
   const auto& t = kv_traits(f);
   const int r = (int)s.err.size();
@@ -280,9 +280,9 @@ void kv_cache_certified_impl::push_row(side_rows& s, kv_format f, const float* x
       xh[i] = f == kv_format::f16 ? f16_to_f32(h[i]) : bf16_to_f32(h[i]);
     }
   }
-  // K: ||x - x̂|| (+ dot rounding), scored with the exact query; V: + η (||x|| + ||x̂||) for the f32
-  // rotation when read
-  s.err.push_back(cert_error_bound_f16(x, xh, hd, x_norm, is_v ? eta : 0.0));
+  // ||x - x̂|| (+ dot rounding) in the original basis: K rows are scored with the exact query; the
+  // kernel adds the rotation allowance of a V row it rotates when read (attn_certified_ref.cpp)
+  s.err.push_back(cert_error_bound_f16(x, xh, hd, x_norm, 0.0));
 }
 
 void kv_cache_certified_impl::append(int il, int seq_id, int n_tokens, const float* k, const float* v) {
@@ -347,7 +347,7 @@ void kv_cache_certified_impl::append(int il, int seq_id, int n_tokens, const flo
         const float* r = &xr_[side * m + j * hd];
         for (int i = 0; i < hd; ++i) x16r[i] = f16_to_f32(f32_to_f16(r[i]));
         push_row(side == 0 ? k_[hi] : v_[hi], side == 0 ? a.fk : a.fv, &x16_[side * m + j * hd], r, x16r,
-                 xn_[side * rows + j], side == 0 ? eta_k_ : eta_v_, side == 1);
+                 xn_[side * rows + j], side == 0 ? eta_k_ : eta_v_);
       }
     }
   n += n_tokens;

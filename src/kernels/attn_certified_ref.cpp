@@ -56,11 +56,22 @@ struct row_reader {
     }
     return g.rotated;
   }
-  // A V row in the rotated basis (rows stored in the original basis are rotated here, in f32).
-  void load_rotated(int r, float* y) {
-    if (!load(r, y)) s->rot->forward(y);
+  // A V row in the working basis of the V side: the rotated one when rotate (rows stored in the
+  // original basis are rotated here, in f32: returns true for those), else the original one (every
+  // row is in it). Returns whether the row was rotated here.
+  bool load_v(int r, float* y, bool rotate) {
+    if (load(r, y) || !rotate) return false;
+    s->rot->forward(y);
+    return true;
   }
 };
+
+// Whether any row of the side is in the rotated basis (else the kernel works in the original one).
+bool any_rotated(const cert_side_view& s) {
+  for (int i = 0; i < s.n_segs; ++i)
+    if (s.segs[i].rotated) return true;
+  return false;
+}
 
 inline float err_at(const uint16_t* e, int r) { return f16_to_f32(e[r]); }
 
@@ -115,6 +126,7 @@ struct scratch {
   std::vector<float> c;          // [nq, n_max] per-token contributions to the bound
   std::vector<float> kb, vb;     // [kBlock, hd] dequantized rows
   std::vector<uint8_t> kb_rot;   // [kBlock] row of kb is in the rotated basis
+  std::vector<uint8_t> vb_rot;   // [kBlock] row of vb was rotated on read (dense row, rotated V basis)
   std::vector<double> o;         // [nq, hd] compressed-tier output (rotated V basis)
   std::vector<double> ex;        // [hd] exact output of one query
   std::vector<double> o1;        // [hd] stage-1 output
@@ -204,7 +216,16 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   KVQ_ASSERT(hd <= 1024 && qv.pos0 + qv.n_tokens <= kv.n_pos && kv.k.n_segs > 0 && kv.v.n_segs > 0);
   const int n_max = std::min(kv.n_pos, qv.pos0 + qv.n_tokens);
   const double scale = qv.scale;
-  const double eta_v = rotation_rounding_bound(*kv.v.rot);
+  // V basis of the outputs: rotated when any V row is; when every V row is dense (original basis,
+  // e.g. a head upgraded to f16 after clear()), no rotation and no rotation allowance at all.
+  const bool v_rot = any_rotated(kv.v);
+  const double eta_v = v_rot ? rotation_rounding_bound(*kv.v.rot) : 0.0;
+  // ε of V row j as used by the bound: the stored one, plus for a dense row rotated on read the
+  // f32 rotation error ||fl(R v̂) - R v̂|| <= η ||v̂|| <= η vn / (1 - η), vn = ||fl(R v̂)||.
+  auto v_err = [&](int j, bool rotated_here, double vn) {
+    const double e = err_at(kv.v.err, j);
+    return rotated_here ? e + eta_v * vn / (1 - eta_v) * (1 + 1e-6) : e;
+  };
   const bool always = std::isinf(opt.tol);
   thread_local scratch w;
   w.s.resize((size_t)nq * n_max);
@@ -213,6 +234,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   w.c.resize((size_t)nq * n_max);
   w.kb.resize((size_t)kBlock * hd);
   w.kb_rot.resize(kBlock);
+  w.vb_rot.resize(kBlock);
   w.vb.resize((size_t)kBlock * hd);
   w.o.resize((size_t)nq * hd);
   w.ex.resize(hd);
@@ -305,7 +327,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   std::fill(w.o.begin(), w.o.end(), 0.0);
   for (int r0 = 0; r0 < n_max; r0 += kBlock) {
     const int nb = std::min(kBlock, n_max - r0);
-    for (int j = 0; j < nb; ++j) rv.load_rotated(r0 + j, &w.vb[(size_t)j * hd]);
+    for (int j = 0; j < nb; ++j) rv.load_v(r0 + j, &w.vb[(size_t)j * hd], v_rot);
     for (int qi = 0; qi < nq; ++qi) {
       const int ne = std::min(nb, qs[qi].lim - r0);
       const double* p = &w.p[(size_t)qi * n_max + r0];
@@ -320,7 +342,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   bt.assign(nq, bound_terms{});
   for (int r0 = 0; r0 < n_max; r0 += kBlock) {
     const int nb = std::min(kBlock, n_max - r0);
-    for (int j = 0; j < nb; ++j) rv.load_rotated(r0 + j, &w.vb[(size_t)j * hd]);
+    for (int j = 0; j < nb; ++j) w.vb_rot[j] = rv.load_v(r0 + j, &w.vb[(size_t)j * hd], v_rot);
     for (int qi = 0; qi < nq; ++qi) {
       const query_ctx& c = qs[qi];
       const int ne = std::min(nb, c.lim - r0);
@@ -331,7 +353,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
       for (int j = 0; j < ne; ++j) {
         double vn;
         const double dist = dist_norm(&w.vb[(size_t)j * hd], o, &vn);
-        cj[j] = (float)add_token(bt[qi], zs[qi], p[j], pe[j], dist, err_at(kv.v.err, r0 + j), vn);
+        cj[j] = (float)add_token(bt[qi], zs[qi], p[j], pe[j], dist, v_err(r0 + j, w.vb_rot[j], vn), vn);
       }
     }
   }
@@ -343,7 +365,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   // ---- per query: decide, run the ladder, write the output ----------------------------------
   auto write_rotated = [&](const double* o, float* dst) {
     for (int i = 0; i < hd; ++i) w.tmp[i] = (float)o[i];
-    kv.v.rot->inverse(w.tmp.data());
+    if (v_rot) kv.v.rot->inverse(w.tmp.data());
     if (dst != w.tmp.data()) std::copy(w.tmp.begin(), w.tmp.end(), dst);
   };
   for (int t = 0; t < qv.n_tokens; ++t)
@@ -411,15 +433,16 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
               float* vr = &w.vx[(size_t)x * hd];
               for (int i = 0; i < hd; ++i) vr[i] = f16_to_f32(vh[i]);
               const double vn = norm2(vr, hd);
-              kv.v.rot->forward(vr);  // into the basis of the compressed rows: error <= η ||v||
+              if (v_rot) kv.v.rot->forward(vr);  // into the basis of the compressed rows: error <= η ||v||
               w.ex_err[x] = (float)((eta_v + 1e-12) * vn * (1 + 1e-6));
             }
             auto dl = [&](int j) { return w.slot[j] >= 0 ? w.dx[w.slot[j]] : delta_of(c, j); };
             const softmax_z z = softmax(s, p, pe, n, dl);
             row_reader r1{&kv.v, hd};
+            bool rotated_here = false;  // of the last row() that was read from the fast tier
             auto row = [&](int j) -> const float* {
               if (w.slot[j] >= 0) return &w.vx[(size_t)w.slot[j] * hd];
-              r1.load_rotated(j, w.vb.data());
+              rotated_here = r1.load_v(j, w.vb.data(), v_rot);
               return w.vb.data();
             };
             std::fill(w.o1.begin(), w.o1.end(), 0.0);
@@ -431,7 +454,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
             for (int j = 0; j < n; ++j) {
               double vn;
               const double dist = dist_norm(row(j), w.o1.data(), &vn);
-              const double ev = w.slot[j] >= 0 ? (double)w.ex_err[w.slot[j]] : (double)err_at(kv.v.err, j);
+              const double ev = w.slot[j] >= 0 ? (double)w.ex_err[w.slot[j]] : v_err(j, rotated_here, vn);
               add_token(b1, z, p[j], pe[j], dist, ev, vn);
             }
             b1.onorm = onorm_of(w.o1.data());

@@ -247,6 +247,22 @@ TEST(CertifiedBound, HoldsAcrossAdaptiveUpgrades) {
   EXPECT_EQ(r.violations, 0);
   EXPECT_GT(r.worst_ratio, 1.0);
   EXPECT_EQ(c->certified_statistics().violations, 0u);
+  // After clear() (perplexity's next chunk) every row is stored at the upgraded f16, in the
+  // original basis: no rotation is applied or allowed for, and the bound is f32 rounding only
+  // (with the V rotation allowance it would be about 2 η ||v|| ≈ 1.3e-5 ||o|| at head_dim 32).
+  c->clear(0);
+  c->append(0, 0, n, k.data(), v.data());
+  checked d = attend_and_check(*c, k, v, q, 0, n, n_head, 0.18f, pool);
+  EXPECT_EQ(d.violations, 0);
+  int n_err = 0;
+  for (size_t i = 0; i < d.steps.size(); ++i) {
+    EXPECT_EQ(d.steps[i].stage, cert_stage::certified) << i;
+    EXPECT_LT(d.steps[i].bound_fast, 1e-6 * d.steps[i].norm_fast) << i;
+    EXPECT_GE(d.steps[i].bound, d.err[i]) << i;
+    n_err += d.err[i] > 0;
+  }
+  EXPECT_GT(n_err, n);  // most outputs carry some rounding error, which the bound covers
+  EXPECT_EQ(c->certified_statistics().violations, 0u);
 }
 
 // The rotation rounding allowance η the bound assumes: ||fl(R x) - R x|| <= η ||x||, checked against
