@@ -96,7 +96,11 @@ void dequantize_row_ref(kv_format f, const uint8_t* codes, const uint16_t* scale
   unpack_codes(t.bits, codes, head_dim, u);
   for (int g = 0; g < ng; ++g) {
     const float s = f16_to_f32(scales[g]);
-    const float z = t.asymmetric ? f16_to_f32(scales[ng + g]) : 0.0f;
+    if (!t.asymmetric) {  // no "+ 0": a negative scale times code 0 stays -0, as on the GPU
+      for (int i = g * group; i < (g + 1) * group; ++i) y[i] = s * (code_value(t, u[i]) - (float)t.code_offset);
+      continue;
+    }
+    const float z = f16_to_f32(scales[ng + g]);
     for (int i = g * group; i < (g + 1) * group; ++i) y[i] = s * (code_value(t, u[i]) - (float)t.code_offset) + z;
   }
 }
