@@ -1,15 +1,12 @@
 // Certified cache on a real model and real text (stories260K, TinyStories validation): every
-// measured bound holds, tol 0 reproduces the f16 cache's logits. A disabled test prints the
-// closing numbers of issue 6 (fallback fractions per tolerance, bound / actual error, PPL):
-//   test_cache --gtest_also_run_disabled_tests --gtest_filter='*CertifiedReport*'
-// (KVQ_CERT_CHUNKS chunks of KVQ_CERT_CTX tokens; defaults 200 and 128).
+// measured bound holds, tol 0 reproduces the f16 cache's logits, and at tol 1e-1 / 1e-2 / 1e-3
+// every returned attention output is within tol of exact attention. (The closing figures of
+// issue 6 come from kvq perplexity: docs/certified.md.)
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -113,63 +110,80 @@ TEST(CertifiedModel, Stories260KBoundsHoldAndTolZeroIsF16) {
   EXPECT_EQ(c0->stats().heads_exact, s.steps);
 }
 
-TEST(CertifiedModel, DISABLED_CertifiedReport) {
+// Forwards every call to a certified cache and checks, after each attend (every layer), the
+// guarantee of every returned (query head, token): its actual error against exact attention is
+// at most its bound, and the bound is within tol * ||output|| unless the step was recomputed
+// exactly (then the bound is f32 rounding).
+class guarantee_checker final : public kv_cache {
+ public:
+  guarantee_checker(kv_cache_certified& c, double tol) : c_(c), tol_(tol) {}
+  const kv_cache_params& params() const override { return c_.params(); }
+  void append(int il, int seq_id, int n_tokens, const float* k, const float* v) override {
+    c_.append(il, seq_id, n_tokens, k, v);
+  }
+  void attend(int il, int seq_id, int pos0, int n_tokens, int n_head, const float* q, float scale, float* out,
+              thread_pool& pool) override {
+    c_.attend(il, seq_id, pos0, n_tokens, n_head, q, scale, out, pool);
+    for (const cert_step& s : c_.last_steps()) {
+      ++steps;
+      ++stages[(int)s.stage];
+      ASSERT_GE(s.error, 0.0);  // measuring
+      if (!(s.error <= s.bound)) ++over_bound;
+      const double norm = std::max(s.norm, s.norm_fast) * (1 + 1e-6);
+      if (s.stage != cert_stage::exact && !(s.bound <= tol_ * norm)) ++bound_over_tol;
+      if (s.stage != cert_stage::exact && !(s.error <= tol_ * norm)) ++error_over_tol;
+      if (s.stage == cert_stage::exact && !(s.error <= 1e-6 * s.norm + 1e-30)) ++exact_not_exact;
+    }
+  }
+  int n_pos(int seq_id) const override { return c_.n_pos(seq_id); }
+  void clear(int seq_id) override { c_.clear(seq_id); }
+  void truncate(int seq_id, int n) override { c_.truncate(seq_id, n); }
+  size_t bytes() const override { return c_.bytes(); }
+  size_t bytes_used() const override { return c_.bytes_used(); }
+  std::string describe() const override { return c_.describe(); }
+
+  uint64_t steps = 0, stages[3] = {0, 0, 0};
+  uint64_t over_bound = 0, bound_over_tol = 0, error_over_tol = 0, exact_not_exact = 0;
+
+ private:
+  kv_cache_certified& c_;
+  double tol_;
+};
+
+// The end-to-end guarantee on real text, for each tolerance of the issue's closing figures and
+// with and without adaptive precision: every returned attention output of every layer, head and
+// token is within tol * ||output|| of exact attention over the originals (or exact), and all
+// three stages of the ladder occur. (The figures themselves: docs/certified.md, from kvq
+// perplexity.)
+TEST(CertifiedModel, Stories260KEveryReturnedOutputWithinTolerance) {
   KVQ_REQUIRE_DATA(mp, "models/stories260K/stories260K.gguf");
   KVQ_REQUIRE_DATA(tp, "data/tinystories-val-794k/tinystories_val.txt");
-  const char* ec = std::getenv("KVQ_CERT_CHUNKS");
-  const char* ex = std::getenv("KVQ_CERT_CTX");
-  const int n_ctx = ex ? std::atoi(ex) : 128;
-  fixture f = load(mp, tp, (size_t)1 << 30);
-  int n_chunks = ec ? std::atoi(ec) : 200;
-  n_chunks = std::min(n_chunks, (int)(f.ids.size() / n_ctx));
-  thread_pool pool(0);
-  auto ppl = [](const text_run& r) { return std::exp(r.nll / r.n); };
-  std::printf("stories260K, %d chunks of %d tokens (%lld scored)\n", n_chunks, n_ctx,
-              (long long)n_chunks * (n_ctx / 2 - 1));
-  for (const char* t : {"f16"}) {
-    kv_cache_params p = f.m->cache_params(n_ctx);
-    p.type_k = p.type_v = t;
-    auto c = make_kv_cache(p);
-    std::printf("%-34s PPL %.4f\n", t, ppl(run_text(*f.m, *c, f.ids, f.bos, n_ctx, n_chunks, n_ctx, pool)));
-  }
-  {
-    kv_cache_params p = f.m->cache_params(n_ctx);
-    p.type_k = "q8";
-    p.type_v = "q4";
-    p.rotation = "hadamard";
-    auto c = make_kv_cache(p);
-    std::printf("%-34s PPL %.4f\n", "plain q8/q4 hadamard (fused)",
-                ppl(run_text(*f.m, *c, f.ids, f.bos, n_ctx, n_chunks, n_ctx, pool)));
-  }
-  for (double tol : {(double)INFINITY, 1e-1, 1e-2, 1e-3, 0.0})
+  fixture f = load(mp, tp, 20000);
+  thread_pool pool(2);
+  const int n_ctx = 128, n_chunks = 2;
+  ASSERT_GE((int)f.ids.size(), n_ctx * n_chunks);
+  const auto& hp = f.m->hparams();
+  uint64_t stages[3] = {0, 0, 0};
+  for (double tol : {1e-1, 1e-2, 1e-3})
     for (bool adapt : {false, true}) {
-      if ((tol == 0 || std::isinf(tol)) && adapt) continue;
+      SCOPED_TRACE("tol " + std::to_string(tol) + " adapt " + std::to_string(adapt));
       kv_cache_params p = f.m->cache_params(n_ctx);
       p.type_k = p.type_v = "certified";
       p.certify_tol = tol;
       p.certify_adapt = adapt;
       p.certify_measure = true;
       auto c = make_kv_cache_certified(p);
-      const text_run r = run_text(*f.m, *c, f.ids, f.bos, n_ctx, n_chunks, n_ctx, pool);
-      const certified_stats s = c->certified_statistics();
-      const double n = (double)s.steps;
-      std::string fmts;  // final formats of new tokens: "K q8 x20 / V q4 x20"
-      for (int side = 0; side < 2; ++side) {
-        std::map<std::string, int> cnt;
-        for (const auto& h : c->heads()) ++cnt[kv_traits(side ? h.v_format : h.k_format).name];
-        fmts += side ? " / V" : "K";
-        for (const auto& [k, v] : cnt) fmts += " " + k + " x" + std::to_string(v);
-      }
-      const certified_tier_bytes tb = c->tier_bytes();
-      std::printf("certified tol %-6g adapt %d  PPL %.4f  fell back %.3f%% (partial %.3f%%, full %.3f%%)  "
-                  "bound/||o|| median %.3g p99 %.3g  bound/actual median %.3g p99 %.3g min %.3g  violations %llu  "
-                  "upgrades %d (%s; fast tier %.0f B/token)\n",
-                  tol, (int)adapt, ppl(r), 100.0 * (s.partial + s.exact) / n, 100.0 * s.partial / n,
-                  100.0 * s.exact / n, s.rel_bound_median, s.rel_bound_p99, s.ratio_median, s.ratio_p99, s.ratio_min,
-                  (unsigned long long)s.violations, s.heads_upgraded, fmts.c_str(),
-                  (double)tb.fast_used / std::max(1, c->n_pos(0)));
-      EXPECT_EQ(s.violations, 0u);
+      guarantee_checker g(*c, tol);
+      run_text(*f.m, g, f.ids, f.bos, n_ctx, n_chunks, 32, pool);
+      EXPECT_EQ(g.steps, (uint64_t)n_chunks * n_ctx * hp.n_layer * hp.n_head);
+      EXPECT_EQ(g.over_bound, 0u);
+      EXPECT_EQ(g.bound_over_tol, 0u);
+      EXPECT_EQ(g.error_over_tol, 0u);
+      EXPECT_EQ(g.exact_not_exact, 0u);
+      EXPECT_EQ(c->certified_statistics().violations, 0u);
+      for (int i = 0; i < 3; ++i) stages[i] += g.stages[i];
     }
+  for (int i = 0; i < 3; ++i) EXPECT_GT(stages[i], 0u) << "stage " << i << " never happened";
 }
 
 }  // namespace
