@@ -133,6 +133,7 @@ nlohmann::json to_json(const bench_opts& o, const bench_result& r, const machine
   j["n_ctx_train"] = r.n_ctx_train;
   j["n_decode"] = o.p.n_decode;
   j["n_prefill"] = o.p.n_prefill;
+  j["prefill_repeats"] = o.p.prefill_repeats;
   j["machine"] = {{"cpu", mi.cpu}, {"n_cpu", mi.n_cpu}, {"load_average_start", mi.load_start},
                   {"load_average_end", mi.load_end}};
   j["rows"] = nlohmann::json::array();
@@ -259,8 +260,9 @@ int run_bench(bench_opts& o) {
     std::printf("model: %s%s\n", r.model_desc.c_str(), o.shape.empty() ? "" : (", " + o.weights + " weights").c_str());
     std::printf("machine: %s, %d CPUs, load average %.2f at start, %.2f at end\n", mi.cpu.c_str(), mi.n_cpu,
                 mi.load_start, mi.load_end);
-    std::printf("threads %d, fill %s, %d decode steps (median, formats interleaved), %d prefill tokens, cache n_ctx %d\n\n",
-                r.n_threads, r.fill.c_str(), o.p.n_decode, o.p.n_prefill, r.n_ctx);
+    std::printf("threads %d, fill %s, %d decode steps (median), %d prefill tokens (median of %d), formats interleaved, "
+                "cache n_ctx %d\n\n",
+                r.n_threads, r.fill.c_str(), o.p.n_decode, o.p.n_prefill, o.p.prefill_repeats, r.n_ctx);
     std::printf("| %-11s | %6s | %12s | %6s | %12s | %6s | %10s | %7s |\n", "KV", "depth", "decode tok/s", "x f16",
                 "prefill t/s", "x f16", "KV MiB", "f16/KV");
     std::printf("| %s | %s | %s | %s | %s | %s | %s | %s |\n", std::string(11, '-').c_str(),
@@ -303,6 +305,8 @@ const registrar reg{{"bench", "decode/prefill speed and KV memory of KV formats 
   app->add_option("--depths", o->depths, "comma-separated depths (tokens, 'k' = 1024)")->capture_default_str();
   app->add_option("-n,--n-decode", o->p.n_decode, "timed decode steps per format and depth")->capture_default_str();
   app->add_option("-p,--n-prefill", o->p.n_prefill, "timed prefill tokens per format and depth (0: skip)")->capture_default_str();
+  app->add_option("-r,--prefill-repeats", o->p.prefill_repeats, "prefill timings per format and depth (median)")
+      ->capture_default_str();
   app->add_option("-b,--batch-size", o->p.n_batch, "fill batch (tokens or synthetic rows per append)")->capture_default_str();
   app->add_option("-t,--threads", o->p.n_threads, "threads (0: all)")->capture_default_str();
   app->add_option("--fill", o->p.fill, "real (prefill) or synthetic (append K/V with the model's statistics)")->capture_default_str();

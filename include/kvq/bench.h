@@ -14,8 +14,9 @@
 //       where mean/std are measured on the K/V (after RoPE) of a real prefill of up to 256 tokens
 //       of this model (so outlier channels and scales are those of the model), through the same
 //       append path the model uses, n_batch rows at a time;
-//  2. per format: one untimed decode step at d (warm-up of this cache at this depth), then
-//     prefill: n_prefill tokens in one forward at positions d.. (tokens/s); truncate back to d;
+//  2. per format: one untimed decode step at d (warm-up of this cache at this depth); then
+//     prefill_repeats rounds in which every format (in a rotating order) runs n_prefill tokens in
+//     one forward at positions d.. and truncates back to d; prefill tokens/s = n_prefill / median;
 //  3. decode: n_decode + 1 rounds; in each round every format runs one single-token forward at
 //     position d + round (formats in a rotating order); round 0 is a warm-up and is not timed;
 //     decode tokens/s = 1 / median step time; then every cache is truncated back to d.
@@ -48,6 +49,7 @@ struct bench_params {
   std::vector<int> depths = {0, 512, 4096};
   int n_decode = 64;     // timed decode steps per (format, depth)
   int n_prefill = 512;   // timed prefill tokens per (format, depth); 0 skips
+  int prefill_repeats = 3;  // prefill timings per (format, depth), median reported
   int n_batch = 512;     // fill batch (tokens or synthetic rows per append)
   int n_threads = 0;     // 0: all hardware threads
   std::string fill = "real";  // "real" | "synthetic"
@@ -66,7 +68,7 @@ struct bench_row {
   double decode_tokens_per_s = 0;       // 1 / median step
   double decode_tokens_per_s_mean = 0;  // steps / total time
   double decode_ms_median = 0, decode_ms_min = 0, decode_ms_max = 0;
-  double prefill_tokens_per_s = 0;      // 0 when skipped
+  double prefill_tokens_per_s = 0;      // n_prefill / median time; 0 when skipped
   size_t kv_bytes_used = 0;             // at depth d
   size_t kv_bytes_allocated = 0;
   double kv_bytes_per_token = 0;        // asymptotic (kv_bytes_per_token())
@@ -92,7 +94,8 @@ using bench_progress = std::function<void(const std::string& what)>;
 // so a tool can check before building one. Errors (invalid_input, message starting "[bench]"):
 // no formats or depths, unknown type or bad format option, negative depth, a depth whose timed
 // positions do not fit n_ctx, caches larger than max_kv_bytes (the message names the depth, the
-// limit and the deepest depth that fits), n_decode < 1, n_prefill < 0, n_batch < 1, unknown fill.
+// limit and the deepest depth that fits), n_decode < 1, n_prefill < 0, prefill_repeats < 1,
+// n_batch < 1, unknown fill.
 int bench_check(const kv_cache_params& shape, const bench_params& p);
 
 // Errors: those of bench_check (before any work), token ids outside the vocabulary; every message

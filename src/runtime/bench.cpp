@@ -191,6 +191,8 @@ int bench_check(const kv_cache_params& shape, const bench_params& p) {
   if (p.depths.empty()) fail_input("[bench] no depths to run (--depths)");
   if (p.n_decode < 1) fail_input("[bench] -n " + std::to_string(p.n_decode) + " decode steps must be >= 1");
   if (p.n_prefill < 0) fail_input("[bench] prefill tokens " + std::to_string(p.n_prefill) + " must be >= 0");
+  if (p.prefill_repeats < 1)
+    fail_input("[bench] prefill repeats " + std::to_string(p.prefill_repeats) + " must be >= 1");
   if (p.n_batch < 1) fail_input("[bench] batch " + std::to_string(p.n_batch) + " must be >= 1");
   if (p.n_ctx < 0) fail_input("[bench] cache n_ctx " + std::to_string(p.n_ctx) + " must be >= 0 (0: automatic)");
   if (p.n_ctx_train < 0) fail_input("[bench] training context " + std::to_string(p.n_ctx_train) + " must be >= 0");
@@ -330,19 +332,28 @@ bench_result bench(model& m, std::span<const int32_t> tokens, const bench_params
       }
       filled = d;
 
-      // 2. per format: an untimed decode step, then the timed prefill
+      // 2. per format an untimed decode step; then prefill rounds, formats in a rotating order
       for (size_t fi = 0; fi < F; ++fi) {
-        kv_cache& c = *caches[fi];
-        decode_step(c, d);
-        c.truncate(0, d);
-        if (p.n_prefill == 0) continue;
-        say(names[fi] + at + ": prefill " + std::to_string(p.n_prefill));
+        decode_step(*caches[fi], d);
+        caches[fi]->truncate(0, d);
+      }
+      if (p.n_prefill > 0) {
+        say("depth " + std::to_string(d) + ": prefill " + std::to_string(p.n_prefill) + " x " +
+            std::to_string(F) + " formats x " + std::to_string(p.prefill_repeats));
         src.fill(d, p.n_prefill, toks);
-        const auto t0 = clock_type::now();
-        m.forward(toks, d, 0, c, pool, logits.data(), false);
-        const double s = seconds_since(t0);
-        row[fi].prefill_tokens_per_s = s > 0 ? p.n_prefill / s : 0;
-        c.truncate(0, d);
+        std::vector<std::vector<double>> times(F);
+        for (int rep = 0; rep < p.prefill_repeats; ++rep)
+          for (size_t k = 0; k < F; ++k) {
+            const size_t fi = (k + (size_t)rep) % F;
+            const auto t0 = clock_type::now();
+            m.forward(toks, d, 0, *caches[fi], pool, logits.data(), false);
+            times[fi].push_back(seconds_since(t0));
+            caches[fi]->truncate(0, d);
+          }
+        for (size_t fi = 0; fi < F; ++fi) {
+          const double med = median(times[fi]);
+          row[fi].prefill_tokens_per_s = med > 0 ? p.n_prefill / med : 0;
+        }
       }
 
       // 3. decode rounds: every format one step per round, in a rotating order; round 0 untimed

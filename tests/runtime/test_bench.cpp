@@ -188,6 +188,9 @@ TEST(Bench, BadInput) {
   p.fill = "real";
   p.n_decode = 0;
   EXPECT_NE(msg(p).find("decode steps"), std::string::npos);
+  p.n_decode = 1;
+  p.prefill_repeats = 0;
+  EXPECT_NE(msg(p).find("prefill repeats 0"), std::string::npos);
 }
 
 TEST(Bench, CheckSizesTheCacheAndRefusesDepthsThatCannotRun) {
