@@ -241,7 +241,9 @@ void attn_dequant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_s
 }
 
 void attn_quant(const kv_quant_view& kv, const attn_query_view& q, attn_state* states) {
-  if (best_isa() >= isa::avx2 && attn_quant_avx2_supported(kv)) return attn_quant_avx2(kv, q, states);
+  const isa tier = best_isa();
+  if (tier >= isa::avx512 && attn_quant_supported_avx512(kv)) return attn_quant_avx512(kv, q, states);
+  if (tier >= isa::avx2 && attn_quant_supported_avx2(kv)) return attn_quant_avx2(kv, q, states);
   attn_quant_ref(kv, q, states);
 }
 

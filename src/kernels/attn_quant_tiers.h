@@ -10,14 +10,20 @@ void load_v_row_ref(const kv_quant_side& s, int r, int hd, float* y);
 // [r0, r0 + n_rows) of a per-token side. The integer part every tier must match bit for bit.
 void qk_i32_ref(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, int hd, int32_t* dots);
 void qk_i32_avx2(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, int hd, int32_t* dots);
+void qk_i32_avx512(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, int hd, int32_t* dots);
 // sums[g] = sum over group g of q8[i].
 void q8_group_sums(const int8_t* q8, int hd, int group, int32_t* sums);
 
 // Per-token rows [r0, r0 + n_rows) dequantized to y[n_rows, hd] (hd % 32 == 0, group % 32 == 0 or
 // group == hd): the dequantize-then-attend baseline's fast path.
 void dequantize_rows_avx2(const kv_quant_side& side, int r0, int n_rows, int hd, float* y);
+void dequantize_rows_avx512(const kv_quant_side& side, int r0, int n_rows, int hd, float* y);
 
-bool attn_quant_avx2_supported(const kv_quant_view& kv);
+// The SIMD tiers (one source, attn_quant_simd.inc): AVX2, and AVX-512 VL + VNNI (VPDPBUSD dots).
+// Call only when best_isa() reaches the tier; same shapes supported by both.
+bool attn_quant_supported_avx2(const kv_quant_view& kv);
 void attn_quant_avx2(const kv_quant_view& kv, const attn_query_view& q, attn_state* states);
+bool attn_quant_supported_avx512(const kv_quant_view& kv);
+void attn_quant_avx512(const kv_quant_view& kv, const attn_query_view& q, attn_state* states);
 
 }  // namespace kvq

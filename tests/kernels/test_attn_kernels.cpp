@@ -111,8 +111,28 @@ side_buf make_side(kv_format f, int n_rows, int hd, int group, std::mt19937& rng
   return b;
 }
 
-TEST(attn_tiers, qk_integer_dots_bit_exact_scalar_vs_avx2) {
-  if (!cpu().avx2) GTEST_SKIP() << "no AVX2 on this CPU";
+// The SIMD tiers under test, each skipped (with a message) where this CPU lacks it: the AVX-512
+// tier runs only on a CPU with AVX-512 VL + VNNI (e.g. the CUDA machine's Xeon host).
+struct simd_tier {
+  const char* name;
+  bool available;
+  void (*qk)(const kv_quant_side&, int, int, const int8_t*, int, int32_t*);
+  bool (*supported)(const kv_quant_view&);
+  void (*attend)(const kv_quant_view&, const attn_query_view&, attn_state*);
+};
+std::vector<simd_tier> simd_tiers() {
+  const auto& c = cpu();
+  return {{"avx2", c.avx2 && c.fma && c.f16c, qk_i32_avx2, attn_quant_supported_avx2, attn_quant_avx2},
+          {"avx512", best_isa() >= isa::avx512, qk_i32_avx512, attn_quant_supported_avx512, attn_quant_avx512}};
+}
+
+class attn_simd_tiers : public ::testing::TestWithParam<simd_tier> {};
+INSTANTIATE_TEST_SUITE_P(simd, attn_simd_tiers, ::testing::ValuesIn(simd_tiers()),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST_P(attn_simd_tiers, qk_integer_dots_bit_exact_with_scalar) {
+  const simd_tier tier = GetParam();
+  if (!tier.available) GTEST_SKIP() << "no " << tier.name << " on this CPU (or KVQ_ISA lowers it)";
   std::mt19937 rng(2);
   for (kv_format f : {kv_format::q8, kv_format::q4, kv_format::q3, kv_format::q2, kv_format::q8a, kv_format::q4a,
                       kv_format::q3a, kv_format::q2a})
@@ -127,15 +147,16 @@ TEST(attn_tiers, qk_integer_dots_bit_exact_scalar_vs_avx2) {
         const int ng = hd / group;
         std::vector<int32_t> r((size_t)40 * ng), a((size_t)40 * ng, -1);
         qk_i32_ref(b.side, 0, 40, q8.data(), hd, r.data());
-        qk_i32_avx2(b.side, 0, 40, q8.data(), hd, a.data());
+        tier.qk(b.side, 0, 40, q8.data(), hd, a.data());
         ASSERT_EQ(r, a) << kv_traits(f).name << " hd " << hd << " group " << group;
       }
 }
 
 // The whole fused kernel: AVX2 vs the scalar reference on the same views (float parts differ only
 // by summation order and the vector exp).
-TEST(attn_tiers, fused_avx2_matches_reference) {
-  if (!cpu().avx2) GTEST_SKIP() << "no AVX2 on this CPU";
+TEST_P(attn_simd_tiers, fused_matches_reference) {
+  const simd_tier tier = GetParam();
+  if (!tier.available) GTEST_SKIP() << "no " << tier.name << " on this CPU (or KVQ_ISA lowers it)";
   std::mt19937 rng(3);
   const kv_format kfmts[] = {kv_format::q8,  kv_format::q4,    kv_format::q3,    kv_format::q2,  kv_format::q8a,
                              kv_format::q4a, kv_format::q2a,   kv_format::kivi8, kv_format::kivi4,
@@ -182,9 +203,9 @@ TEST(attn_tiers, fused_avx2_matches_reference) {
           s_ref[i] = attn_state::empty(&o_ref[(size_t)i * hd], hd);
           s_avx[i] = attn_state::empty(&o_avx[(size_t)i * hd], hd);
         }
-        ASSERT_TRUE(attn_quant_avx2_supported(kv));
+        ASSERT_TRUE(tier.supported(kv));
         attn_quant_ref(kv, qv, s_ref.data());
-        attn_quant_avx2(kv, qv, s_avx.data());
+        tier.attend(kv, qv, s_avx.data());
         double e = 0, m = 1e-30;
         for (int i = 0; i < nq; ++i) {
           s_ref[i].finalize(&f_ref[(size_t)i * hd]);
@@ -198,7 +219,8 @@ TEST(attn_tiers, fused_avx2_matches_reference) {
         worst = std::max(worst, e / m);
         EXPECT_LE(e / m, 2e-5) << kv_traits(fk).name << "/" << kv_traits(fv).name << " hd " << hd;
       }
-  std::printf("[tiers] fused AVX2 vs scalar reference: %d views, worst relative difference %.3g\n", idx, worst);
+  std::printf("[tiers] fused %s vs scalar reference: %d views, worst relative difference %.3g\n", tier.name, idx,
+              worst);
 }
 
 TEST(attn_tiers, fully_masked_view_leaves_states_empty) {
