@@ -21,7 +21,7 @@ constexpr kv_format_traits kTable[] = {
   {F::q4,    "q4",    L::per_token,     4, false,    8,  15,    0, sizeof(block_kv4),  F::q4,    true},
   {F::q3,    "q3",    L::per_token,     3, false,    4,   7,    0, sizeof(block_kv3),  F::q3,    true},
   {F::q2,    "q2",    L::per_token,     2, false,    2,   3,    0, sizeof(block_kv2),  F::q2,    true},
-  {F::q8a,   "q8a",   L::per_token,     8, true,  -128, 127, -128, sizeof(block_kv8),  F::q8a,   true},
+  {F::q8a,   "q8a",   L::per_token,     8, true,  -128, 127, -128, sizeof(block_kv8),  F::q8a,   false},
   {F::q4a,   "q4a",   L::per_token,     4, true,     0,  15,    0, sizeof(block_kv4),  F::q4a,   true},
   {F::q3a,   "q3a",   L::per_token,     3, true,     0,   7,    0, sizeof(block_kv3),  F::q3a,   true},
   {F::q2a,   "q2a",   L::per_token,     2, true,     0,   3,    0, sizeof(block_kv2),  F::q2a,   true},
