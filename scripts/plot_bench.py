@@ -43,7 +43,9 @@ def main():
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     a1.set_yscale("log")
-    a1.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    speeds = [row["decode_tokens_per_s"] for row in r["rows"] if row["decode_tokens_per_s"] > 0]
+    narrow = speeds and max(speeds) < 20 * min(speeds)  # within about a decade: label every 1..9 step
+    a1.yaxis.set_major_locator(LogLocator(base=10, subs=tuple(range(1, 10)) if narrow else (1.0, 2.0, 5.0)))
     a1.yaxis.set_major_formatter(ScalarFormatter())
     a1.yaxis.set_minor_formatter(NullFormatter())
     fig.suptitle("kvq bench: %s, %d threads, %s fill" % (r.get("model_desc", r["model"]), r["n_threads"], r["fill"]),
