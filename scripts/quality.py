@@ -72,7 +72,8 @@ LLAMA_BITS = {"f16": 16.0, "bf16": 16.0, "f32": 32.0, "q8_0": 8.5, "q5_1": 6.0, 
               "q4_0": 4.5, "iq4_nl": 4.5}
 
 # Issue 3 targets on the held-out text, at llama.cpp's bytes per token.
-TARGETS = [("q4", 4.5, 0.0071, 95.0), ("q8", 8.5, 6e-5, 99.5), ("q8+hadamard", 8.5, 6e-5, 99.5)]
+TARGETS = [("q4", 4.5, 0.0071, 95.0), ("K kivi4 g64 / V q4", 4.5, 0.0071, 95.0), ("q8", 8.5, 6e-5, 99.5),
+           ("q8+hadamard", 8.5, 6e-5, 99.5)]
 
 
 def log(msg):
@@ -448,7 +449,7 @@ def main():
         write_atomic(results_path, json.dumps(results, indent=1, sort_keys=True) + "\n")
         log("all runs: %.0f s" % (time.time() - t_all))
     write_atomic(args.out, splice(args.out, render(results, args, data_path(args), args.chunks)))
-    log("wrote %s and %s" % (args.out, results_path))
+    log("wrote %s" % args.out + ("" if args.render_only else " and %s" % results_path))
 
 
 def data_path(args):
