@@ -85,15 +85,25 @@ const registrar reg{{"generate", "generate text from a prompt", [](CLI::App* app
   app->add_option("-n,--n-predict", o->p.n_predict, "tokens to generate (-1: until end of generation)")->capture_default_str();
   app->add_option("-c,--ctx-size", o->p.n_ctx, "context size in tokens (0: min(model, 4096))")->capture_default_str();
   app->add_option("-b,--batch-size", o->p.n_batch, "prompt tokens per prefill pass")->capture_default_str();
-  app->add_option("-t,--threads", o->p.n_threads, "threads (0: all)")->capture_default_str();
+  app->add_option("-t,--threads", o->p.n_threads, "threads (0: all)")->capture_default_str()->check(CLI::Range(0, 1024));
   app->add_option("--temp", o->p.sampling.temp, "temperature (<= 0: greedy)")->capture_default_str();
   app->add_option("--top-k", o->p.sampling.top_k, "top-k (<= 0: off)")->capture_default_str();
   app->add_option("--top-p", o->p.sampling.top_p, "top-p (1: off)")->capture_default_str();
   app->add_option("--min-p", o->p.sampling.min_p, "min-p (0: off)")->capture_default_str();
-  app->add_option("-s,--seed", o->p.sampling.seed, "RNG seed (0xFFFFFFFF: random)")->capture_default_str();
+  app->add_option_function<int64_t>(
+         "-s,--seed", [o](int64_t s) { o->p.sampling.seed = s < 0 ? 0xFFFFFFFFu : (uint64_t)s; },
+         "RNG seed, 0..4294967295 (-1 or 4294967295: random, the default)")
+      ->check(CLI::Range((int64_t)-1, (int64_t)0xFFFFFFFF));
   app->add_flag("--ignore-eos", o->p.ignore_eos, "keep generating after end-of-generation tokens");
   app->add_flag("--json", o->json, "print one JSON object instead of streaming text");
   add_kv_flags(app, o->p.cache);
+  app->parse_complete_callback([o] {
+    const kv_cache_params& c = o->p.cache;
+    auto dense = [](const std::string& t) { return t == "f32" || t == "f16" || t == "bf16"; };
+    if (c.certify && dense(c.type_k) && dense(c.type_v))
+      throw CLI::ValidationError("--kv-certify", "needs a compressed -ctk or -ctv (e.g. -ctk q8 -ctv q4), got -ctk " +
+                                                      c.type_k + " -ctv " + c.type_v + "; or use -ctk certified");
+  });
   return [o] { return run_generate(*o); };
 }}};
 

@@ -1,4 +1,5 @@
 // kvq info: architecture, shapes and KV bytes/token of every cache type.
+#include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
@@ -20,8 +21,19 @@ struct info_opts {
 int run_info(info_opts& o) {
   auto m = model::load(o.model_path);
   const model_hparams& hp = m->hparams();
-  const int n_ctx = resolve_n_ctx(*m, o.n_ctx);
+  const int n_ctx = resolve_n_ctx(*m, o.n_ctx, "info");
   const kv_cache_params base = m->cache_params(n_ctx, o.kv);
+  {  // the user's --kv-* options must be valid for a per-token format wherever the defaults are
+    kv_cache_params plain = m->cache_params(n_ctx, kv_cache_params{}), mine = base;
+    plain.type_k = plain.type_v = mine.type_k = mine.type_v = "q8";
+    bool plain_ok = true;
+    try {
+      kv_bytes_per_token(plain);
+    } catch (const kvq::error&) {
+      plain_ok = false;  // e.g. head_dim not a multiple of 8: every row says why
+    }
+    if (plain_ok) kv_bytes_per_token(mine);  // throws (exit 2) on a bad --kv-group/--kv-sink/...
+  }
   kv_cache_params f16 = base;
   f16.type_k = f16.type_v = "f16";
   const double f16_bpt = kv_bytes_per_token(f16);
@@ -35,7 +47,7 @@ int run_info(info_opts& o) {
       const double bpt = kv_bytes_per_token(p);
       row["bytes_per_token"] = bpt;
       row["ratio_to_f16"] = f16_bpt / bpt;
-      row["bytes_at_n_ctx"] = bpt * n_ctx;
+      row["bytes_at_n_ctx"] = (int64_t)std::llround(bpt * n_ctx);
     } catch (const kvq::error& e) {
       row["error"] = e.what();
     }
@@ -69,8 +81,8 @@ int run_info(info_opts& o) {
       std::printf("%-10s %s\n", r["type"].get<std::string>().c_str(), r["error"].get<std::string>().c_str());
       continue;
     }
-    std::printf("%-10s %14.2f %9.2fx %16.0f\n", r["type"].get<std::string>().c_str(), r["bytes_per_token"].get<double>(),
-                r["ratio_to_f16"].get<double>(), r["bytes_at_n_ctx"].get<double>());
+    std::printf("%-10s %14.2f %9.2fx %16lld\n", r["type"].get<std::string>().c_str(), r["bytes_per_token"].get<double>(),
+                r["ratio_to_f16"].get<double>(), (long long)r["bytes_at_n_ctx"].get<int64_t>());
   }
   return 0;
 }

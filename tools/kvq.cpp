@@ -36,7 +36,8 @@ void add_kv_flags(CLI::App* app, kv_cache_params& p) {
   app->add_option("--kv-tol", p.certify_tol, "certified: recompute when the error bound > tol * ||output|| (0: exact)")->capture_default_str();
   app->add_option("--kv-host-dir", p.host_dir, "certified: keep the exact host tier in a file in this directory");
   app->add_flag("--kv-certify-measure", p.certify_measure, "certified: also compute exact attention (bound / actual error statistics)");
-  app->add_flag("--kv-certify-no-adapt{false}", p.certify_adapt, "certified: keep every head at its formats (no adaptive precision)");
+  app->add_flag_callback("--kv-certify-no-adapt", [&p] { p.certify_adapt = false; },
+                         "certified: keep every head at its formats (no adaptive precision)");
 }
 
 void write_file_atomic(const std::string& path, const std::string& text) {
@@ -77,7 +78,7 @@ static std::vector<std::string> rewrite_llama_style_flags(int argc, char** argv)
 
 int main(int argc, char** argv) {
   using namespace kvq;
-  CLI::App app{"kvq: LLM inference with a compressed KV cache"};
+  CLI::App app{"kvq: LLM inference with a compressed KV cache", "kvq"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "kvq 0.1.0");
   std::map<std::string, std::function<int()>> runners;

@@ -46,7 +46,8 @@ struct generate_result {
 generate_result generate(model& m, const tokenizer& tok, const generate_params& p,
                          const std::function<void(const std::string&)>& on_piece = {});
 
-// Resolves n_ctx 0 to the default and checks it against the model (used by all tools).
-int resolve_n_ctx(const model& m, int n_ctx);
+// Resolves n_ctx 0 to min(training context, 4096) and checks it against the model (used by all
+// tools). Errors (invalid_input, message tagged "[op]"): n_ctx < 0, n_ctx > the training context.
+int resolve_n_ctx(const model& m, int n_ctx, const char* op = "generate");
 
 }  // namespace kvq

@@ -7,12 +7,13 @@
 
 namespace kvq {
 
-int resolve_n_ctx(const model& m, int n_ctx) {
+int resolve_n_ctx(const model& m, int n_ctx, const char* op) {
   const int train = m.hparams().n_ctx_train;
-  if (n_ctx < 0) fail_input("[generate] context size -c " + std::to_string(n_ctx) + " must be >= 0");
+  const std::string tag = std::string("[") + op + "] ";
+  if (n_ctx < 0) fail_input(tag + "context size -c " + std::to_string(n_ctx) + " must be >= 0");
   if (n_ctx == 0) return std::min(train, 4096);
   if (n_ctx > train)
-    fail_input("[generate] context size -c " + std::to_string(n_ctx) + " exceeds the model's training context " +
+    fail_input(tag + "context size -c " + std::to_string(n_ctx) + " exceeds the model's training context " +
                std::to_string(train) + " (" + m.hparams().arch + ".context_length)");
   return n_ctx;
 }

@@ -168,8 +168,9 @@ TEST(kv_formats, signed_scale_uses_the_negative_end) {
       n_neg_scale += s < 0;
       ASSERT_GE(std::fabs(s), want * (1 - 1e-7)) << t.name;          // rounded up to f16
       ASSERT_LE(std::fabs(s), want * (1 + 1.0 / 1024)) << t.name;     // by at most one f16 ulp
-      if (std::fabs(x[iext]) >= qpos * std::fabs(s) * 1.0001)        // strictly beyond +qpos steps
+      if (std::fabs(x[iext]) >= qpos * std::fabs(s) * 1.0001) {      // strictly beyond +qpos steps
         ASSERT_EQ((int)u[iext] - t.code_offset, -qneg) << t.name << " x " << x[iext];
+      }
     }
     EXPECT_GT(n_neg_scale, 40) << t.name;  // both signs of the extreme occur in random rows
     EXPECT_LT(n_neg_scale, 160) << t.name;

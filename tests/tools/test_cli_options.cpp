@@ -1,0 +1,67 @@
+// Option validation of kvq generate / info found by a new-user trial: every bad value is refused
+// with exit code 2 and a message naming the flag; -s -1 means a random seed, as in llama.cpp.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "support/data_dir.h"
+#include "support/run_cmd.h"
+
+namespace kvq {
+namespace {
+
+using test::run_cmd;
+
+TEST(CliOptions, SeedMinusOneIsRandomAndOutOfRangeIsRefused) {
+  KVQ_REQUIRE_DATA(model, "models/stories260K/stories260K.gguf");
+  auto gen = [&](const std::string& seed) {
+    return run_cmd({test::kvq_bin(), "generate", "-m", model, "-p", "Once upon a time", "-n", "4", "--temp", "1",
+                    "-s", seed, "--json"});
+  };
+  const auto a = gen("-1"), b = gen("-1"), c = gen("42");
+  ASSERT_EQ(a.rc, 0) << a.err;
+  ASSERT_EQ(c.rc, 0) << c.err;
+  const auto sa = nlohmann::json::parse(a.out)["seed"].get<uint64_t>();
+  const auto sb = nlohmann::json::parse(b.out)["seed"].get<uint64_t>();
+  EXPECT_NE(sa, sb);  // two random seeds (2^-32 chance to collide)
+  EXPECT_EQ(nlohmann::json::parse(c.out)["seed"].get<uint64_t>(), 42u);
+  for (const char* bad : {"-2", "4294967296"}) {
+    const auto r = gen(bad);
+    EXPECT_EQ(r.rc, 2) << bad;
+    EXPECT_NE(r.err.find("--seed"), std::string::npos) << r.err;
+  }
+}
+
+TEST(CliOptions, BadThreadsAndCertifyOnDenseAreRefused) {
+  KVQ_REQUIRE_DATA(model, "models/stories260K/stories260K.gguf");
+  const auto t = run_cmd({test::kvq_bin(), "generate", "-m", model, "-p", "Hi", "-n", "1", "-t", "-1"});
+  EXPECT_EQ(t.rc, 2);
+  EXPECT_NE(t.err.find("--threads"), std::string::npos) << t.err;
+  const auto c = run_cmd({test::kvq_bin(), "generate", "-m", model, "-p", "Hi", "-n", "1", "--kv-certify"});
+  EXPECT_EQ(c.rc, 2);
+  EXPECT_NE(c.err.find("--kv-certify"), std::string::npos) << c.err;
+  const auto ok = run_cmd({test::kvq_bin(), "generate", "-m", model, "-p", "Hi", "-n", "1", "--kv-certify", "-ctk",
+                           "q8", "-ctv", "q4"});
+  EXPECT_EQ(ok.rc, 0) << ok.err;
+}
+
+TEST(CliOptions, InfoRefusesBadKvOptionsAndNamesItself) {
+  KVQ_REQUIRE_DATA(model, "models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.gguf");
+  const auto g = run_cmd({test::kvq_bin(), "info", "-m", model, "--kv-group", "48"});
+  EXPECT_EQ(g.rc, 2) << g.out;
+  EXPECT_NE(g.err.find("group_size 48"), std::string::npos) << g.err;
+  const auto c = run_cmd({test::kvq_bin(), "info", "-m", model, "-c", "99999"});
+  EXPECT_EQ(c.rc, 2);
+  EXPECT_NE(c.err.find("[info] context size -c 99999"), std::string::npos) << c.err;
+  const auto j = run_cmd({test::kvq_bin(), "info", "-m", model, "--json"});
+  ASSERT_EQ(j.rc, 0) << j.err;
+  const auto rows = nlohmann::json::parse(j.out)["kv_types"];
+  ASSERT_FALSE(rows.empty());
+  for (const auto& r : rows) {
+    ASSERT_TRUE(r.contains("bytes_at_n_ctx")) << r.dump();
+    EXPECT_TRUE(r["bytes_at_n_ctx"].is_number_integer()) << r.dump();
+  }
+}
+
+}  // namespace
+}  // namespace kvq
