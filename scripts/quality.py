@@ -306,9 +306,11 @@ def render(results, args, data, chunk_override):
             "format) per scored token; kvq ΔPPL is paired (per-token NLL difference), llama.cpp's is the ratio of "
             "its two PPLs. llama.cpp quantized rows include its Hadamard rotation unless marked `_norot`; its KLD "
             "comes from a uint16 file (resolution ~5e-5 nats), kvq's is exact (full 512-token vocabulary).", ""]
-    # Legend: what each format key ran, as the kvq cache describes itself.
+    # Legend: what each format key ran, as the kvq cache describes itself on the primary text
+    # (tinylit, head_dim 64: groups of 32; stories260K's head_dim 8 gives groups of 8).
     legend = {}
-    for t in results.get("texts", {}).values():
+    texts = results.get("texts", {})
+    for t in sorted(texts.values(), key=lambda t: 0 if t is texts.get("tinylit-heldout") else 1):
         for key, r in t.get("rows", {}).items():
             if r.get("result") and key not in legend:
                 legend[key] = (r["flags"], r["result"]["kv_cache"])
