@@ -24,10 +24,11 @@ namespace {
 struct bench_opts {
   std::string model_path, shape, weights = "q8_0", text_path, types, depths = "0,512,4096", plot;
   int shape_layers = 0;
-  double max_kv_gib = 0;  // 0: half of MemAvailable; < 0: no limit
+  double max_kv_gib = 0;  // 0: half of MemAvailable; -1: no limit
   bench_params p;
   kv_cache_params kv;
   bool json = false, no_progress = false, explicit_kv = false;
+  bool weights_given = false, shape_layers_given = false;  // options of --shape only
 };
 
 template <typename T>
@@ -185,6 +186,20 @@ int run_bench(bench_opts& o) {
     fail_input("[bench] give exactly one of -m MODEL or --shape NAME");
   if (!o.shape.empty() && !o.text_path.empty())
     fail_input("[bench] -f TEXT needs a real model (-m): a synthetic model has no tokenizer");
+  if (o.shape.empty() && (o.weights_given || o.shape_layers_given))
+    fail_input(std::string("[bench] ") + (o.weights_given ? "--weights" : "--shape-layers") +
+               " sets the synthetic model of --shape; a model given with -m has its own weights and layers");
+  ggml_type wt = ggml_type::q8_0;
+  if (o.weights == "f16") wt = ggml_type::f16;
+  else if (o.weights == "q8_0") wt = ggml_type::q8_0;
+  else if (o.weights == "q4_0") wt = ggml_type::q4_0;
+  else fail_input("[bench] --weights '" + o.weights + "' must be f16, q8_0 or q4_0");
+  if (!(o.max_kv_gib >= 0 || o.max_kv_gib == -1)) {  // NaN is refused too
+    char v[32];
+    std::snprintf(v, sizeof v, "%g", o.max_kv_gib);
+    fail_input(std::string("[bench] --max-kv-gib ") + v +
+               " must be > 0 (GiB), 0 (half the available memory) or -1 (no limit)");
+  }
 
   // Formats, depths and limits first: everything that can be refused is refused before any work.
   std::vector<std::string> types = split<std::string>(o.types, "--types");
@@ -201,13 +216,8 @@ int run_bench(bench_opts& o) {
   } else if (o.max_kv_gib == 0) {
     o.p.max_kv_bytes = mem_available() / 2;  // the caches share the machine with the model and others
   }
-  ggml_type wt = ggml_type::q8_0;
   model_shape shape;
   if (!o.shape.empty()) {
-    if (o.weights == "f16") wt = ggml_type::f16;
-    else if (o.weights == "q8_0") wt = ggml_type::q8_0;
-    else if (o.weights == "q4_0") wt = ggml_type::q4_0;
-    else fail_input("[bench] --weights '" + o.weights + "' must be f16, q8_0 or q4_0");
     shape = find_model_shape(o.shape);
     if (o.shape_layers < 0) fail_input("[bench] --shape-layers " + std::to_string(o.shape_layers) + " must be >= 0");
     kv_cache_params cs;
@@ -326,6 +336,8 @@ const registrar reg{{"bench", "decode/prefill speed and KV memory of KV formats 
   add_kv_flags(app, o->kv);
   for (const char* name : {"--cache-type-k", "--cache-type-v"})
     app->get_option(name)->each([o](const std::string&) { o->explicit_kv = true; });
+  app->get_option("--weights")->each([o](const std::string&) { o->weights_given = true; });
+  app->get_option("--shape-layers")->each([o](const std::string&) { o->shape_layers_given = true; });
   return [o] { return run_bench(*o); };
 }}};
 

@@ -115,6 +115,13 @@ nlohmann::json to_json(const kv_error_opts& o, const kv_error_result& r) {
 }
 
 int run_kv_error(kv_error_opts& o) {
+  if (!o.plot.empty()) {  // before the run, not after it
+    namespace fs = std::filesystem;
+    const fs::path dir = fs::path(o.plot).parent_path();
+    std::error_code ec;
+    if (!dir.empty() && !fs::is_directory(dir, ec))
+      fail(errc::io, "[kv_error] --plot '" + o.plot + "': directory '" + dir.string() + "' does not exist");
+  }
   auto m = model::load(o.model_path);
   auto tok = tokenizer::from_gguf(m->gguf());
   std::vector<std::string> types = split_list(o.types);

@@ -26,7 +26,8 @@
 // are pseudo-random ids when it is empty.
 //
 // Cache size: n_ctx = bench_params::n_ctx, or (0) the deepest depth + the timed positions
-// max(n_decode + 1, n_prefill). Every depth must leave room for its timed positions, and the caches
+// max(n_decode, n_prefill) + 1 (the + 1: the untimed decode step after a prefill, at every depth
+// and in the warm-up). Every depth must leave room for its timed positions, and the caches
 // of all formats together (kv_bytes_per_token x n_ctx each) must fit in max_kv_bytes; both are
 // checked before any work (bench_check), so a depth that cannot run fails at once instead of
 // allocating, filling or swapping for hours.

@@ -109,7 +109,8 @@ std::vector<int32_t> perplexity_tokenize(const tokenizer& tok, const std::string
 
 // Validates `p` against the model without any text, so a tool can refuse bad flags before it
 // reads and tokenizes a large file: n_ctx outside [4, model context], n_batch < 0, n_chunks == 0,
-// kl_top_k out of range, both kl_base_in and compare_type, unknown or unsupported cache types
+// kl_top_k out of range, both kl_base_in and compare_type, kl_base_in and kl_base_out the same
+// file (by path or link), unknown or unsupported cache types
 // (make_kv_cache), a KL base file that is missing, not a kvq file, or made with another
 // model/vocabulary/context. Errors: invalid_input (io when the base file cannot be opened).
 // perplexity() runs the same checks first.

@@ -181,8 +181,11 @@ std::vector<kv_cache_params> with_baseline(const bench_params& p, std::vector<bo
   return formats;
 }
 
-// Positions past the depth that one (format, depth) uses: decode warm-up + n_decode steps, or prefill.
-int64_t timed_positions(const bench_params& p) { return std::max<int64_t>((int64_t)p.n_decode + 1, p.n_prefill); }
+// Positions past the depth that the protocol appends: the larger of n_decode and n_prefill, plus one
+// for the untimed decode step (round 0 after a depth, or the one after the warm-up's prefill at 0).
+int64_t timed_positions(const bench_params& p) {
+  return std::max<int64_t>(p.n_decode, p.n_prefill) + 1;
+}
 
 }  // namespace
 
@@ -202,14 +205,15 @@ int bench_check(const kv_cache_params& shape, const bench_params& p) {
     if (d < 0) fail_input("[bench] --depths " + std::to_string(d) + ": a depth must be >= 0");
   const int64_t timed = timed_positions(p);
   const std::string timed_what = std::to_string(timed) + " timed positions (max of " +
-                                 std::to_string(p.n_decode) + " decode steps + 1 warm-up and " +
-                                 std::to_string(p.n_prefill) + " prefill tokens)";
+                                 std::to_string(p.n_decode) + " decode steps and " + std::to_string(p.n_prefill) +
+                                 " prefill tokens, + 1 untimed decode step)";
   const int64_t deepest = *std::max_element(p.depths.begin(), p.depths.end());
   int64_t n_ctx = p.n_ctx > 0 ? p.n_ctx : deepest + timed;
   if (p.n_ctx > 0 && deepest + timed > n_ctx)
     fail_input("[bench] --depths " + std::to_string(deepest) + ": depth + " + timed_what + " = " +
-               std::to_string(deepest + timed) + " does not fit the cache n_ctx " + std::to_string(n_ctx) +
-               " (-c); the deepest depth it allows is " + std::to_string(std::max<int64_t>(0, n_ctx - timed)));
+               std::to_string(deepest + timed) + " does not fit the cache n_ctx " + std::to_string(n_ctx) + " (-c); " +
+               (n_ctx >= timed ? "the deepest depth it allows is " + std::to_string(n_ctx - timed)
+                               : "no depth fits: -c must be >= " + std::to_string(timed) + " (or 0: automatic)"));
   if (n_ctx > std::numeric_limits<int>::max())
     fail_input("[bench] --depths " + std::to_string(deepest) + ": depth + " + timed_what +
                " exceeds the largest position a cache holds (" + std::to_string(std::numeric_limits<int>::max()) + ")");

@@ -194,6 +194,16 @@ void perplexity_check(const model& m, const perplexity_params& p) {
   if (p.n_chunks == 0) fail_input("[perplexity] --chunks 0 must be >= 1 (or < 0 for all)");
   if (!p.kl_base_in.empty() && !p.compare_type.empty())
     fail_input("[perplexity] give either a KL base file (--kl-compare) or --compare TYPE, not both");
+  if (!p.kl_base_in.empty() && !p.kl_base_out.empty()) {
+    // Writing the base that is being read would overwrite it (and compare a run with itself).
+    namespace fs = std::filesystem;
+    std::error_code e1, e2, e3;
+    const bool same = fs::equivalent(p.kl_base_in, p.kl_base_out, e1) ||
+                      (fs::weakly_canonical(p.kl_base_in, e2) == fs::weakly_canonical(p.kl_base_out, e3) && !e2 && !e3);
+    if (same)
+      fail_input("[perplexity] --kl-base '" + p.kl_base_out + "' and --kl-compare '" + p.kl_base_in +
+                 "' are the same file: writing the base would overwrite the file it is compared against");
+  }
   if (p.kl_top_k < -1 || p.kl_top_k > V)
     fail_input("[perplexity] --kl-top-k " + std::to_string(p.kl_top_k) + " must be -1, 0 or in [1, n_vocab " +
                std::to_string(V) + "]");

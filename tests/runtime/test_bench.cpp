@@ -45,7 +45,7 @@ TEST(Bench, RowsBytesAndRatiosOnStories260K) {
     p.fill = fill;
     const bench_result r = bench(*m, {}, p);
     ASSERT_EQ(r.rows.size(), 6u) << fill;
-    EXPECT_EQ(r.n_ctx, 40 + 8);
+    EXPECT_EQ(r.n_ctx, 40 + 8 + 1);  // deepest + max(-n, -p) + 1 untimed decode step
     EXPECT_EQ(r.rows[0].type_k, "f16");
     EXPECT_TRUE(r.rows[0].baseline_only);
     EXPECT_FALSE(r.rows[2].baseline_only);
@@ -203,10 +203,11 @@ TEST(Bench, CheckSizesTheCacheAndRefusesDepthsThatCannotRun) {
   p.depths = {32768, 0, 4096};
   p.n_decode = 16;
   p.n_prefill = 8;
-  // n_ctx: deepest depth + max(decode steps + 1 warm-up, prefill tokens)
+  // n_ctx: deepest depth + max(decode steps, prefill tokens) + 1 untimed decode step (which follows
+  // the prefill of the warm-up and of every depth, so a prefill longer than the decode needs it too)
   EXPECT_EQ(bench_check(shape, p), 32768 + 17);
   p.n_prefill = 64;
-  EXPECT_EQ(bench_check(shape, p), 32768 + 64);
+  EXPECT_EQ(bench_check(shape, p), 32768 + 65);
   auto msg = [&](const bench_params& q) -> std::string {
     try {
       bench_check(shape, q);
@@ -221,9 +222,9 @@ TEST(Bench, CheckSizesTheCacheAndRefusesDepthsThatCannotRun) {
   std::string m = msg(p);
   EXPECT_EQ(m.rfind("[bench] --depths 32768:", 0), 0u) << m;
   EXPECT_NE(m.find("n_ctx 32768"), std::string::npos) << m;
-  EXPECT_NE(m.find("deepest depth it allows is " + std::to_string(32768 - 64)), std::string::npos) << m;
-  p.n_ctx = 32768 + 64;
-  EXPECT_EQ(bench_check(shape, p), 32768 + 64);
+  EXPECT_NE(m.find("deepest depth it allows is " + std::to_string(32768 - 65)), std::string::npos) << m;
+  p.n_ctx = 32768 + 65;
+  EXPECT_EQ(bench_check(shape, p), 32768 + 65);
   p.n_ctx = 0;
   // Memory: f16 (the added baseline) 2 x 2 x 28 x 8 x 128 = 114688 bytes/token, q4 (g32: 64 code bytes
   // + 4 f16 scales per head and side) 28 x 8 x 2 x 72 = 32256 bytes/token.
@@ -233,8 +234,8 @@ TEST(Bench, CheckSizesTheCacheAndRefusesDepthsThatCannotRun) {
   q4.type_k = q4.type_v = "q4";
   EXPECT_EQ(kv_bytes_per_token(f16), 114688.0);
   const double per_token = kv_bytes_per_token(f16) + kv_bytes_per_token(q4);
-  p.max_kv_bytes = (size_t)(per_token * (32768 + 64));
-  EXPECT_EQ(bench_check(shape, p), 32768 + 64);  // exactly fits
+  p.max_kv_bytes = (size_t)(per_token * (32768 + 65));
+  EXPECT_EQ(bench_check(shape, p), 32768 + 65);  // exactly fits
   p.max_kv_bytes -= 1;
   m = msg(p);
   EXPECT_EQ(m.rfind("[bench] --depths 32768:", 0), 0u) << m;
@@ -317,6 +318,46 @@ TEST(BenchCli, RefusesDepthsUpFrontNamingTheFlagValueAndLimit) {
   expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--depths", "12,x", "--no-progress"}), {"--depths", "'x'"});
   expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--depths", "9999999999", "--no-progress"}),
                    {"--depths 9999999999", "too large"});
+}
+
+// The warm-up (a prefill at 0, then one decode step) and each depth append max(-n, -p) + 1 positions:
+// the automatic cache holds them, and an explicit -c that cannot is refused before the run.
+TEST(BenchCli, CacheHoldsAPrefillLongerThanTheDecode) {
+  KVQ_REQUIRE_DATA(mp, "models/stories260K/stories260K.gguf");
+  const std::string bin = test::kvq_bin();
+  const auto r = test::run_cmd({bin, "bench", "-m", mp, "--types", "q4", "--depths", "0", "-n", "2", "-p", "16",
+                                "-r", "1", "--json", "--no-progress"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["n_ctx"].get<int>(), 16 + 1);
+  EXPECT_EQ(j["rows"].size(), 2u);  // f16 baseline + q4
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--types", "q4", "--depths", "0", "-n", "2", "-p", "16",
+                                  "-c", "16", "--no-progress"}),
+                   {"n_ctx 16 (-c)", "17 timed positions", "no depth fits: -c must be >= 17"});
+  // -c 17 is enough.
+  EXPECT_EQ(test::run_cmd({bin, "bench", "-m", mp, "--types", "q4", "--depths", "0", "-n", "2", "-p", "16", "-r", "1",
+                           "-c", "17", "--no-progress"}).rc, 0);
+}
+
+TEST(BenchCli, SyntheticOptionsAndMemoryLimitAreValidated) {
+  KVQ_REQUIRE_DATA(mp, "models/stories260K/stories260K.gguf");
+  const std::string bin = test::kvq_bin();
+  // --weights / --shape-layers set the synthetic model: refused with -m instead of being ignored.
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--weights", "q3", "--shape-layers", "3", "--no-progress"}),
+                   {"--weights", "--shape", "-m"});
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--weights", "q8_0", "--no-progress"}), {"--weights"});
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--shape-layers", "3", "--no-progress"}),
+                   {"--shape-layers", "--shape"});
+  // An invalid weight type is refused (before any synthetic weights are written).
+  expect_bad_input(test::run_cmd({bin, "bench", "--shape", "qwen3-0.6b", "--weights", "q3", "--no-progress"}),
+                   {"--weights 'q3'", "f16, q8_0 or q4_0"});
+  // --max-kv-gib: > 0, 0 (auto) or -1 (no limit).
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--max-kv-gib", "-5", "--no-progress"}),
+                   {"--max-kv-gib -5", "-1 (no limit)"});
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--max-kv-gib", "-0.5", "--no-progress"}),
+                   {"--max-kv-gib -0.5"});
+  EXPECT_EQ(test::run_cmd({bin, "bench", "-m", mp, "--types", "q4", "--depths", "0", "-n", "1", "-p", "0",
+                           "--max-kv-gib", "-1", "--no-progress"}).rc, 0);
 }
 
 TEST(BenchCli, ErrorsCarryTheBenchTag) {

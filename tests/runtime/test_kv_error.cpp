@@ -9,6 +9,7 @@
 #include "kvq/kv_error.h"
 #include "kvq/perplexity.h"
 #include "support/data_dir.h"
+#include "support/run_cmd.h"
 
 namespace kvq {
 namespace {
@@ -173,6 +174,20 @@ TEST(KvError, NoTvIsMarkedAndLeavesRelErrUnchanged) {
   EXPECT_FALSE(without.has_tv);
   EXPECT_GT(with.formats[0].mean_tv, 0.0);
   EXPECT_EQ(without.formats[0].rel_err, with.formats[0].rel_err);
+}
+
+// --plot into a missing directory is refused before the (long) run, naming the flag and the directory
+// (it used to fail after the run, on the plotter's temp file: "[io] cannot open '...p.png.tmp.json.tmp'").
+TEST(KvError, CliRefusesAPlotIntoAMissingDirectoryUpFront) {
+  KVQ_REQUIRE_DATA(mp, "models/stories260K/stories260K.gguf");
+  KVQ_REQUIRE_DATA(tp, "data/tinystories-val-794k/tinystories_val.txt");
+  const std::string dir = "/nonexistent_kvq_test_dir/sub";
+  const auto r = test::run_cmd({test::kvq_bin(), "kv-error", "-m", mp, "-f", tp, "-c", "32", "--types", "q4", "--plot",
+                                dir + "/p.png", "--no-progress"});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_EQ(r.err.rfind("error: [kv_error] --plot '" + dir + "/p.png'", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find("directory '" + dir + "' does not exist"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out, "");
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "kvq/error.h"
 #include "kvq/perplexity.h"
 #include "support/data_dir.h"
+#include "support/run_cmd.h"
 
 namespace kvq {
 namespace {
@@ -377,6 +378,36 @@ TEST(Perplexity, CliBadInputExitsWithCode2) {
   EXPECT_EQ(run("-f " + temp_path("missing.txt")), 2);
   EXPECT_FALSE(fs::exists(out));
   fs::remove(empty);
+}
+
+// --kl-base X --kl-compare X would overwrite the base it compares against: refused up front,
+// by path (also spelled differently), with nothing written.
+TEST(Perplexity, CliRefusesKlBaseEqualToKlCompare) {
+  KVQ_REQUIRE_DATA(mp, kStories);
+  KVQ_REQUIRE_DATA(tp, kTinyStories);
+  const std::string bin = test::kvq_bin();
+  const fs::path dir = temp_path("same_base_dir");
+  fs::create_directories(dir / "sub");
+  const std::string x = (dir / "x.kld").string(), x2 = (dir / "sub" / ".." / "x.kld").string();
+  for (const auto& other : {x, x2}) {
+    const auto r = test::run_cmd({bin, "perplexity", "-m", mp, "-f", tp, "-c", "64", "--chunks", "1", "--kl-base", x,
+                                  "--kl-compare", other, "--no-progress"});
+    EXPECT_EQ(r.rc, 2) << r.err;
+    EXPECT_NE(r.err.find("[perplexity] --kl-base"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("--kl-compare"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("same file"), std::string::npos) << r.err;
+    EXPECT_EQ(r.out, "");
+    EXPECT_FALSE(fs::exists(x));
+  }
+  // Different files pass: write a base x, then compare against x while writing another base y.
+  const auto r = test::run_cmd({bin, "perplexity", "-m", mp, "-f", tp, "-c", "64", "--chunks", "1", "--kl-base", x,
+                                "--no-progress"});
+  EXPECT_EQ(r.rc, 0) << r.err;
+  const auto r2 = test::run_cmd({bin, "perplexity", "-m", mp, "-f", tp, "-c", "64", "--chunks", "1", "--kl-base",
+                                 (dir / "y.kld").string(), "--kl-compare", x, "--no-progress"});
+  EXPECT_EQ(r2.rc, 0) << r2.err;
+  EXPECT_TRUE(fs::exists(dir / "y.kld"));
+  fs::remove_all(dir);
 }
 
 }  // namespace
