@@ -126,6 +126,8 @@ std::vector<simd_tier> simd_tiers() {
           {"avx512", best_isa() >= isa::avx512, qk_i32_avx512, attn_quant_supported_avx512, attn_quant_avx512}};
 }
 
+void PrintTo(const simd_tier& t, std::ostream* os) { *os << t.name; }  // test names, not raw bytes
+
 class attn_simd_tiers : public ::testing::TestWithParam<simd_tier> {};
 INSTANTIATE_TEST_SUITE_P(simd, attn_simd_tiers, ::testing::ValuesIn(simd_tiers()),
                          [](const auto& info) { return std::string(info.param.name); });
