@@ -41,7 +41,7 @@ struct generate_result {
 };
 
 // on_piece: called with each generated token's text as it is produced (may be empty).
-// Errors (invalid_input): empty prompt, prompt longer than n_ctx, n_ctx larger than the model's
+// Errors (invalid_input): empty prompt on a model that adds no BOS (else it is BOS alone), prompt longer than n_ctx, n_ctx larger than the model's
 // training context... unknown cache type (from make_kv_cache).
 generate_result generate(model& m, const tokenizer& tok, const generate_params& p,
                          const std::function<void(const std::string&)>& on_piece = {});

@@ -22,7 +22,6 @@ generate_result generate(model& m, const tokenizer& tok, const generate_params& 
                          const std::function<void(const std::string&)>& on_piece) {
   using clock = std::chrono::steady_clock;
   generate_result r;
-  if (p.prompt.empty()) fail_input("[generate] the prompt is empty (give one with -p)");
   if (p.n_predict < -1)
     fail_input("[generate] -n " + std::to_string(p.n_predict) + " must be >= -1 (-1: until end of generation)");
   if (p.n_batch <= 0) fail_input("[generate] batch size " + std::to_string(p.n_batch) + " must be > 0");
@@ -32,7 +31,9 @@ generate_result generate(model& m, const tokenizer& tok, const generate_params& 
   std::unique_ptr<kv_cache> cache = make_kv_cache(cp);  // validates types before any work
 
   r.prompt_ids = tok.encode(p.prompt, p.add_bos && tok.add_bos_default(), /*parse_special=*/true);
-  if (r.prompt_ids.empty()) fail_input("[generate] the prompt tokenized to zero tokens");
+  if (r.prompt_ids.empty())  // an empty prompt is BOS alone (as llama.cpp), when the model adds BOS
+    fail_input(p.prompt.empty() ? "[generate] the prompt is empty and this model adds no BOS token (give one with -p)"
+                                : "[generate] the prompt tokenized to zero tokens");
   if ((int)r.prompt_ids.size() > r.n_ctx)
     fail_input("[generate] the prompt has " + std::to_string(r.prompt_ids.size()) +
                " tokens, more than the context size " + std::to_string(r.n_ctx) + " (raise -c)");

@@ -116,7 +116,9 @@ TEST(GenerateErrors, EmptyPromptLongPromptUnknownType) {
       EXPECT_NE(e.code(), errc::internal);
     }
   };
-  expect_input_error(greedy("", "f16", 64), "empty");
+  generate_params empty_no_bos = greedy("", "f16", 64);  // with BOS an empty prompt is BOS alone
+  empty_no_bos.add_bos = false;
+  expect_input_error(empty_no_bos, "empty");
   std::string long_prompt;
   for (int i = 0; i < 100; ++i) long_prompt += "Once upon a time ";
   expect_input_error(greedy(long_prompt, "f16", 64), "more than the context size");

@@ -107,7 +107,6 @@ TEST(Cli, BadInputExitsWithCode2) {
   struct bad { std::vector<std::string> argv; std::string needle; };
   const std::vector<bad> cases = {
       {{bin, "generate", "-m", "/nonexistent.gguf", "-p", "hi"}, "/nonexistent.gguf"},
-      {{bin, "generate", "-m", model, "-p", ""}, "empty"},
       {{bin, "generate", "-m", model, "-p", "hi", "-ctk", "q5_zz"}, "q5_zz"},
       {{bin, "generate", "-m", model, "-p", "hi", "-c", "99999999"}, "context"},
       {{bin, "generate", "-m", model, "-p", "hi", "--top-p", "0"}, "top_p"},

@@ -32,6 +32,16 @@ TEST(CliOptions, SeedMinusOneIsRandomAndOutOfRangeIsRefused) {
   }
 }
 
+// An empty prompt generates from BOS alone, as llama.cpp does (stories260K adds BOS = 1).
+TEST(CliOptions, EmptyPromptIsBosAlone) {
+  KVQ_REQUIRE_DATA(model, "models/stories260K/stories260K.gguf");
+  const auto r = run_cmd({test::kvq_bin(), "generate", "-m", model, "-p", "", "-n", "8", "--temp", "0", "--json"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["prompt_ids"], nlohmann::json::array({1}));
+  EXPECT_EQ(j["ids"].size(), 8u);
+}
+
 TEST(CliOptions, BadThreadsAndCertifyOnDenseAreRefused) {
   KVQ_REQUIRE_DATA(model, "models/stories260K/stories260K.gguf");
   const auto t = run_cmd({test::kvq_bin(), "generate", "-m", model, "-p", "Hi", "-n", "1", "-t", "-1"});
