@@ -337,7 +337,7 @@ def render(results, args, data, chunk_override):
     # Issue 3 targets (held-out text).
     t = results.get("texts", {}).get("tinylit-heldout")
     if t:
-        out += ["### Issue 3 targets (held-out text, at llama.cpp's bytes per token)", "",
+        out += ["### Quality targets of the compressed cache (held-out text, at llama.cpp's bytes per token)", "",
                 "| kvq format | bits | target | mean KLD | same top-1 % | met |", "| --- | --- | --- | --- | --- | --- |"]
         for key, bits, kmax, tmin in TARGETS:
             r = t["rows"].get(key)
