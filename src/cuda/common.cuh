@@ -145,8 +145,7 @@ __device__ __forceinline__ uint16_t f16_round_up_dev(float v) {
 __device__ __forceinline__ uint16_t signed_scale_dev(float mn, float mx, float qneg, float qpos) {
   const bool neg = qneg == qpos || -mn >= mx;
   const float ext = neg ? -mn : mx, other = neg ? mx : -mn;
-  const float mag = qneg == qpos ? __fdiv_rn(fmaxf(ext, other), qpos)
-                                 : fmaxf(__fdiv_rn(ext, qneg), __fdiv_rn(other, qpos));
+  const float mag = fmaxf(__fdiv_rn(ext, qneg), __fdiv_rn(other, qpos));
   const uint16_t mh = f16_round_up_dev(mag);
   return neg || mh == 0 ? mh : (uint16_t)(mh | 0x8000u);
 }

@@ -35,8 +35,7 @@ void quantize_group(const kv_format_traits& t, const float* x, int n, int stride
     }
     const bool neg = qneg == qpos || -mn >= mx;  // the extreme element is negative (or q8)
     const float ext = neg ? -mn : mx, other = neg ? mx : -mn;
-    const float mag = qneg == qpos ? std::max(ext, other) / (float)qpos
-                                   : std::max(ext / (float)qneg, other / (float)qpos);
+    const float mag = std::max(ext / (float)qneg, other / (float)qpos);
     const uint16_t mh = f16_round_up(mag);
     const uint16_t sh = neg || mh == 0 ? mh : (uint16_t)(mh | 0x8000u);
     const float s = f16_to_f32(sh);
