@@ -4,6 +4,7 @@
 
 #include "certified_report.h"
 #include "cli.h"
+#include "kvq/certified.h"
 #include "kvq/generate.h"
 
 namespace kvq::cli {
@@ -99,8 +100,7 @@ const registrar reg{{"generate", "generate text from a prompt", [](CLI::App* app
   add_kv_flags(app, o->p.cache);
   app->parse_complete_callback([o] {
     const kv_cache_params& c = o->p.cache;
-    auto dense = [](const std::string& t) { return t == "f32" || t == "f16" || t == "bf16"; };
-    if (c.certify && dense(c.type_k) && dense(c.type_v))
+    if (c.certify && !is_certified(c))  // --kv-certify on dense K and V: a plain dense cache
       throw CLI::ValidationError("--kv-certify", "needs a compressed -ctk or -ctv (e.g. -ctk q8 -ctv q4), got -ctk " +
                                                       c.type_k + " -ctv " + c.type_v + "; or use -ctk certified");
   });
