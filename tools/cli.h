@@ -33,4 +33,11 @@ void add_kv_flags(CLI::App* app, kv_cache_params& p);
 // half-written file. Throws kvq::error(io).
 void write_file_atomic(const std::string& path, const std::string& text);
 
+// Runs scripts/<script> (python3 + matplotlib) on a JSON document to draw `png` (tmp + rename:
+// a failure leaves no PNG). Throws kvq::error(io). Defined in cmd_kv_error.cpp.
+void run_plot_script(const std::string& script, const std::string& json_text, const std::string& png);
+// Refuses, before a long run, a --plot path whose directory does not exist:
+// "[op] --plot 'PNG': directory 'D' does not exist" (kvq::error(io)).
+void check_plot_dir(const std::string& op, const std::string& png);
+
 }  // namespace kvq::cli

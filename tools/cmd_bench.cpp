@@ -2,7 +2,6 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -16,8 +15,6 @@
 #include "kvq/tokenizer.h"
 
 namespace kvq::cli {
-
-void run_plot_script(const std::string& script, const std::string& json_text, const std::string& png);  // cmd_kv_error.cpp
 
 namespace {
 
@@ -98,18 +95,6 @@ size_t mem_available() {
   return 0;
 }
 
-std::string read_text(const std::string& path) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  if (fs::is_directory(path, ec)) fail_input("[bench] -f '" + path + "' is a directory, not a text file");
-  std::ifstream f(path, std::ios::binary);
-  if (!f) fail(errc::io, "[bench] -f: cannot open text file '" + path + "'");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (ss.str().empty()) fail_input("[bench] -f: text file '" + path + "' is empty");
-  return ss.str();
-}
-
 // Runs f and re-tags a kvq::error from another layer as "[bench] <context><message>".
 template <typename F>
 auto as_bench(const std::string& context, F&& f) -> decltype(f()) {
@@ -157,11 +142,7 @@ nlohmann::json to_json(const bench_opts& o, const bench_result& r, const machine
 // Checks before the (long) run that the plot can be written: runs the plotter on a one-row
 // result into a scratch file next to FILE, then removes it.
 void check_plotter(const std::string& png) {
-  namespace fs = std::filesystem;
-  const fs::path dir = fs::path(png).parent_path();
-  std::error_code ec;
-  if (!dir.empty() && !fs::is_directory(dir, ec))
-    fail(errc::io, "[bench] --plot '" + png + "': directory '" + dir.string() + "' does not exist");
+  check_plot_dir("bench", png);
   const std::string probe = png + ".check.png";
   nlohmann::json j{{"model", "check"}, {"model_desc", "check"}, {"fill", "real"}, {"n_threads", 1}, {"n_ctx_train", 0}};
   j["rows"] = nlohmann::json::array({{{"type_k", "f16"}, {"type_v", "f16"}, {"depth", 0}, {"decode_tokens_per_s", 1.0},
@@ -239,7 +220,7 @@ int run_bench(bench_opts& o) {
     m = as_bench("-m '" + o.model_path + "': ", [&] { return model::load(o.model_path); });
     check(m->cache_params(1), o.p);
     if (!o.text_path.empty()) {
-      const std::string text = read_text(o.text_path);
+      const std::string text = as_bench("-f: ", [&] { return read_text_file(o.text_path); });
       ids = as_bench("-f '" + o.text_path + "': ", [&] {
         auto tok = tokenizer::from_gguf(m->gguf());
         return perplexity_tokenize(*tok, text);

@@ -21,7 +21,7 @@ namespace kvq::cli {
 // looked up in $KVQ_SCRIPTS_DIR, then in scripts/ of the directories above the kvq binary; the
 // interpreter is $KVQ_PYTHON, else /usr/bin/python3 (Debian's, which has python3-matplotlib),
 // else python3 on PATH. The PNG is drawn to a temp name and renamed, so a failure leaves none.
-// Shared with cmd_bench.cpp.
+// Shared with cmd_bench.cpp (declared in cli.h).
 void run_plot_script(const std::string& script, const std::string& json_text, const std::string& png) {
   namespace fs = std::filesystem;
   std::string dir;
@@ -51,6 +51,14 @@ void run_plot_script(const std::string& script, const std::string& json_text, co
     std::remove(tmp_png.c_str());
     fail(errc::io, "[plot] cannot write '" + png + "'");
   }
+}
+
+void check_plot_dir(const std::string& op, const std::string& png) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(png).parent_path();
+  std::error_code ec;
+  if (!dir.empty() && !fs::is_directory(dir, ec))
+    fail(errc::io, "[" + op + "] --plot '" + png + "': directory '" + dir.string() + "' does not exist");
 }
 
 namespace {
@@ -115,13 +123,7 @@ nlohmann::json to_json(const kv_error_opts& o, const kv_error_result& r) {
 }
 
 int run_kv_error(kv_error_opts& o) {
-  if (!o.plot.empty()) {  // before the run, not after it
-    namespace fs = std::filesystem;
-    const fs::path dir = fs::path(o.plot).parent_path();
-    std::error_code ec;
-    if (!dir.empty() && !fs::is_directory(dir, ec))
-      fail(errc::io, "[kv_error] --plot '" + o.plot + "': directory '" + dir.string() + "' does not exist");
-  }
+  if (!o.plot.empty()) check_plot_dir("kv_error", o.plot);  // before the run, not after it
   auto m = model::load(o.model_path);
   auto tok = tokenizer::from_gguf(m->gguf());
   std::vector<std::string> types = split_list(o.types);
