@@ -97,11 +97,15 @@ struct attn_query_view {
   int head_dim = 0;
   int pos0 = 0;
   float scale = 1.0f;
-  // The same queries quantized to int8 (quantize_q8_ref per head), required by views whose K is
-  // per-token quantized: q8 uses the same indexing as q; q8_scale[t * q8_scale_stride_t + g].
+  // The same queries quantized to int8, required by views whose K is per-token quantized: q8 uses
+  // the same indexing as q. q8_group == 0: one scale per head (quantize_q8_ref over head_dim),
+  // q8_scale[t * q8_scale_stride_t + g]. q8_group == K's group (elements along head_dim): one
+  // scale per K group, as llama.cpp's q8_0 quantizes the query per 32-element block;
+  // q8_scale[t * q8_scale_stride_t + g * (head_dim / q8_group) + i] for group i.
   const int8_t* q8 = nullptr;
   const float* q8_scale = nullptr;
   int64_t q8_scale_stride_t = 0;
+  int q8_group = 0;
 };
 
 // One side (K or V) of a compressed (or dense) body of one kv head. Row j (token pos_begin + j)
