@@ -509,9 +509,10 @@ void kv_cache_quant::attend(int il, int seq_id, int pos0, int n_tokens, int n_he
   // 1. Q rotated once (and scaled by λ_K), then int8 per head when K is per-token quantized.
   qr_.resize(nq * hd);
   std::memcpy(qr_.data(), q, nq * hd * sizeof(float));
+  const int qg = k_int8 ? k_.group : hd, nqg = hd / qg;  // one query scale per K group
   if (k_int8) {
     q8_.resize(nq * hd);
-    q8s_.resize(nq);
+    q8s_.resize(nq * nqg);
   }
   pool.parallel_for(n_tokens, (int64_t)nq * hd * 8, [&](int64_t t, int) {
     float* r = &qr_[(size_t)t * n_head * hd];
@@ -525,7 +526,7 @@ void kv_cache_quant::attend(int il, int seq_id, int pos0, int n_tokens, int n_he
       float* x = r + (size_t)h * hd;
       if (k_int8) {
         const size_t i = (size_t)t * n_head + h;
-        q8s_[i] = quantize_q8_ref(x, hd, &q8_[i * hd]);
+        for (int gi = 0; gi < nqg; ++gi) q8s_[i * nqg + gi] = quantize_q8_ref(x + gi * qg, qg, &q8_[i * hd + gi * qg]);
       }
     }
   });
@@ -561,8 +562,9 @@ void kv_cache_quant::attend(int il, int seq_id, int pos0, int n_tokens, int n_he
     qv.scale = scale;
     if (k_int8) {
       qv.q8 = &q8_[((size_t)ta * n_head + (size_t)h * ng) * hd];
-      qv.q8_scale = &q8s_[(size_t)ta * n_head + (size_t)h * ng];
-      qv.q8_scale_stride_t = n_head;
+      qv.q8_scale = &q8s_[((size_t)ta * n_head + (size_t)h * ng) * nqg];
+      qv.q8_scale_stride_t = (int64_t)n_head * nqg;
+      qv.q8_group = qg;
     }
     attn_state* sts = &states_[(size_t)c * nq];
     for (int t = ta; t < tb; ++t)

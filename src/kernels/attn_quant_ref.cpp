@@ -14,6 +14,12 @@ namespace kvq {
 
 namespace {
 
+// The int8 query scales of query (t, g): one per head (q8_group == 0: element 0) or one per K group
+// (n_k_groups of them).
+inline const float* q8_scales(const attn_query_view& qv, int t, int g, int n_k_groups) {
+  return qv.q8_scale + t * qv.q8_scale_stride_t + (qv.q8_group ? (int64_t)g * n_k_groups : g);
+}
+
 constexpr int kBlock = 32;  // keys per online-softmax step
 
 inline int code_int(const kv_format_traits& t, uint8_t u) { return t.bits == 8 ? (int)(int8_t)u : (int)u; }
@@ -106,12 +112,14 @@ void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_sta
             const int8_t* q8 = qv.q8 + t * qv.stride_t + (int64_t)g * hd;
             qk_i32_ref(kv.k, r, 1, q8, hd, dots.data());
             const int32_t* qs = &qsum[(size_t)(t * ng + g) * ngk];
+            const float* qsc = q8_scales(qv, t, g, ngk);
             float acc = 0.0f;
             for (int gr = 0; gr < ngk; ++gr) {
-              acc += f16_to_f32(s[gr]) * (float)(dots[gr] - tk.code_offset * qs[gr]);
-              if (tk.asymmetric) acc += f16_to_f32(s[ngk + gr]) * (float)qs[gr];
+              const float f = qsc[qv.q8_group ? gr : 0];
+              acc += f16_to_f32(s[gr]) * (float)(dots[gr] - tk.code_offset * qs[gr]) * f;
+              if (tk.asymmetric) acc += f16_to_f32(s[ngk + gr]) * (float)qs[gr] * f;
             }
-            sc[(size_t)(t * ng + g) * kBlock + j] = acc * qv.q8_scale[t * qv.q8_scale_stride_t + g] * qv.scale;
+            sc[(size_t)(t * ng + g) * kBlock + j] = acc * qv.scale;
           }
         }
       } else if (tk.layout == kv_layout::per_channel) {
@@ -219,8 +227,8 @@ void attn_dequant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_s
       float* dst = &q[((size_t)t * ng + g) * hd];
       if (tk.layout == kv_layout::per_token) {
         const int8_t* q8 = qv.q8 + t * qv.stride_t + (int64_t)g * hd;
-        const float s = qv.q8_scale[t * qv.q8_scale_stride_t + g];
-        for (int i = 0; i < hd; ++i) dst[i] = (float)q8[i] * s;
+        const float* qsc = q8_scales(qv, t, g, hd / kv.k.group);
+        for (int i = 0; i < hd; ++i) dst[i] = (float)q8[i] * qsc[qv.q8_group ? i / qv.q8_group : 0];
       } else {
         const float* qs = qv.q + t * qv.stride_t + (int64_t)g * hd;
         std::copy(qs, qs + hd, dst);
