@@ -106,6 +106,12 @@ struct attn_query_view {
   const float* q8_scale = nullptr;
   int64_t q8_scale_stride_t = 0;
   int q8_group = 0;
+  // 8-bit K only, optional: the queries as int16 (quantize_q16_ref, same indexing as q8), used
+  // instead of q8 when set; q8_scale then holds the int16 scales. An int8 query's rounding error is
+  // as large as 8-bit K's own and about a sixth of q8's KL divergence on tinylit; int16 removes it
+  // while the dots stay exact integers (|q| <= kq16_max, |code| <= 128: sums fit i32 up to
+  // head_dim 256).
+  const int16_t* q16 = nullptr;
 };
 
 // One side (K or V) of a compressed (or dense) body of one kv head. Row j (token pos_begin + j)

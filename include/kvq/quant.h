@@ -103,6 +103,14 @@ void dequantize_channel_group_ref(kv_format f, const uint8_t* codes, const uint1
 // q[i] = rint(x[i] * (1 / scale)) clamped to [-127, 127]; returns scale (0 for an all-zero x).
 float quantize_q8_ref(const float* x, int n, int8_t* q);
 
+// The int16 query of 8-bit K (see attn_query_view::q16): q[i] = rint(x[i] * (1 / scale)) clamped to
+// [-kq16_max, kq16_max], scale = absmax / kq16_max (0 for an all-zero x). kq16_max = 127 * 254, so
+// every code splits exactly as q = 254 * hi + lo with int8 hi, lo in [-127, 127] (the form the
+// CUDA kernel multiplies with two int8 MMAs): the split-precision idea of the Ozaki scheme (Ozaki
+// et al. 2012; Ootomo et al. 2024, arXiv:2306.11975, section 3), here for an int8 x int16 dot.
+constexpr int kq16_max = 127 * 254;
+float quantize_q16_ref(const float* x, int n, int16_t* q);
+
 // f16 value >= v (v >= 0, finite): the scale rounding of every format.
 uint16_t f16_round_up(float v);
 

@@ -252,6 +252,7 @@ class kv_cache_quant final : public kv_cache {
   std::vector<float> xk_, xv_, pend_;
   std::vector<float> qr_, q8s_, ows_;
   std::vector<int8_t> q8_;
+  std::vector<int16_t> q16_;  // the query of 8-bit K (quantize_q16_ref)
   std::vector<attn_state> states_;
 };
 
@@ -506,12 +507,15 @@ void kv_cache_quant::attend(int il, int seq_id, int pos0, int n_tokens, int n_he
   const int hd = p_.head_dim, nh = p_.n_kv_head, ng = n_head / nh;
   const bool k_int8 = k_.t->layout == kv_layout::per_token;
   const size_t nq = (size_t)n_tokens * n_head;
-  // 1. Q rotated once (and scaled by λ_K), then int8 per head when K is per-token quantized.
+  // 1. Q rotated once (and scaled by λ_K), then, when K is per-token quantized, int8 (int16 for
+  // 8-bit K) with one scale per K group.
   qr_.resize(nq * hd);
   std::memcpy(qr_.data(), q, nq * hd * sizeof(float));
   const int qg = k_int8 ? k_.group : hd, nqg = hd / qg;  // one query scale per K group
+  const bool q16 = k_int8 && k_.t->bits == 8;             // 8-bit K: an int16 query
   if (k_int8) {
-    q8_.resize(nq * hd);
+    if (q16) q16_.resize(nq * hd);
+    else q8_.resize(nq * hd);
     q8s_.resize(nq * nqg);
   }
   pool.parallel_for(n_tokens, (int64_t)nq * hd * 8, [&](int64_t t, int) {
@@ -526,7 +530,9 @@ void kv_cache_quant::attend(int il, int seq_id, int pos0, int n_tokens, int n_he
       float* x = r + (size_t)h * hd;
       if (k_int8) {
         const size_t i = (size_t)t * n_head + h;
-        for (int gi = 0; gi < nqg; ++gi) q8s_[i * nqg + gi] = quantize_q8_ref(x + gi * qg, qg, &q8_[i * hd + gi * qg]);
+        for (int gi = 0; gi < nqg; ++gi)
+          q8s_[i * nqg + gi] = q16 ? quantize_q16_ref(x + gi * qg, qg, &q16_[i * hd + gi * qg])
+                                   : quantize_q8_ref(x + gi * qg, qg, &q8_[i * hd + gi * qg]);
       }
     }
   });
@@ -561,7 +567,8 @@ void kv_cache_quant::attend(int il, int seq_id, int pos0, int n_tokens, int n_he
     qv.pos0 = pos0 + ta;
     qv.scale = scale;
     if (k_int8) {
-      qv.q8 = &q8_[((size_t)ta * n_head + (size_t)h * ng) * hd];
+      if (q16) qv.q16 = &q16_[((size_t)ta * n_head + (size_t)h * ng) * hd];
+      else qv.q8 = &q8_[((size_t)ta * n_head + (size_t)h * ng) * hd];
       qv.q8_scale = &q8s_[((size_t)ta * n_head + (size_t)h * ng) * nqg];
       qv.q8_scale_stride_t = (int64_t)n_head * nqg;
       qv.q8_group = qg;

@@ -50,7 +50,10 @@ void load_v_row_ref(const kv_quant_side& s, int r, int hd, float* y) {
                      s.group, y);
 }
 
-void qk_i32_ref(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, int hd, int32_t* dots) {
+namespace {
+
+template <class Q>
+void qk_i32_ref_t(const kv_quant_side& k, int r0, int n_rows, const Q* q8, int hd, int32_t* dots) {
   const auto& t = kv_traits(k.format);
   const int ng = hd / k.group;
   uint8_t u[1024];
@@ -64,13 +67,25 @@ void qk_i32_ref(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, in
   }
 }
 
-void q8_group_sums(const int8_t* q8, int hd, int group, int32_t* sums) {
+template <class Q>
+void group_sums_t(const Q* q8, int hd, int group, int32_t* sums) {
   for (int g = 0; g < hd / group; ++g) {
     int32_t s = 0;
     for (int i = g * group; i < (g + 1) * group; ++i) s += q8[i];
     sums[g] = s;
   }
 }
+
+}  // namespace
+
+void qk_i32_ref(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, int hd, int32_t* dots) {
+  qk_i32_ref_t(k, r0, n_rows, q8, hd, dots);
+}
+void qk_i32_ref(const kv_quant_side& k, int r0, int n_rows, const int16_t* q16, int hd, int32_t* dots) {
+  qk_i32_ref_t(k, r0, n_rows, q16, hd, dots);
+}
+void q8_group_sums(const int8_t* q8, int hd, int group, int32_t* sums) { group_sums_t(q8, hd, group, sums); }
+void q8_group_sums(const int16_t* q16, int hd, int group, int32_t* sums) { group_sums_t(q16, hd, group, sums); }
 
 void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_state* states) {
   const int hd = kv.head_dim, ng = qv.n_group, ntq = qv.n_tokens * ng;
@@ -90,12 +105,16 @@ void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_sta
   row.resize(hd);
   const int ngk = tk.layout == kv_layout::per_token ? hd / kv.k.group : 0;
   if (tk.layout == kv_layout::per_token) {
-    KVQ_ASSERT(qv.q8 && qv.q8_scale);
+    KVQ_ASSERT((qv.q8 || qv.q16) && qv.q8_scale);
     qsum.resize((size_t)ntq * ngk);
     dots.resize(ngk);
     for (int t = 0; t < qv.n_tokens; ++t)
-      for (int g = 0; g < ng; ++g)
-        q8_group_sums(qv.q8 + t * qv.stride_t + (int64_t)g * hd, hd, kv.k.group, &qsum[(size_t)(t * ng + g) * ngk]);
+      for (int g = 0; g < ng; ++g) {
+        const int64_t at = t * qv.stride_t + (int64_t)g * hd;
+        int32_t* sums = &qsum[(size_t)(t * ng + g) * ngk];
+        if (qv.q16) q8_group_sums(qv.q16 + at, hd, kv.k.group, sums);
+        else q8_group_sums(qv.q8 + at, hd, kv.k.group, sums);
+      }
   }
   if (tk.layout == kv_layout::per_channel) fold.resize((size_t)ntq * (hd + 1));
   int cur_group = -1;
@@ -109,8 +128,9 @@ void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_sta
         for (int t = 0; t < qv.n_tokens; ++t) {
           if (r >= limit[t]) continue;
           for (int g = 0; g < ng; ++g) {
-            const int8_t* q8 = qv.q8 + t * qv.stride_t + (int64_t)g * hd;
-            qk_i32_ref(kv.k, r, 1, q8, hd, dots.data());
+            const int64_t at = t * qv.stride_t + (int64_t)g * hd;
+            if (qv.q16) qk_i32_ref(kv.k, r, 1, qv.q16 + at, hd, dots.data());
+            else qk_i32_ref(kv.k, r, 1, qv.q8 + at, hd, dots.data());
             const int32_t* qs = &qsum[(size_t)(t * ng + g) * ngk];
             const float* qsc = q8_scales(qv, t, g, ngk);
             float acc = 0.0f;
@@ -226,9 +246,10 @@ void attn_dequant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_s
     for (int g = 0; g < ng; ++g) {
       float* dst = &q[((size_t)t * ng + g) * hd];
       if (tk.layout == kv_layout::per_token) {
-        const int8_t* q8 = qv.q8 + t * qv.stride_t + (int64_t)g * hd;
+        const int64_t at = t * qv.stride_t + (int64_t)g * hd;
         const float* qsc = q8_scales(qv, t, g, hd / kv.k.group);
-        for (int i = 0; i < hd; ++i) dst[i] = (float)q8[i] * qsc[qv.q8_group ? i / qv.q8_group : 0];
+        for (int i = 0; i < hd; ++i)
+          dst[i] = (float)(qv.q16 ? qv.q16[at + i] : qv.q8[at + i]) * qsc[qv.q8_group ? i / qv.q8_group : 0];
       } else {
         const float* qs = qv.q + t * qv.stride_t + (int64_t)g * hd;
         std::copy(qs, qs + hd, dst);

@@ -9,10 +9,12 @@ void load_v_row_ref(const kv_quant_side& s, int r, int hd, float* y);
 // dots[j * n_groups + g] = sum over group g of q8[i] * code[i] (stored codes, i32) for rows
 // [r0, r0 + n_rows) of a per-token side. The integer part every tier must match bit for bit.
 void qk_i32_ref(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, int hd, int32_t* dots);
+void qk_i32_ref(const kv_quant_side& k, int r0, int n_rows, const int16_t* q16, int hd, int32_t* dots);
 void qk_i32_avx2(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, int hd, int32_t* dots);
 void qk_i32_avx512(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, int hd, int32_t* dots);
 // sums[g] = sum over group g of q8[i].
 void q8_group_sums(const int8_t* q8, int hd, int group, int32_t* sums);
+void q8_group_sums(const int16_t* q16, int hd, int group, int32_t* sums);
 
 // Per-token rows [r0, r0 + n_rows) dequantized to y[n_rows, hd] (hd % 32 == 0, group % 32 == 0 or
 // group == hd): the dequantize-then-attend baseline's fast path.

@@ -131,6 +131,16 @@ void dequantize_channel_group_ref(kv_format f, const uint8_t* codes, const uint1
   }
 }
 
+float quantize_q16_ref(const float* x, int n, int16_t* q) {
+  float amax = 0.0f;
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float s = amax / (float)kq16_max;
+  const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+  const float m = (float)kq16_max;
+  for (int i = 0; i < n; ++i) q[i] = (int16_t)std::min(std::max(std::rint(x[i] * inv), -m), m);
+  return s;
+}
+
 float quantize_q8_ref(const float* x, int n, int8_t* q) {
   float amax = 0.0f;
   for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <random>
 #include <vector>
 
@@ -184,9 +185,18 @@ TEST_P(attn_simd_tiers, fused_matches_reference) {
         std::normal_distribution<float> nd(0.f, 1.f);
         std::vector<float> q((size_t)n_tok * ng * hd);
         for (auto& x : q) x = nd(rng);
+        // the query the cache builds: int16 for 8-bit K, int8 otherwise; one scale per K group in
+        // every other view, one per head in the rest
+        const bool k8 = kv_traits(fk).layout == kv_layout::per_token && kv_traits(fk).bits == 8;
+        const int qg = kv_traits(fk).layout == kv_layout::per_token && idx % 2 ? kg : hd, nqg = hd / qg;
         std::vector<int8_t> q8(q.size());
-        std::vector<float> q8s((size_t)n_tok * ng);
-        for (size_t i = 0; i < q8s.size(); ++i) q8s[i] = quantize_q8_ref(&q[i * hd], hd, &q8[i * hd]);
+        std::vector<int16_t> q16(q.size());
+        std::vector<float> q8s((size_t)n_tok * ng * nqg);
+        for (size_t i = 0; i < (size_t)n_tok * ng; ++i)
+          for (int gi = 0; gi < nqg; ++gi) {
+            const size_t at = i * hd + (size_t)gi * qg;
+            q8s[i * nqg + gi] = k8 ? quantize_q16_ref(&q[at], qg, &q16[at]) : quantize_q8_ref(&q[at], qg, &q8[at]);
+          }
         attn_query_view qv;
         qv.q = q.data();
         qv.stride_t = (int64_t)ng * hd;
@@ -195,9 +205,11 @@ TEST_P(attn_simd_tiers, fused_matches_reference) {
         qv.head_dim = hd;
         qv.pos0 = 3 + n_pos - n_tok - (idx % 5);  // causal: the last rows are masked for some queries
         qv.scale = 1.0f / std::sqrt((float)hd);
-        qv.q8 = q8.data();
+        if (k8) qv.q16 = q16.data();
+        else qv.q8 = q8.data();
         qv.q8_scale = q8s.data();
-        qv.q8_scale_stride_t = ng;
+        qv.q8_scale_stride_t = (int64_t)ng * nqg;
+        qv.q8_group = qg == hd ? 0 : qg;
         const int nq = n_tok * ng;
         std::vector<float> o_ref((size_t)nq * hd), o_avx((size_t)nq * hd), f_ref(o_ref.size()), f_avx(o_ref.size());
         std::vector<attn_state> s_ref(nq), s_avx(nq);
@@ -223,6 +235,70 @@ TEST_P(attn_simd_tiers, fused_matches_reference) {
       }
   std::printf("[tiers] fused %s vs scalar reference: %d views, worst relative difference %.3g\n", tier.name, idx,
               worst);
+}
+
+// The int16 query of 8-bit K removes the query's rounding from the scores: against float64 scores
+// over the same dequantized keys, q16 must be at least 50x closer than q8 (expected ~250x: its
+// step is 254x finer) with per-head and per-group scales, in the reference and the best tier.
+TEST(attn_tiers, int16_query_scores_match_float64) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (kv_format f : {kv_format::q8, kv_format::q8a})
+    for (int group : {32, 128}) {
+      const int hd = 128, n = 96;
+      auto kb = make_side(f, n, hd, group, rng);
+      std::vector<float> kf((size_t)n * hd), q(hd);
+      for (int j = 0; j < n; ++j) load_v_row_ref(kb.side, j, hd, &kf[(size_t)j * hd]);  // dequantized K rows
+      for (auto& x : q) x = nd(rng);
+      // scores through a 1-key view each: the log-sum-exp of one score is the score itself
+      auto scores = [&](bool use16, bool best) {
+        std::vector<int8_t> q8(hd);
+        std::vector<int16_t> q16(hd);
+        std::vector<float> qs(hd / group);
+        for (int gi = 0; gi < hd / group; ++gi)
+          qs[gi] = use16 ? quantize_q16_ref(&q[gi * group], group, &q16[gi * group])
+                         : quantize_q8_ref(&q[gi * group], group, &q8[gi * group]);
+        std::vector<double> out(n);
+        for (int j = 0; j < n; ++j) {
+          kv_quant_view kv;
+          kv.k = kb.side;
+          kv.k.codes += (int64_t)j * kv.k.code_stride;
+          kv.k.scales += (int64_t)j * kv.k.scale_stride;
+          kv.v = kb.side;
+          kv.pos_begin = 0;
+          kv.n_pos = 1;
+          kv.head_dim = hd;
+          attn_query_view qv;
+          qv.q = q.data();
+          qv.n_tokens = 1;
+          qv.n_group = 1;
+          qv.head_dim = hd;
+          qv.pos0 = 0;
+          if (use16) qv.q16 = q16.data();
+          else qv.q8 = q8.data();
+          qv.q8_scale = qs.data();
+          qv.q8_group = group == hd ? 0 : group;
+          std::vector<float> o(hd);
+          attn_state st = attn_state::empty(o.data(), hd);
+          best ? attn_quant(kv, qv, &st) : attn_quant_ref(kv, qv, &st);
+          out[j] = st.m;
+        }
+        return out;
+      };
+      for (bool best : {false, true}) {
+        const auto s8 = scores(false, best), s16 = scores(true, best);
+        double e8 = 0, e16 = 0;
+        for (int j = 0; j < n; ++j) {
+          double exact = 0;
+          for (int i = 0; i < hd; ++i) exact += (double)q[i] * kf[(size_t)j * hd + i];
+          e8 = std::max(e8, std::fabs(s8[j] - exact));
+          e16 = std::max(e16, std::fabs(s16[j] - exact));
+        }
+        std::printf("[q16] %s group %d %s: max |score - float64| int8 query %.3g, int16 query %.3g\n",
+                    kv_traits(f).name, group, best ? "best tier" : "reference", e8, e16);
+        EXPECT_LT(e16 * 50, e8) << kv_traits(f).name << " group " << group;
+      }
+    }
 }
 
 TEST(attn_tiers, fully_masked_view_leaves_states_empty) {
