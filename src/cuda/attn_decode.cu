@@ -3,9 +3,10 @@
 // Grid (work item, kv head); 4 warps per block. A work item is a token range of one sequence
 // (split-KV); its 16-token chunks go round-robin to the warps, each with its own cp.async
 // pipeline and its own online-softmax state for the GQA group (<= 8 query heads, one MMA N tile).
-//   scores  S[head][tok] = mma.m16n8k32 s8: rotated int8 Q (rows = heads) x K codes (q4 nibbles
-//           unpacked by two LOPs: the code layout already matches the B fragment), per-block int32
-//           dots read back as floats through a 1.5 * 2^23 bias, times the f16 K scales;
+//   scores  S[head][tok] = mma.m16n8k32 s8: rotated Q quantized per K scale group (rows = heads;
+//           q4: int8, q8: int16 as two int8 MMAs, 254 hi + lo) x K codes (q4 nibbles unpacked by
+//           two LOPs: the code layout already matches the B fragment), per-block int32 dots read
+//           back as floats through a 1.5 * 2^23 bias, times the f16 K scale and the query scale;
 //   P·V     O^T[channel][head] = mma.m16n8k16 f16: V codes -> exact f16 (u - 8) via byte permute +
 //           the 1024 + u exponent trick (A operand), times P' = p * V scale in f16 (B operand).
 // The warps' states merge in shared memory into one attn_state per (item, query head) in the
@@ -68,8 +69,9 @@ struct cfg {
   static constexpr int EPI = kWarps * kMaxGroup * HD * 4 + kWarps * kMaxGroup * 8;
   static constexpr int REGION0 = (PIPE > EPI ? PIPE : EPI + 15) / 16 * 16;
   static constexpr int QF = kMaxGroup * HD * 4;  // rotated f32 queries
-  static constexpr int QQ = kMaxGroup * HD * 2;  // int8 or f16 queries
-  static constexpr int SMEM = REGION0 + QF + QQ + kMaxGroup * 4 + kMaxGroup * S::NB * 4;
+  static constexpr int QQ = kMaxGroup * HD * 2;  // int8 (q4), int16 as int8 hi + lo planes (q8), or f16 queries
+  static constexpr int NQS = S::NS > 0 ? S::NS : 1;  // query scales per head: one per K scale group
+  static constexpr int SMEM = REGION0 + QF + QQ + kMaxGroup * NQS * 4 + kMaxGroup * S::NB * 4;
   static constexpr int MT = F == dfmt::f16 ? HD / 16 : 2 * S::NB;  // P·V m16 tiles (channels)
   // blocks per SM the register budget is shaped for (1: the compiler's choice; 5 measured slower)
 #ifndef KVQ_CUDA_Q4_MIN_BLOCKS
@@ -79,6 +81,22 @@ struct cfg {
 };
 
 __device__ __forceinline__ uint32_t lds32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// kvq::quantize_q8_ref (qmax 127) or kvq::quantize_q16_ref (qmax kq16_max) of one group given its
+// absmax: the same IEEE operations, so scale and codes are bit-identical to the CPU's.
+struct query_quant {
+  float qmax, scale, inv;
+};
+__device__ __forceinline__ query_quant query_quant_of(float amax, float qmax) {
+  const float s = __fdiv_rn(amax, qmax);
+  return {qmax, s, s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f};
+}
+__device__ __forceinline__ int query_code(const query_quant& z, float x) {
+  return (int)fminf(fmaxf(rintf(__fmul_rn(x, z.inv)), -z.qmax), z.qmax);
+}
+static_assert(kq16_max == 127 * 254, "the int16 query splits as 254 hi + lo");
+// hi of q = 254 hi + lo with hi, lo in [-127, 127] (|q| <= kq16_max): q / 254 rounded half away from 0.
+__device__ __forceinline__ int split_q16_hi(int q) { return (q + (q >= 0 ? 127 : -127)) / 254; }
 
 // The f16 scales of one token row as packed 32-bit words (NS = 1, 3: assembled from 16-bit loads).
 template <int NS>
@@ -179,11 +197,14 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
 #pragma unroll
   for (int i = 0; i < C::STAGES - 1; ++i) issue(i);
 
-  // ---- queries of the group: rotate (f32), then int8 per head (quantize_q8_ref) or f16 ----
+  // ---- queries of the group: rotate (f32), then quantize per K scale group (as kv_cache_quant:
+  // int16 for q8 K, int8 for q4 K; one scale per K group) or round to f16 ----
+  constexpr bool Q16 = F == dfmt::q8;
+  constexpr float kQMax = Q16 ? (float)kq16_max : 127.0f;
   float* qf = reinterpret_cast<float*>(smem + C::REGION0);  // [8][HD]
-  uint8_t* qq = smem + C::REGION0 + C::QF;                   // [8][HD] int8 or f16
-  float* qscale = reinterpret_cast<float*>(qq + C::QQ);      // [8]
-  int* qsum = reinterpret_cast<int*>(qscale + kMaxGroup);     // [8][NB]
+  uint8_t* qq = smem + C::REGION0 + C::QF;  // q4: [8][HD] int8; q8: [2][8][HD] int8 (hi, lo); f16: [8][HD]
+  float* qscale = reinterpret_cast<float*>(qq + C::QQ);      // [8][NQS]
+  int* qsum = reinterpret_cast<int*>(qscale + kMaxGroup * C::NQS);  // [8][NB] (q4)
   for (int i = threadIdx.x; i < kMaxGroup * HD; i += kThreads) {
     const int hh = i / HD, c = i % HD;
     qf[i] = hh < a.ng ? load_elem(a.q, ((int64_t)seq * a.n_head + (int64_t)h * a.ng + hh) * HD + c, a.q_bf16 != 0) : 0.0f;
@@ -191,25 +212,53 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
   if (a.rot_block > 1) fwht_rows_block(qf, a.ng, HD, a.rot_block, a.rot_scale);
   else __syncthreads();
   if constexpr (F != dfmt::f16) {
-    for (int hh = warp; hh < kMaxGroup; hh += kWarps) {
-      const float* x = qf + hh * HD;
-      float amax = 0.0f;
-      for (int c = lane; c < HD; c += 32) amax = fmaxf(amax, fabsf(x[c]));
-      amax = warp_max(amax);
-      const float s = __fdiv_rn(amax, 127.0f);
-      const float inv = s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;
-      for (int c = lane; c < HD; c += 32)
-        reinterpret_cast<int8_t*>(qq)[hh * HD + c] = (int8_t)fminf(fmaxf(rintf(__fmul_rn(x[c], inv)), -127.0f), 127.0f);
-      if (lane == 0) qscale[hh] = s;
+    // Stores code qc of element i: int8 (q4), or int16 split as qc = 254 hi + lo (q8).
+    auto put = [&](int i, int qc) {
+      if constexpr (Q16) {
+        const int hi = split_q16_hi(qc);
+        reinterpret_cast<int8_t*>(qq)[i] = (int8_t)hi;
+        reinterpret_cast<int8_t*>(qq)[kMaxGroup * HD + i] = (int8_t)(qc - 254 * hi);
+      } else {
+        reinterpret_cast<int8_t*>(qq)[i] = (int8_t)qc;
+      }
+    };
+    if constexpr (S::NS > 1) {
+      // 32-element groups, contiguous over the 8 heads (group u = head * NQS + i): 8 lanes per
+      // group, 4 elements per lane, absmax over the 8 lanes.
+      for (int u = 4 * warp + (lane >> 3); u < kMaxGroup * C::NQS; u += 4 * kWarps) {
+        const int e = u * 32 + 4 * (lane & 7);
+        const float4 x = *reinterpret_cast<const float4*>(qf + e);
+        float amax = fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
+        amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 2));
+        amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 4));
+        const query_quant qz = query_quant_of(amax, kQMax);
+        put(e, query_code(qz, x.x));
+        put(e + 1, query_code(qz, x.y));
+        put(e + 2, query_code(qz, x.z));
+        put(e + 3, query_code(qz, x.w));
+        if ((lane & 7) == 0) qscale[u] = qz.scale;
+      }
+    } else {  // one group per row (head_dim 80): one warp per head
+      for (int hh = warp; hh < kMaxGroup; hh += kWarps) {
+        const float* x = qf + hh * HD;
+        float amax = 0.0f;
+        for (int c = lane; c < HD; c += 32) amax = fmaxf(amax, fabsf(x[c]));
+        const query_quant qz = query_quant_of(warp_max(amax), kQMax);
+        for (int c = lane; c < HD; c += 32) put(hh * HD + c, query_code(qz, x[c]));
+        if (lane == 0) qscale[hh] = qz.scale;
+      }
     }
-    __syncthreads();
-    if (threadIdx.x < kMaxGroup * S::NB) {
-      const int hh = threadIdx.x / S::NB, bb = threadIdx.x % S::NB;
-      const int m = (S::PARTIAL && bb == S::NB - 1) ? 16 : 32;
-      const int8_t* qr = reinterpret_cast<const int8_t*>(qq) + hh * HD + 32 * bb;
-      int sum = 0;
-      for (int i = 0; i < m; ++i) sum += qr[i];
-      qsum[threadIdx.x] = sum;
+    if constexpr (F == dfmt::q4) {  // sums of the int8 query per 32-element code block (the -8 offset)
+      __syncthreads();
+      if (threadIdx.x < kMaxGroup * S::NB) {
+        const int hh = threadIdx.x / S::NB, bb = threadIdx.x % S::NB;
+        const int m = (S::PARTIAL && bb == S::NB - 1) ? 16 : 32;
+        const int8_t* qr = reinterpret_cast<const int8_t*>(qq) + hh * HD + 32 * bb;
+        int sum = 0;
+        for (int i = 0; i < m; ++i) sum += qr[i];
+        qsum[threadIdx.x] = sum;
+      }
     }
   } else {
     for (int i = threadIdx.x; i < kMaxGroup * HD; i += kThreads)
@@ -217,10 +266,13 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
   }
   __syncthreads();
 
-  // Query fragments (rows = heads g; rows 8..15 of the MMA are zero).
+  // Query fragments (rows = heads g; rows 8..15 of the MMA are zero): qa = the int8 query (q4), the
+  // high int8 half (q8; ql the low half) or the f16 query.
   constexpr int NQ = F == dfmt::f16 ? HD / 16 : S::NB;
-  uint32_t qa0[NQ], qa2[NQ];
+  constexpr int NL = Q16 ? S::NB : 1;
+  uint32_t qa0[NQ], qa2[NQ], ql0[NL], ql2[NL];
   int cinit[S::NB];
+  float qsc[C::NQS];  // this thread's head's query scales, one per K scale group (NQS > 1)
   float sfac;
   if constexpr (F != dfmt::f16) {
 #pragma unroll
@@ -233,14 +285,22 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
         } else {
           qa0[bb] = lds32(qr + 4 * t);
           qa2[bb] = 0u;
+          ql0[bb] = lds32(qr + kMaxGroup * HD + 4 * t);
+          ql2[bb] = 0u;
         }
       } else {
         qa0[bb] = lds32(qr + 4 * t);
         qa2[bb] = lds32(qr + 16 + 4 * t);
+        if constexpr (Q16) {
+          ql0[bb] = lds32(qr + kMaxGroup * HD + 4 * t);
+          ql2[bb] = lds32(qr + kMaxGroup * HD + 16 + 4 * t);
+        }
       }
       cinit[bb] = kBias + (F == dfmt::q4 ? -8 * qsum[g * S::NB + bb] : 0);
     }
-    sfac = qscale[g] * a.sm_scale_log2;
+#pragma unroll
+    for (int k = 0; k < C::NQS; ++k) qsc[k] = qscale[g * C::NQS + k];
+    sfac = C::NQS == 1 ? qsc[0] * a.sm_scale_log2 : a.sm_scale_log2;
   } else {
     const uint8_t* qr = qq + 2 * g * HD;
 #pragma unroll
@@ -312,9 +372,22 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
           }
           int cc[4] = {cinit[bb], cinit[bb], 0, 0};
           mma_s8(cc, qa0[bb], 0u, qa2[bb], 0u, b0, b1);
+          float d0 = __int_as_float(cc[0]) - kBiasF, d1 = __int_as_float(cc[1]) - kBiasF;  // exact block dots
+          if constexpr (Q16) {
+            // int16 query: dot = 254 dot(hi) + dot(lo), each |.| < 2^22 (exact through the bias);
+            // one FMA rounds the exact sum once, as the CPU's int32 -> float conversion does
+            int cl[4] = {kBias, kBias, 0, 0};
+            mma_s8(cl, ql0[bb], 0u, ql2[bb], 0u, b0, b1);
+            d0 = fmaf(254.0f, d0, __int_as_float(cl[0]) - kBiasF);
+            d1 = fmaf(254.0f, d1, __int_as_float(cl[1]) - kBiasF);
+          }
           const int si = S::scale_index(bb);
-          s[n][0] = fmaf(scale_at(kw[2 * n], si), __int_as_float(cc[0]) - kBiasF, s[n][0]);
-          s[n][1] = fmaf(scale_at(kw[2 * n + 1], si), __int_as_float(cc[1]) - kBiasF, s[n][1]);
+          if constexpr (C::NQS > 1) {  // the query scale of this K scale group (NQS == 1: in sfac)
+            d0 *= qsc[si];
+            d1 *= qsc[si];
+          }
+          s[n][0] = fmaf(scale_at(kw[2 * n], si), d0, s[n][0]);
+          s[n][1] = fmaf(scale_at(kw[2 * n + 1], si), d1, s[n][1]);
         }
       }
 #pragma unroll
