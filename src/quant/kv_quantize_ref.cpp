@@ -243,23 +243,23 @@ void dequantize_channel_group_ref(kv_format f, const uint8_t* codes, const uint1
   }
 }
 
-float quantize_q16_ref(const float* x, int n, int16_t* q) {
+namespace {
+
+// Symmetric absmax quantization of a query to integers in [-qmax, qmax]; returns the scale.
+template <class Q>
+float quantize_query(const float* x, int n, float qmax, Q* q) {
   float amax = 0.0f;
   for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float s = amax / (float)kq16_max;
+  const float s = amax / qmax;
   const float inv = s > 0.0f ? 1.0f / s : 0.0f;
-  const float m = (float)kq16_max;
-  for (int i = 0; i < n; ++i) q[i] = (int16_t)std::min(std::max(std::rint(x[i] * inv), -m), m);
+  for (int i = 0; i < n; ++i) q[i] = (Q)std::min(std::max(std::rint(x[i] * inv), -qmax), qmax);
   return s;
 }
 
-float quantize_q8_ref(const float* x, int n, int8_t* q) {
-  float amax = 0.0f;
-  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float s = amax / 127.0f;
-  const float inv = s > 0.0f ? 1.0f / s : 0.0f;
-  for (int i = 0; i < n; ++i) q[i] = (int8_t)std::min(std::max(std::rint(x[i] * inv), -127.0f), 127.0f);
-  return s;
-}
+}  // namespace
+
+float quantize_q16_ref(const float* x, int n, int16_t* q) { return quantize_query(x, n, (float)kq16_max, q); }
+
+float quantize_q8_ref(const float* x, int n, int8_t* q) { return quantize_query(x, n, 127.0f, q); }
 
 }  // namespace kvq
