@@ -124,7 +124,9 @@ TEST(kv_channel_mse, never_worse_than_min_max_and_nearest_level) {
         const auto x = make_group(rng, (data)d, T, 16);
         check_group(f, x, T, 16, &tot);
         if (HasFatalFailure()) return;
-        if (T == 1) EXPECT_EQ(tot.chosen, 0.0) << kv_traits(f).name;  // one token: scale 0, exact
+        if (T == 1) {
+          EXPECT_EQ(tot.chosen, 0.0) << kv_traits(f).name;  // one token: scale 0, exact
+        }
       }
 }
 
