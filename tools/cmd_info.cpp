@@ -47,7 +47,7 @@ int run_info(info_opts& o) {
       const double bpt = kv_bytes_per_token(p);
       row["bytes_per_token"] = bpt;
       row["ratio_to_f16"] = f16_bpt / bpt;
-      row["bytes_at_n_ctx"] = (int64_t)std::llround(bpt * n_ctx);
+      row["bytes_at_n_ctx"] = (int64_t)kv_bytes_at_ctx(p);  // allocated: exact windows included
     } catch (const kvq::error& e) {
       row["error"] = e.what();
     }
@@ -75,6 +75,8 @@ int run_info(info_opts& o) {
               hp.tied_output ? "tied" : "separate", hp.n_ctx_train);
   std::printf("\nKV cache at n_ctx %d (K and V the same type; options: rot %s, group %d, sink %d, recent %d)\n", n_ctx,
               base.rotation.c_str(), base.group_size, base.sink, base.recent);
+  // bytes/token is asymptotic (compressed rows); bytes at n_ctx is what a cache of n_ctx positions
+  // allocates, exact f16 rows of the sink/recent windows and KIVI residual included
   std::printf("%-10s %14s %10s %16s\n", "type", "bytes/token", "vs f16", "bytes at n_ctx");
   for (const auto& r : rows) {
     if (r.contains("error")) {

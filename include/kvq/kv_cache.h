@@ -89,4 +89,11 @@ std::vector<std::string> kv_type_names();
 // with these params (exact, as allocated per token away from group/page boundaries).
 double kv_bytes_per_token(const kv_cache_params& p);
 
+// Bytes that make_kv_cache(p) allocates (its bytes() before any append), computed without
+// allocating: every layer, sequence and kv head at p.n_ctx positions, K and V, including what
+// kv_bytes_per_token leaves out: the exact f16 rows of the sink and recent windows and of the
+// KIVI residual tail, and the per-channel scales. Certified caches grow on demand; for them this
+// is kv_bytes_per_token x n_ctx x n_seq. Throws as make_kv_cache on invalid params.
+size_t kv_bytes_at_ctx(const kv_cache_params& p);
+
 }  // namespace kvq

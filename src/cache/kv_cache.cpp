@@ -1,4 +1,5 @@
 // make_kv_cache(): validates params and picks the implementation (STYLE.md habit 7).
+#include <cmath>
 #include <string>
 
 #include "cache/kv_cache_impl.h"
@@ -66,6 +67,14 @@ double kv_bytes_per_token(const kv_cache_params& p) {
   one.n_seq = 1;
   one.n_layer = 1;
   return kv_bytes_per_token_quant(one) * p.n_layer;
+}
+
+size_t kv_bytes_at_ctx(const kv_cache_params& p) {
+  if (is_certified(p)) return (size_t)std::llround(kv_bytes_per_token_certified(p) * p.n_ctx * p.n_seq);
+  validate_cache_shape(p);
+  if (dense_elem_of(p.type_k) != kv_elem::count && dense_elem_of(p.type_v) != kv_elem::count)
+    return kv_bytes_at_ctx_dense(p);
+  return kv_bytes_at_ctx_quant(p);
 }
 
 }  // namespace kvq

@@ -168,6 +168,11 @@ std::unique_ptr<kv_cache> make_kv_cache_dense(const kv_cache_params& p) {
   return std::make_unique<kv_cache_dense>(p);
 }
 
+size_t kv_bytes_at_ctx_dense(const kv_cache_params& p) {
+  const size_t rows = (size_t)p.n_layer * p.n_seq * p.n_kv_head * p.n_ctx;
+  return rows * p.head_dim * (kv_elem_bytes(dense_elem_of(p.type_k)) + kv_elem_bytes(dense_elem_of(p.type_v)));
+}
+
 double kv_bytes_per_token_dense(const kv_cache_params& p) {
   return (double)p.n_layer * p.n_kv_head * p.head_dim *
          (kv_elem_bytes(dense_elem_of(p.type_k)) + kv_elem_bytes(dense_elem_of(p.type_v)));

@@ -16,9 +16,11 @@ kv_elem dense_elem_of(const std::string& type);
 
 std::unique_ptr<kv_cache> make_kv_cache_dense(const kv_cache_params& p);
 double kv_bytes_per_token_dense(const kv_cache_params& p);
+size_t kv_bytes_at_ctx_dense(const kv_cache_params& p);
 // Compressed formats (either side not f32/f16/bf16).
 std::unique_ptr<kv_cache> make_kv_cache_quant(const kv_cache_params& p);
 double kv_bytes_per_token_quant(const kv_cache_params& p);
+size_t kv_bytes_at_ctx_quant(const kv_cache_params& p);
 // Every stored byte of layer il, seq seq_id of a compressed cache (codes, scales and exact rows
 // of the positions held, plus n_pos and n_comp), for tests of arrival-order invariance.
 // Throws internal for other caches.

@@ -81,6 +81,7 @@ struct side_store {
   std::vector<uint16_t> scales;       // [n_layer, n_seq, n_kv_head, unit_cap, scale_stride]
   std::vector<uint8_t> exact;         // [n_layer, n_seq, n_kv_head, exact_cap, head_dim] exact_elem
   std::vector<float> lambda, mu;      // [n_layer, n_kv_head, head_dim] (channel_scale), else empty
+  size_t planned = 0;                 // bytes of the four arrays above, set before any allocation
 
   size_t bytes() const {
     return codes.size() + scales.size() * 2 + exact.size() + (lambda.size() + mu.size()) * sizeof(float);
@@ -97,7 +98,8 @@ struct side_store {
 
 class kv_cache_quant final : public kv_cache {
  public:
-  explicit kv_cache_quant(const kv_cache_params& p) : p_(p) {
+  // allocate == false: validates and sizes the cache (planned_bytes()) without allocating it.
+  explicit kv_cache_quant(const kv_cache_params& p, bool allocate = true) : p_(p), allocate_(allocate) {
     const int hd = p.head_dim;
     if (p.sink < 0 || p.recent < 0)
       fail_input("[kv_cache] sink and recent must be >= 0, got sink " + std::to_string(p.sink) + ", recent " +
@@ -144,6 +146,7 @@ class kv_cache_quant final : public kv_cache {
   void truncate(int seq_id, int n_pos) override;
 
   size_t bytes() const override { return k_.bytes() + v_.bytes(); }
+  size_t planned_bytes() const { return k_.planned + v_.planned; }
   size_t bytes_used() const override {
     size_t b = 0;
     for (const auto* s : {&k_, &v_})
@@ -243,6 +246,7 @@ class kv_cache_quant final : public kv_cache {
   void load_body_rows(side_store& s, size_t hi, size_t row0, int n_rows, float* y);
 
   kv_cache_params p_;
+  bool allocate_ = true;  // false: sized only (kv_bytes_at_ctx)
   bool kivi_ = false;
   int unit_ = 1, min_tail_ = 0, tail_cap_ = 0, exact_cap_ = 0;
   side_store k_, v_;
@@ -290,13 +294,16 @@ void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, 
   }
   s.body_cap = (size_t)(body_room / unit_) * unit_;
   s.unit_cap = s.scale_units(s.body_cap);
-  s.codes.assign(heads * s.body_cap * s.code_row, 0);
-  s.scales.assign(heads * s.unit_cap * s.scale_stride, 0);
-  s.exact.assign(heads * exact_cap_ * hd * kv_elem_bytes(s.exact_elem), 0);
-  if (p_.channel_scale && s.compressed) {
-    s.lambda.assign((size_t)p_.n_layer * p_.n_kv_head * hd, 1.0f);
-    s.mu.assign((size_t)p_.n_layer * p_.n_kv_head * hd, 0.0f);
-  }
+  const size_t n_codes = heads * s.body_cap * s.code_row, n_scales = heads * s.unit_cap * s.scale_stride;
+  const size_t n_exact = heads * exact_cap_ * hd * kv_elem_bytes(s.exact_elem);
+  const size_t n_lambda = p_.channel_scale && s.compressed ? (size_t)p_.n_layer * p_.n_kv_head * hd : 0;
+  s.planned = n_codes + n_scales * 2 + n_exact + 2 * n_lambda * sizeof(float);
+  if (!allocate_) return;
+  s.codes.assign(n_codes, 0);
+  s.scales.assign(n_scales, 0);
+  s.exact.assign(n_exact, 0);
+  s.lambda.assign(n_lambda, 1.0f);
+  s.mu.assign(n_lambda, 0.0f);
 }
 
 void kv_cache_quant::calibrate_channels(side_store& s, int il, int n_tokens, const float* x) {
@@ -666,6 +673,8 @@ std::vector<uint8_t> kv_cache_stored_bytes(const kv_cache& c, int il, int seq_id
   return q->stored_bytes(il, seq_id);
 }
 
-double kv_bytes_per_token_quant(const kv_cache_params& p) { return kv_cache_quant(p).bytes_per_token(); }
+double kv_bytes_per_token_quant(const kv_cache_params& p) { return kv_cache_quant(p, false).bytes_per_token(); }
+
+size_t kv_bytes_at_ctx_quant(const kv_cache_params& p) { return kv_cache_quant(p, false).planned_bytes(); }
 
 }  // namespace kvq

@@ -339,6 +339,33 @@ TEST(kv_cache_quant, bytes_are_exact) {
   auto w = make_kv_cache(pw);
   const size_t row = 64 + 2 * 2;  // q8 g32: 64 codes + 2 scales
   EXPECT_EQ(w->bytes(), 2 * ((size_t)96 * row + (size_t)(4 + 8) * 64 * 2));
+  // kv_bytes_at_ctx: the same figures without allocating, windows included
+  EXPECT_EQ(kv_bytes_at_ctx(p), (size_t)2 * 3 * 8 * 1024 * 72 * 2);
+  EXPECT_EQ(kv_bytes_at_ctx(pw), 2 * ((size_t)96 * row + (size_t)(4 + 8) * 64 * 2));
+  EXPECT_GT(kv_bytes_at_ctx(pw), (size_t)std::llround(kv_bytes_per_token(pw) * pw.n_ctx));
+}
+
+// kv_bytes_at_ctx equals what make_kv_cache allocates for every non-certified type, with and
+// without exact windows, per-channel scales and KIVI residuals, over several sequences.
+TEST(kv_cache_quant, bytes_at_ctx_equal_the_allocation) {
+  int n = 0;
+  for (const auto& t : kv_type_names()) {
+    if (t.find("certified") != std::string::npos) continue;
+    for (int variant = 0; variant < 4; ++variant) {
+      auto p = base_params(t, variant == 3 ? "q4" : t, 64, 2, 300);
+      p.n_layer = 3;
+      p.n_seq = 2;
+      if (variant >= 1) {
+        p.sink = 4;
+        p.recent = 24;
+      }
+      p.channel_scale = variant == 2 && t != "f32" && t != "f16" && t != "bf16";
+      p.kivi_residual = variant == 1 ? 40 : p.kivi_residual;
+      EXPECT_EQ(kv_bytes_at_ctx(p), make_kv_cache(p)->bytes()) << t << " variant " << variant;
+      ++n;
+    }
+  }
+  EXPECT_GE(n, 40);
 }
 
 TEST(kv_cache_quant, invalid_params_are_named) {
