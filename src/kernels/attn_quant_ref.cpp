@@ -14,12 +14,6 @@ namespace kvq {
 
 namespace {
 
-// The int8 query scales of query (t, g): one per head (q8_group == 0: element 0) or one per K group
-// (n_k_groups of them).
-inline const float* q8_scales(const attn_query_view& qv, int t, int g, int n_k_groups) {
-  return qv.q8_scale + t * qv.q8_scale_stride_t + (qv.q8_group ? (int64_t)g * n_k_groups : g);
-}
-
 constexpr int kBlock = 32;  // keys per online-softmax step
 
 inline int code_int(const kv_format_traits& t, uint8_t u) { return t.bits == 8 ? (int)(int8_t)u : (int)u; }

@@ -4,6 +4,12 @@
 
 namespace kvq {
 
+// The int8/int16 query scales of query (t, g): one per head (q8_group == 0: element 0) or one per
+// K group (n_k_groups of them).
+inline const float* q8_scales(const attn_query_view& qv, int64_t t, int64_t g, int n_k_groups) {
+  return qv.q8_scale + t * qv.q8_scale_stride_t + (qv.q8_group ? g * n_k_groups : g);
+}
+
 // Row r of a V side (dense or per-token) dequantized to f32 y[hd].
 void load_v_row_ref(const kv_quant_side& s, int r, int hd, float* y);
 // dots[j * n_groups + g] = sum over group g of q8[i] * code[i] (stored codes, i32) for rows
