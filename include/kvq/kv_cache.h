@@ -92,8 +92,11 @@ double kv_bytes_per_token(const kv_cache_params& p);
 // Bytes that make_kv_cache(p) allocates (its bytes() before any append), computed without
 // allocating: every layer, sequence and kv head at p.n_ctx positions, K and V, including what
 // kv_bytes_per_token leaves out: the exact f16 rows of the sink and recent windows and of the
-// KIVI residual tail, and the per-channel scales. Certified caches grow on demand; for them this
-// is kv_bytes_per_token x n_ctx x n_seq. Throws as make_kv_cache on invalid params.
+// KIVI residual tail, and the per-channel scales. A compressed cache sizes its body for the
+// positions that can leave the exact windows (n_ctx - sink - recent, in whole KIVI groups), so the
+// total is at most the f16 cache's plus the rows of one partial KIVI group. Certified caches grow
+// on demand; for them this is kv_bytes_per_token x n_ctx x n_seq. Throws as make_kv_cache on
+// invalid params.
 size_t kv_bytes_at_ctx(const kv_cache_params& p);
 
 }  // namespace kvq

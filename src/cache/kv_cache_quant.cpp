@@ -117,13 +117,15 @@ class kv_cache_quant final : public kv_cache {
         fail_input("[kv_cache] kivi_residual must be >= 0, got " + std::to_string(p.kivi_residual));
     }
     unit_ = kivi_ ? p.kivi_group : 1;
-    min_tail_ = kivi_ ? std::max(p.recent, p.kivi_residual - p.kivi_group + 1) : p.recent;
-    const int body_room = std::max(0, p.n_ctx - p.sink);
-    tail_cap_ = std::min(min_tail_ + unit_ - 1, body_room);
+    const int body_room = std::max(0, p.n_ctx - p.sink);  // positions after the sink
+    // the tail keeps at least min_tail_ exact rows (clamped to the room: a longer window keeps every
+    // post-sink token exact), so at most body_room - min_tail_ rows, in whole units, are compressed
+    min_tail_ = std::min(kivi_ ? std::max(p.recent, p.kivi_residual - p.kivi_group + 1) : p.recent, body_room);
+    tail_cap_ = (int)std::min<int64_t>((int64_t)min_tail_ + unit_ - 1, body_room);
     exact_cap_ = std::min(p.sink, p.n_ctx) + tail_cap_;
     const size_t heads = (size_t)p.n_layer * p.n_seq * p.n_kv_head;
-    init_side(k_, "K", fk, /*is_v=*/false, heads, body_room);
-    init_side(v_, "V", fv, /*is_v=*/true, heads, body_room);
+    init_side(k_, "K", fk, /*is_v=*/false, heads, body_room - min_tail_);
+    init_side(v_, "V", fv, /*is_v=*/true, heads, body_room - min_tail_);
     state_.assign((size_t)p.n_layer * p.n_seq, {});
     lambda_set_.assign(p.n_layer, 0);
     (void)hd;
@@ -216,7 +218,7 @@ class kv_cache_quant final : public kv_cache {
     return d + ")";
   }
 
-  void init_side(side_store& s, const char* name, kv_format type, bool is_v, size_t heads, int body_room);
+  void init_side(side_store& s, const char* name, kv_format type, bool is_v, size_t heads, int body_rows);
   seq_state& st(int il, int seq) { return state_[(size_t)il * p_.n_seq + seq]; }
   const seq_state& st(int il, int seq) const { return state_[(size_t)il * p_.n_seq + seq]; }
   int tail_len(const seq_state& q) const { return std::max(0, q.n - p_.sink - q.n_comp); }
@@ -261,7 +263,7 @@ class kv_cache_quant final : public kv_cache {
 };
 
 void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, bool is_v, size_t heads,
-                               int body_room) {
+                               int body_rows) {
   const int hd = p_.head_dim;
   s.name = name;
   s.type = type;
@@ -292,7 +294,7 @@ void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, 
     else rk = parse_rotation(p_.rotation);
     s.rot = rotation::make(rk, hd, p_.seed);
   }
-  s.body_cap = (size_t)(body_room / unit_) * unit_;
+  s.body_cap = (size_t)(body_rows / unit_) * unit_;
   s.unit_cap = s.scale_units(s.body_cap);
   const size_t n_codes = heads * s.body_cap * s.code_row, n_scales = heads * s.unit_cap * s.scale_stride;
   const size_t n_exact = heads * exact_cap_ * hd * kv_elem_bytes(s.exact_elem);

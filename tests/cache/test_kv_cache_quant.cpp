@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <cstdio>
 #include <random>
 #include <vector>
@@ -332,16 +333,28 @@ TEST(kv_cache_quant, bytes_are_exact) {
   // KIVI-4: K 64 codes + 2*2*128/32 per token; V q4a g32 64 + 8 * 2
   auto pk = base_params("kivi4", "kivi4", 128, 8, 1024);
   EXPECT_DOUBLE_EQ(kv_bytes_per_token(pk), 8.0 * (80 + 80));
-  // exact windows are allocated up front: sink + (recent) rows of f16 per side
+  // exact windows are allocated up front: sink + (recent) rows of f16 per side, and the compressed
+  // body only for the positions that can leave them (100 - 4 - 8)
   auto pw = base_params("q8", "q8", 64, 1, 100);
   pw.sink = 4;
   pw.recent = 8;
   auto w = make_kv_cache(pw);
   const size_t row = 64 + 2 * 2;  // q8 g32: 64 codes + 2 scales
-  EXPECT_EQ(w->bytes(), 2 * ((size_t)96 * row + (size_t)(4 + 8) * 64 * 2));
+  EXPECT_EQ(w->bytes(), 2 * ((size_t)88 * row + (size_t)(4 + 8) * 64 * 2));
   // kv_bytes_at_ctx: the same figures without allocating, windows included
   EXPECT_EQ(kv_bytes_at_ctx(p), (size_t)2 * 3 * 8 * 1024 * 72 * 2);
-  EXPECT_EQ(kv_bytes_at_ctx(pw), 2 * ((size_t)96 * row + (size_t)(4 + 8) * 64 * 2));
+  EXPECT_EQ(kv_bytes_at_ctx(pw), 2 * ((size_t)88 * row + (size_t)(4 + 8) * 64 * 2));
+  // a window longer than the context keeps everything exact: no overflow, no body
+  for (const char* t : {"q4", "kivi4"}) {
+    auto pl = base_params(t, t, 64, 1, 64);
+    pl.recent = std::numeric_limits<int>::max();
+    auto l = make_kv_cache(pl);
+    EXPECT_EQ(l->bytes(), (size_t)2 * 64 * 64 * 2) << t;  // 64 exact f16 rows per side
+    EXPECT_EQ(kv_bytes_at_ctx(pl), l->bytes()) << t;
+    std::vector<float> x(64 * 64, 0.25f);
+    l->append(0, 0, 64, x.data(), x.data());
+    EXPECT_EQ(l->n_pos(0), 64) << t;
+  }
   EXPECT_GT(kv_bytes_at_ctx(pw), (size_t)std::llround(kv_bytes_per_token(pw) * pw.n_ctx));
 }
 

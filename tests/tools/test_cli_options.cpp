@@ -73,7 +73,7 @@ TEST(CliOptions, InfoRefusesBadKvOptionsAndNamesItself) {
   }
   // with exact windows, bytes at n_ctx is the allocation: tinylit (6 layers x 2 kv heads, head_dim
   // 64), q4 g32 rows of 32 code bytes + 2 f16 scales, sink 4 + recent 128 rows of f16 (128 bytes),
-  // body 1024 - 4 rows; K and V
+  // compressed body 1024 - 4 - 128 rows; K and V
   const auto w = run_cmd({test::kvq_bin(), "info", "-m", model, "--json", "-c", "1024", "--kv-sink", "4",
                           "--kv-recent", "128"});
   ASSERT_EQ(w.rc, 0) << w.err;
@@ -82,7 +82,7 @@ TEST(CliOptions, InfoRefusesBadKvOptionsAndNamesItself) {
   for (const auto& r : wj["kv_types"])
     if (r["type"] == "q4") {
       seen = true;
-      EXPECT_EQ(r["bytes_at_n_ctx"].get<int64_t>(), (int64_t)2 * 6 * 2 * (1020 * (32 + 4) + 132 * 128)) << r.dump();
+      EXPECT_EQ(r["bytes_at_n_ctx"].get<int64_t>(), (int64_t)2 * 6 * 2 * (892 * (32 + 4) + 132 * 128)) << r.dump();
       EXPECT_DOUBLE_EQ(r["bytes_per_token"].get<double>(), 2.0 * 6 * 2 * (32 + 4));
     }
   EXPECT_TRUE(seen);
