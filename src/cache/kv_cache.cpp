@@ -49,32 +49,44 @@ void validate_cache_shape(const kv_cache_params& p) {
   }
 }
 
-std::unique_ptr<kv_cache> make_kv_cache(const kv_cache_params& p) {
-  if (is_certified(p)) return make_kv_cache_certified(p);  // tiered certified cache (certified.h)
+namespace {
+
+enum class cache_impl { certified, dense, quant };
+
+// The implementation serving p; validates the shape fields for the non-certified ones (the
+// certified cache validates its own).
+cache_impl impl_of(const kv_cache_params& p) {
+  if (is_certified(p)) return cache_impl::certified;  // tiered certified cache (certified.h)
   validate_cache_shape(p);
   if (dense_elem_of(p.type_k) != kv_elem::count && dense_elem_of(p.type_v) != kv_elem::count)
-    return make_kv_cache_dense(p);
-  return make_kv_cache_quant(p);
+    return cache_impl::dense;
+  return cache_impl::quant;
+}
+
+}  // namespace
+
+std::unique_ptr<kv_cache> make_kv_cache(const kv_cache_params& p) {
+  switch (impl_of(p)) {
+    case cache_impl::certified: return make_kv_cache_certified(p);
+    case cache_impl::dense: return make_kv_cache_dense(p);
+    default: return make_kv_cache_quant(p);
+  }
 }
 
 double kv_bytes_per_token(const kv_cache_params& p) {
-  if (is_certified(p)) return kv_bytes_per_token_certified(p);
-  validate_cache_shape(p);
-  if (dense_elem_of(p.type_k) != kv_elem::count && dense_elem_of(p.type_v) != kv_elem::count)
-    return kv_bytes_per_token_dense(p);
-  kv_cache_params one = p;  // geometry only: a one-position, one-sequence cache allocates little
-  one.n_ctx = 1;
-  one.n_seq = 1;
-  one.n_layer = 1;
-  return kv_bytes_per_token_quant(one) * p.n_layer;
+  switch (impl_of(p)) {
+    case cache_impl::certified: return kv_bytes_per_token_certified(p);
+    case cache_impl::dense: return kv_bytes_per_token_dense(p);
+    default: return kv_bytes_per_token_quant(p);  // sized without allocating
+  }
 }
 
 size_t kv_bytes_at_ctx(const kv_cache_params& p) {
-  if (is_certified(p)) return (size_t)std::llround(kv_bytes_per_token_certified(p) * p.n_ctx * p.n_seq);
-  validate_cache_shape(p);
-  if (dense_elem_of(p.type_k) != kv_elem::count && dense_elem_of(p.type_v) != kv_elem::count)
-    return kv_bytes_at_ctx_dense(p);
-  return kv_bytes_at_ctx_quant(p);
+  switch (impl_of(p)) {
+    case cache_impl::certified: return (size_t)std::llround(kv_bytes_per_token_certified(p) * p.n_ctx * p.n_seq);
+    case cache_impl::dense: return kv_bytes_at_ctx_dense(p);
+    default: return kv_bytes_at_ctx_quant(p);
+  }
 }
 
 }  // namespace kvq

@@ -35,11 +35,14 @@ void store_row(void* dst, kv_elem e, const float* src, int n) {
   }
 }
 
+// Rows of one side: every layer, sequence and kv head at n_ctx positions.
+size_t dense_rows(const kv_cache_params& p) { return (size_t)p.n_layer * p.n_seq * p.n_kv_head * p.n_ctx; }
+
 class kv_cache_dense final : public kv_cache {
  public:
   explicit kv_cache_dense(const kv_cache_params& p)
       : p_(p), ek_(dense_elem_of(p.type_k)), ev_(dense_elem_of(p.type_v)) {
-    const size_t rows = (size_t)p.n_layer * p.n_seq * p.n_kv_head * p.n_ctx;
+    const size_t rows = dense_rows(p);
     k_.assign(rows * p.head_dim * kv_elem_bytes(ek_), 0);
     v_.assign(rows * p.head_dim * kv_elem_bytes(ev_), 0);
     pos_.assign((size_t)p.n_layer * p.n_seq, 0);
@@ -169,8 +172,7 @@ std::unique_ptr<kv_cache> make_kv_cache_dense(const kv_cache_params& p) {
 }
 
 size_t kv_bytes_at_ctx_dense(const kv_cache_params& p) {
-  const size_t rows = (size_t)p.n_layer * p.n_seq * p.n_kv_head * p.n_ctx;
-  return rows * p.head_dim * (kv_elem_bytes(dense_elem_of(p.type_k)) + kv_elem_bytes(dense_elem_of(p.type_v)));
+  return dense_rows(p) * p.head_dim * (kv_elem_bytes(dense_elem_of(p.type_k)) + kv_elem_bytes(dense_elem_of(p.type_v)));
 }
 
 double kv_bytes_per_token_dense(const kv_cache_params& p) {
