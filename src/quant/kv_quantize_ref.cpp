@@ -155,16 +155,15 @@ void quantize_channel_mse(const kv_format_traits& t, const float* x, int n, int 
     cj = nj;
     ce = ne;
   }
-  std::vector<uint8_t> c(n);
-  for (int it = 0; it < 4; ++it) {
-    channel_sse(x, n, stride, f16_to_f32(best_z), f16_to_f32(best_s), levels, c.data());
+  for (int it = 0; it < 4; ++it) {  // (u holds the codes of the current best pair)
+    channel_sse(x, n, stride, f16_to_f32(best_z), f16_to_f32(best_s), levels, u);
     double sc = 0.0, scc = 0.0, sx = 0.0, scx = 0.0;
     for (int i = 0; i < n; ++i) {
       const double v = x[(int64_t)i * stride];
-      sc += c[i];
-      scc += (double)c[i] * c[i];
+      sc += u[i];
+      scc += (double)u[i] * u[i];
       sx += v;
-      scx += c[i] * v;
+      scx += u[i] * v;
     }
     const double det = n * scc - sc * sc;  // 0 when every code is equal
     if (!(det > 0.0)) break;
