@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -119,7 +120,7 @@ TEST(kv_cache_quant, fused_equals_dequantize_then_attend) {
       {"f16", "q4"},  {"q4", "f16"},  {"kivi2", "q8"}};
   const int n_fmt = sizeof(fmts) / sizeof(fmts[0]);
   thread_pool pool(2);
-  int idx = 0;
+  int idx = 0, n_group[3] = {0, 0, 0};
   double worst = 0;
   for (int hd : {64, 80, 96, 112, 128, 256})
     for (int gqa : {1, 2, 4, 7, 8})
@@ -129,10 +130,16 @@ TEST(kv_cache_quant, fused_equals_dequantize_then_attend) {
         ++idx;
         const int nh = hd >= 256 ? 1 : 2;
         auto p = base_params(tk, tv, hd, nh, len + 8);
-        if (windows) {
-          p.sink = 4;
-          p.recent = 16;
+        if (windows) {  // short lengths keep a compressed body between the windows
+          p.sink = std::min(4, len / 8);
+          p.recent = std::min(16, len / 4);
         }
+        // per-token group size and rotation rotate through the matrix (G must divide head_dim)
+        const int groups[] = {0, 64, 128, hd};
+        const int G = groups[(idx / 3) % 4];
+        p.group_size = hd % (G ? G : 1) == 0 ? G : 0;
+        const char* rots[] = {"auto", "srht", "srft"};
+        p.rotation = rots[(idx / 7) % 3];
         std::vector<int> chunks = {len};
         if (len > 17) chunks = {len / 3, 1, len - len / 3 - 1};
         auto a = fill(p, chunks, 100 + idx);
@@ -154,41 +161,157 @@ TEST(kv_cache_quant, fused_equals_dequantize_then_attend) {
           worst = std::max(worst, e);
           EXPECT_LE(e, 1e-5) << tk << "/" << tv << " hd " << hd << " gqa " << gqa << " len " << len << " nq " << nq
                              << " windows " << windows << " (" << a.cache->describe() << ")";
+          ++n_group[p.group_size == 64 ? 1 : p.group_size == 128 ? 2 : 0];
         }
       }
   std::printf("[fused vs dequantize-then-attend] %d configurations, worst relative error %.3g\n", idx, worst);
+  EXPECT_GT(n_group[1], 0);  // every group size was exercised
+  EXPECT_GT(n_group[2], 0);
 }
 
 // Every format against float64 attention on the original values, with a named tolerance on the
-// norm-wise relative error ||out - ref|| / ||ref|| over 16 decode queries x 8 heads.
+// norm-wise relative error ||out - ref|| / ||ref|| over 16 decode queries x 8 heads, beside the
+// error of uniform attention (every key weighted alike, V exact: what a cache that lost K would
+// give), which every useful format must beat. srht / srft rows check the V un-rotation, which
+// fused == dequantize-then-attend cannot (both paths share it). The 4097-token rows split the body
+// into chunks (split-K) merged through attn_state.
 TEST(kv_cache_quant, accuracy_against_float64) {
   struct tol {
     const char* type;
+    const char* rotation;
+    int group, len;
     double max_rel;
   };
-  // q2 is ternary (levels -s, 0, s): prefer q2a or kivi2.
-  // Measured values are about 0.75x these (random keys with per-channel offsets and spreads, int8 Q).
-  const tol tols[] = {{"q8", 0.018},  {"q8a", 0.017}, {"q4", 0.24},    {"q4a", 0.20},   {"q3", 0.60},   {"q3a", 0.44},
-                      {"q2", 1.9},    {"q2a", 1.25},  {"kivi8", 0.010}, {"kivi4", 0.16}, {"kivi2", 0.95}};
+  // Tolerances are about 1.3x the measured values (random keys with per-channel offsets and
+  // spreads). q2 (ternary levels -s, 0, s) and q2a are worse than uniform attention on this data
+  // (measured 1.40 and 0.96 against 0.92): their rows guard against regressions only; their
+  // correctness is checked by fused == dequantize-then-attend and the per-element bounds. Prefer kivi2.
+  const tol tols[] = {{"q8", "auto", 0, 1000, 0.018},   {"q8a", "auto", 0, 1000, 0.017},  {"q4", "auto", 0, 1000, 0.24},
+                      {"q4a", "auto", 0, 1000, 0.20},   {"q3", "auto", 0, 1000, 0.60},    {"q3a", "auto", 0, 1000, 0.44},
+                      {"q2", "auto", 0, 1000, 1.6},     {"q2a", "auto", 0, 1000, 1.1},    {"kivi8", "auto", 0, 1000, 0.010},
+                      {"kivi4", "auto", 0, 1000, 0.16}, {"kivi2", "auto", 0, 1000, 0.70}, {"q4", "srht", 0, 1000, 0.24},
+                      {"q4", "srft", 0, 1000, 0.24},    {"q8", "srft", 0, 1000, 0.018},   {"q8", "srht", 0, 1000, 0.018},
+                      {"q4", "auto", 64, 1000, 0.26},   {"q4", "auto", 128, 1000, 0.28}, {"q4", "auto", 0, 4097, 0.24},
+                      {"kivi4", "auto", 0, 4097, 0.16}, {"q8", "srft", 128, 4097, 0.018}};
   thread_pool pool(2);
-  const int hd = 128, nh = 2, gqa = 4, len = 1000, n_q = 16;
+  const int hd = 128, nh = 2, gqa = 4, n_q = 16;
   for (const auto& t : tols) {
-    auto p = base_params(t.type, t.type, hd, nh, len);
-    auto f = fill(p, {len}, 5);
-    double num = 0, den = 0;
+    auto p = base_params(t.type, t.type, hd, nh, t.len);
+    p.rotation = t.rotation;
+    p.group_size = t.group;
+    auto f = fill(p, {t.len}, 5);
+    double num = 0, den = 0, unum = 0;
     for (int i = 0; i < n_q; ++i) {
       const auto q = queries(1, nh * gqa, hd, 9 + i, 1.0f);
-      const auto out = attend(*f.cache, len - 1, 1, nh * gqa, q, pool);
-      const auto ref = attend_f64(f.k, f.v, q.data(), nh, hd, len - 1, 1, nh * gqa, 1.0f / std::sqrt((float)hd));
+      const auto out = attend(*f.cache, t.len - 1, 1, nh * gqa, q, pool);
+      const auto ref = attend_f64(f.k, f.v, q.data(), nh, hd, t.len - 1, 1, nh * gqa, 1.0f / std::sqrt((float)hd));
+      const auto uni = attend_f64(f.k, f.v, q.data(), nh, hd, t.len - 1, 1, nh * gqa, 0.0f);
       for (size_t j = 0; j < out.size(); ++j) {
         num += (out[j] - ref[j]) * (out[j] - ref[j]);
         den += ref[j] * ref[j];
+        unum += (uni[j] - ref[j]) * (uni[j] - ref[j]);
       }
     }
-    const double e = std::sqrt(num / den);
-    std::printf("[accuracy] %-6s %s: relative error %.4f (tolerance %.3f)\n", t.type, f.cache->describe().c_str(), e,
-                t.max_rel);
-    EXPECT_LE(e, t.max_rel) << t.type;
+    const double e = std::sqrt(num / den), eu = std::sqrt(unum / den);
+    std::printf("[accuracy] %-6s len %4d %s: relative error %.4f (tolerance %.3f; uniform attention %.3f)\n", t.type,
+                t.len, f.cache->describe().c_str(), e, t.max_rel, eu);
+    EXPECT_LE(e, t.max_rel) << t.type << " " << t.rotation << " G " << t.group << " len " << t.len;
+    if (std::string(t.type).rfind("q2", 0) != 0) {
+      EXPECT_LE(e, 0.6 * eu) << t.type << " " << t.rotation << " G " << t.group << " len " << t.len;
+    }
+  }
+}
+
+// Exact windows hold f16 rows from the very first forward pass: a prompt that fits in sink +
+// recent (one append) attends at f16 accuracy, far below the same format without windows, and
+// after more tokens the compressed body is exactly the positions between the windows (whole KIVI
+// groups), the exact tail never longer than min_tail + U - 1 (for KIVI: its residual R).
+TEST(kv_cache_quant, windows_are_exact) {
+  thread_pool pool(1);
+  const int hd = 64, nh = 2;
+  for (const char* t : {"q4", "q2a", "kivi4", "kivi2"}) {
+    SCOPED_TRACE(t);
+    const bool kivi = std::string(t).rfind("kivi", 0) == 0;
+    auto p = base_params(t, t, hd, nh, 400);
+    p.sink = 4;
+    p.recent = 16;
+    p.kivi_group = 16;
+    p.kivi_residual = 24;
+    auto none = p;
+    none.sink = none.recent = 0;
+    none.kivi_residual = 0;
+    auto w = fill(p, {20}, 31);
+    auto c = fill(none, {20}, 31);
+    const auto q = queries(1, nh * 4, hd, 3, 1.0f);
+    const auto ref = attend_f64(w.k, w.v, q.data(), nh, hd, 19, 1, nh * 4, 0.125f);
+    const double ew = rel_err(attend(*w.cache, 19, 1, nh * 4, q, pool), ref);
+    const double ec = rel_err(attend(*c.cache, 19, 1, nh * 4, q, pool), ref);
+    std::printf("[windows] %-5s 20 tokens in sink 4 + recent 16: error %.3g (without windows %.3g)\n", t, ew, ec);
+    EXPECT_LE(ew, 2e-3);  // f16 rounding of the rotated rows
+    EXPECT_GE(ec, 10 * ew);
+    // one token at a time up to 300: the body is [sink, sink + n_comp), n_comp in whole units; with
+    // a recent window the tail is that window plus the part of a unit not yet whole, without one
+    // (recent 0) the KIVI tail is at most its residual R
+    for (int recent : {16, 0}) {
+      auto pr = p;
+      pr.recent = recent;
+      const int unit = kivi ? pr.kivi_group : 1;
+      const int min_tail = kivi ? std::max(pr.recent, pr.kivi_residual - pr.kivi_group + 1) : pr.recent;
+      auto g = make_kv_cache(pr);
+      std::mt19937 rng(8);
+      const auto k = kv_data(rng, 300, nh, hd, true), v = kv_data(rng, 300, nh, hd, false);
+      int last = 0;
+      for (int n = 1; n <= 300; ++n) {
+        g->append(0, 0, 1, k.data() + (size_t)(n - 1) * nh * hd, v.data() + (size_t)(n - 1) * nh * hd);
+        const auto b = kv_cache_stored_bytes(*g, 0, 0);
+        int n_pos = 0, n_comp = 0;
+        std::memcpy(&n_pos, b.data(), sizeof n_pos);
+        std::memcpy(&n_comp, b.data() + sizeof n_pos, sizeof n_comp);
+        const int tail = n - std::min(n, pr.sink) - n_comp;
+        ASSERT_EQ(n_pos, n);
+        ASSERT_EQ(n_comp, unit * (std::max(0, n - pr.sink - min_tail) / unit)) << "n " << n << " recent " << recent;
+        ASSERT_GE(n_comp, last);
+        ASSERT_GE(tail, std::min(n - std::min(n, pr.sink), pr.recent)) << "n " << n;  // the recent window is exact
+        ASSERT_LE(tail, min_tail + unit - 1) << "n " << n << " recent " << recent;
+        if (kivi && recent == 0) {
+          ASSERT_LE(tail, pr.kivi_residual) << "n " << n;
+        }
+        last = n_comp;
+      }
+    }
+  }
+}
+
+// The per-channel scale λ (and μ) is calibrated once, on the first append of a layer (the
+// prompt), then frozen: how the later tokens arrive does not change any stored byte, even when
+// they are scaled 10x (a recalibration would re-derive λ from them).
+TEST(kv_cache_quant, channel_scale_is_frozen_after_the_prompt) {
+  for (const char* t : {"q4", "kivi4"}) {
+    SCOPED_TRACE(t);
+    auto p = base_params(t, t, 64, 2, 256);
+    p.channel_scale = true;
+    p.kivi_group = 16;
+    auto a = fill(p, {64}, 12, 0.0f, 200);
+    for (size_t i = (size_t)64 * 2 * 64; i < a.k.size(); ++i) a.k[i] *= 10.0f, a.v[i] *= 10.0f;
+    auto b = make_kv_cache(p);
+    b->append(0, 0, 64, a.k.data(), a.v.data());
+    for (int j = 64; j < 200; ++j)
+      a.cache->append(0, 0, 1, a.k.data() + (size_t)j * 128, a.v.data() + (size_t)j * 128);
+    b->append(0, 0, 136, a.k.data() + (size_t)64 * 128, a.v.data() + (size_t)64 * 128);
+    EXPECT_EQ(kv_cache_stored_bytes(*a.cache, 0, 0), kv_cache_stored_bytes(*b, 0, 0));
+    // and the first 64 tokens' codes are those of a cache that never saw the scaled tokens
+    auto c = make_kv_cache(p);
+    c->append(0, 0, 64, a.k.data(), a.v.data());
+    const auto full = kv_cache_stored_bytes(*b, 0, 0), prompt = kv_cache_stored_bytes(*c, 0, 0);
+    EXPECT_NE(full.size(), prompt.size());
+    if (std::string(t) == "q4") {  // per-token: the prompt's rows are stored alike (KIVI's exact residual is not)
+      thread_pool pool(1);
+      const auto q = queries(1, 8, 64, 4, 1.0f);
+      std::vector<float> oc(q.size()), ob(q.size());
+      c->attend(0, 0, 63, 1, 8, q.data(), 0.125f, oc.data(), pool);
+      b->attend(0, 0, 63, 1, 8, q.data(), 0.125f, ob.data(), pool);  // query at position 63: the prompt only
+      EXPECT_EQ(oc, ob);
+    }
   }
 }
 
@@ -461,12 +584,24 @@ TEST(kv_cache_quant, invalid_params_are_named) {
   p.attn_impl = "magic";
   expect_error(p, "unknown attn_impl 'magic'");
   // head_dim 8 (stories260K) works for every format
+  // head_dim 8 (stories260K) works for every format: against float64, 8-bit and dense far below
+  // the error of uniform attention (what a cache that lost K would give), 4- and 3-bit below it;
+  // 2-bit is a regression guard only (kivi2 measured 1.25 against uniform 1.03 on these 40 tokens,
+  // its K groups of 32 tokens at 4 levels)
   for (const auto& t : kv_type_names()) {
+    if (t == "certified") continue;  // its own tests (test_certified_*)
     auto s = base_params(t, t, 8, 1, 40);
     auto f = fill(s, {40}, 2);
     thread_pool pool(1);
     const auto q = queries(1, 4, 8, 2);
-    for (float x : attend(*f.cache, 39, 1, 4, q, pool)) ASSERT_TRUE(std::isfinite(x)) << t;
+    const auto out = attend(*f.cache, 39, 1, 4, q, pool);
+    const auto ref = attend_f64(f.k, f.v, q.data(), 1, 8, 39, 1, 4, 1.0f / std::sqrt(8.0f));
+    const auto uni = attend_f64(f.k, f.v, q.data(), 1, 8, 39, 1, 4, 0.0f);
+    const double e = rel_err(out, ref), eu = rel_err(uni, ref);
+    std::printf("[head_dim 8] %-9s error %.4f (uniform attention %.4f)\n", t.c_str(), e, eu);
+    const bool wide = t == "f32" || t == "f16" || t == "bf16" || t.find('8') != std::string::npos;
+    const bool two = t.find('2') != std::string::npos;
+    EXPECT_LE(e, wide ? 0.05 * eu : two ? 1.5 * eu : 0.3 * eu) << t;
   }
 }
 
