@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kvq/error.h"
@@ -127,6 +128,38 @@ TEST(kv_cache, overflow_truncate_clear) {
   thread_pool pool(1);
   std::vector<float> q(4, 1.0f), out(4);
   EXPECT_THROW(c->attend(0, 0, 0, 1, 1, q.data(), 0.5f, out.data(), pool), error);
+}
+
+// NaN / Inf policy of the dense caches (docs/formats.md): they store what they are given, f16
+// overflow becomes Inf, and attention passes it through without a crash: with one key the output
+// is its V row exactly, so channel 1 (1e5 -> f16 Inf, f32 keeps it) and channel 2 (NaN) come back
+// as stored while the other channels stay finite.
+TEST(kv_cache, dense_caches_store_non_finite_values_as_given) {
+  for (const char* t : {"f32", "f16", "bf16"}) {
+    SCOPED_TRACE(t);
+    kv_cache_params p;
+    p.n_layer = 1;
+    p.n_kv_head = 1;
+    p.head_dim = 32;
+    p.n_ctx = 4;
+    p.type_k = p.type_v = t;
+    auto c = make_kv_cache(p);
+    std::vector<float> k(32, 0.5f), v(32, 0.25f);
+    v[1] = 1e5f;
+    v[2] = NAN;
+    ASSERT_NO_THROW(c->append(0, 0, 1, k.data(), v.data()));
+    thread_pool pool(1);
+    std::vector<float> q(32, 1.0f), out(32);
+    c->attend(0, 0, 0, 1, 1, q.data(), 0.125f, out.data(), pool);
+    EXPECT_EQ(out[0], 0.25f);
+    if (std::string(t) == "f16") {
+      EXPECT_TRUE(std::isinf(out[1]) && out[1] > 0) << out[1];
+    } else {
+      EXPECT_NEAR(out[1], 1e5f, 1e5f / 128) << out[1];  // bf16 rounds to 8 significant bits
+    }
+    EXPECT_TRUE(std::isnan(out[2])) << out[2];
+    for (int i = 3; i < 32; ++i) ASSERT_EQ(out[i], 0.25f) << i;
+  }
 }
 
 }  // namespace
