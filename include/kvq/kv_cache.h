@@ -43,6 +43,16 @@ struct kv_cache_params {
   bool certify_measure = false;  // debug: also compute exact attention and record bound / actual error
 };
 
+// One sequence's queries in a batched attend (kv_cache::attend_batch): as the arguments of
+// kv_cache::attend. q: [n_tokens, n_head, head_dim] f32 after RoPE; out: [n_tokens, n_head, head_dim].
+struct attend_seq {
+  int seq_id = 0;
+  int pos0 = 0;
+  int n_tokens = 0;
+  const float* q = nullptr;
+  float* out = nullptr;
+};
+
 // Per-step statistics a cache may report (certified mode fills these; others leave zeros).
 struct kv_cache_stats {
   uint64_t attend_calls = 0;
@@ -66,6 +76,14 @@ class kv_cache {
   // h / (n_head / n_kv_head). scale: usually 1/sqrt(head_dim). out: [n_tokens, n_head, head_dim].
   virtual void attend(int il, int seq_id, int pos0, int n_tokens, int n_head, const float* q,
                       float scale, float* out, thread_pool& pool) = 0;
+
+  // attend() for several sequences of layer il in one call (e.g. one decode step of a batch), each
+  // as if attended alone (the same outputs up to the float rounding of how long contexts are split).
+  // The compressed caches thread over (sequence, kv head, query tile, body chunk) at once, so a batch
+  // of short sequences keeps every thread busy; other caches attend the sequences in turn. Each
+  // seq_id at most once per call (invalid_input otherwise). Throws as attend(); the compressed caches
+  // validate every sequence before computing any.
+  virtual void attend_batch(int il, const attend_seq* seqs, int n_seqs, int n_head, float scale, thread_pool& pool);
 
   virtual int n_pos(int seq_id) const = 0;          // positions stored (all layers)
   virtual void clear(int seq_id) = 0;               // forget every position of seq_id

@@ -1,6 +1,8 @@
 // make_kv_cache(): validates params and picks the implementation (STYLE.md habit 7).
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "cache/kv_cache_impl.h"
 #include "kvq/certified.h"
@@ -64,6 +66,26 @@ cache_impl impl_of(const kv_cache_params& p) {
 }
 
 }  // namespace
+
+void kv_cache::attend_batch(int il, const attend_seq* seqs, int n_seqs, int n_head, float scale, thread_pool& pool) {
+  check_attend_batch(seqs, n_seqs, params().n_seq);
+  for (int i = 0; i < n_seqs; ++i)
+    attend(il, seqs[i].seq_id, seqs[i].pos0, seqs[i].n_tokens, n_head, seqs[i].q, scale, seqs[i].out, pool);
+}
+
+void check_attend_batch(const attend_seq* seqs, int n_seqs, int n_seq) {
+  if (n_seqs < 0 || (n_seqs > 0 && seqs == nullptr))
+    fail_input("[kv_cache] attend_batch: " + std::to_string(n_seqs) + " sequences" + (seqs ? "" : " and no array"));
+  std::vector<uint8_t> seen((size_t)std::max(n_seq, 0), 0);
+  for (int i = 0; i < n_seqs; ++i) {
+    const int s = seqs[i].seq_id;
+    if (s < 0 || s >= n_seq)
+      fail_input("[kv_cache] attend_batch: seq_id " + std::to_string(s) + " out of range [0, " + std::to_string(n_seq) +
+                 ")");
+    if (seen[(size_t)s]++)
+      fail_input("[kv_cache] attend_batch: seq_id " + std::to_string(s) + " appears twice in one call");
+  }
+}
 
 std::unique_ptr<kv_cache> make_kv_cache(const kv_cache_params& p) {
   switch (impl_of(p)) {

@@ -136,6 +136,7 @@ class kv_cache_quant final : public kv_cache {
   void append(int il, int seq_id, int n_tokens, const float* k, const float* v) override;
   void attend(int il, int seq_id, int pos0, int n_tokens, int n_head, const float* q, float scale, float* out,
               thread_pool& pool) override;
+  void attend_batch(int il, const attend_seq* seqs, int n_seqs, int n_head, float scale, thread_pool& pool) override;
 
   int n_pos(int seq_id) const override {
     if (seq_id < 0 || seq_id >= p_.n_seq) return 0;
@@ -260,6 +261,12 @@ class kv_cache_quant final : public kv_cache {
   std::vector<int8_t> q8_;
   std::vector<int16_t> q16_;  // the query of 8-bit K (quantize_q16_ref)
   std::vector<attn_state> states_;
+  struct seq_plan {  // attend_batch: one sequence's work items and state rows
+    int tile = 1, n_tiles = 1, n_chunks = 1, chunk_rows = 0;
+    int64_t item0 = 0, state0 = 0, ows0 = 0;
+  };
+  std::vector<seq_plan> plan_;
+  std::vector<int> tok0_, seq_of_tok_;
 };
 
 void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, bool is_v, size_t heads,
@@ -504,22 +511,41 @@ void kv_cache_quant::truncate(int seq_id, int n_keep) {
 
 void kv_cache_quant::attend(int il, int seq_id, int pos0, int n_tokens, int n_head, const float* q, float scale,
                             float* out, thread_pool& pool) {
-  check_layer_seq("attend", il, seq_id);
-  const seq_state sq = st(il, seq_id);
-  if (n_tokens < 1 || pos0 < 0 || (int64_t)pos0 + n_tokens > sq.n)
-    fail_input("[kv_cache] attend: queries at positions [" + std::to_string(pos0) + ", " +
-               std::to_string((int64_t)pos0 + n_tokens) + ") need appended positions, layer " + std::to_string(il) +
-               " of seq " + std::to_string(seq_id) + " holds " + std::to_string(sq.n));
+  const attend_seq one{seq_id, pos0, n_tokens, q, out};
+  attend_batch(il, &one, 1, n_head, scale, pool);
+}
+
+void kv_cache_quant::attend_batch(int il, const attend_seq* seqs, int n_seqs, int n_head, float scale,
+                                  thread_pool& pool) {
+  check_attend_batch(seqs, n_seqs, p_.n_seq);
+  for (int b = 0; b < n_seqs; ++b) {
+    const attend_seq& a = seqs[b];
+    check_layer_seq("attend", il, a.seq_id);
+    const seq_state& sq = st(il, a.seq_id);
+    if (a.n_tokens < 1 || a.pos0 < 0 || (int64_t)a.pos0 + a.n_tokens > sq.n)
+      fail_input("[kv_cache] attend: queries at positions [" + std::to_string(a.pos0) + ", " +
+                 std::to_string((int64_t)a.pos0 + a.n_tokens) + ") need appended positions, layer " +
+                 std::to_string(il) + " of seq " + std::to_string(a.seq_id) + " holds " + std::to_string(sq.n));
+  }
   if (n_head < p_.n_kv_head || n_head % p_.n_kv_head != 0)
     fail_input("[kv_cache] attend: n_head " + std::to_string(n_head) + " is not a multiple of n_kv_head " +
                std::to_string(p_.n_kv_head));
+  if (n_seqs == 0) return;
   const int hd = p_.head_dim, nh = p_.n_kv_head, ng = n_head / nh;
   const bool k_int8 = k_.t->layout == kv_layout::per_token;
-  const size_t nq = (size_t)n_tokens * n_head;
+  // The batch's tokens are numbered across sequences: sequence b holds tokens [tok0_[b], tok0_[b + 1]).
+  tok0_.assign(n_seqs + 1, 0);
+  for (int b = 0; b < n_seqs; ++b) tok0_[b + 1] = tok0_[b] + seqs[b].n_tokens;
+  const int n_tok = tok0_[n_seqs];
+  const size_t nq = (size_t)n_tok * n_head;
+  seq_of_tok_.resize(n_tok);
+  for (int b = 0; b < n_seqs; ++b)
+    for (int t = tok0_[b]; t < tok0_[b + 1]; ++t) seq_of_tok_[t] = b;
   // 1. Q rotated once (and scaled by λ_K), then, when K is per-token quantized, int8 (int16 for
   // 8-bit K) with one scale per K group.
   qr_.resize(nq * hd);
-  std::memcpy(qr_.data(), q, nq * hd * sizeof(float));
+  for (int b = 0; b < n_seqs; ++b)
+    std::memcpy(&qr_[(size_t)tok0_[b] * n_head * hd], seqs[b].q, (size_t)seqs[b].n_tokens * n_head * hd * sizeof(float));
   const int qg = k_int8 ? k_.group : hd, nqg = hd / qg;  // one query scale per K group
   const bool q16 = k_int8 && k_.t->bits == 8;             // 8-bit K: an int16 query
   if (k_int8) {
@@ -527,7 +553,7 @@ void kv_cache_quant::attend(int il, int seq_id, int pos0, int n_tokens, int n_he
     else q8_.resize(nq * hd);
     q8s_.resize(nq * nqg);
   }
-  pool.parallel_for(n_tokens, (int64_t)nq * hd * 8, [&](int64_t t, int) {
+  pool.parallel_for(n_tok, (int64_t)nq * hd * 8, [&](int64_t t, int) {
     float* r = &qr_[(size_t)t * n_head * hd];
     if (!k_.lambda.empty())
       for (int h = 0; h < n_head; ++h) {
@@ -545,30 +571,63 @@ void kv_cache_quant::attend(int il, int seq_id, int pos0, int n_tokens, int n_he
       }
     }
   });
-  // 2. Work items: (kv head, query tile, body chunk). Decode-like calls split the body (split-K).
-  const int tile = n_tokens <= 16 ? n_tokens : 16;
-  const int n_tiles = (n_tokens + tile - 1) / tile;
+  // 2. Work items: (sequence, kv head, query tile, body chunk), numbered sequence by sequence.
+  // Decode-like batches too small to keep the threads busy split long bodies (split-K).
   const int chunk_align = std::max(32, unit_);
-  int n_chunks = 1;
   const int64_t want = 4LL * pool.size();
-  if ((int64_t)nh * n_tiles < want && sq.n_comp >= 2 * 1024) {
-    n_chunks = (int)std::min<int64_t>((want + nh * n_tiles - 1) / (nh * n_tiles), sq.n_comp / 1024);
+  int64_t base_items = 0;
+  plan_.resize(n_seqs);
+  for (int b = 0; b < n_seqs; ++b) {
+    const int nt = seqs[b].n_tokens, tile = nt <= 16 ? nt : 16;
+    plan_[b].tile = tile;
+    plan_[b].n_tiles = (nt + tile - 1) / tile;
+    base_items += (int64_t)nh * plan_[b].n_tiles;
   }
-  int chunk_rows = sq.n_comp;
-  if (n_chunks > 1) {
-    chunk_rows = ((sq.n_comp + n_chunks - 1) / n_chunks + chunk_align - 1) / chunk_align * chunk_align;
-    n_chunks = (sq.n_comp + chunk_rows - 1) / chunk_rows;
+  int64_t n_items = 0, state_rows = 0, ows_rows = 0;
+  for (int b = 0; b < n_seqs; ++b) {
+    seq_plan& pl = plan_[b];
+    const int n_comp = st(il, seqs[b].seq_id).n_comp;
+    int n_chunks = 1;
+    if (base_items < want && n_comp >= 2 * 1024)
+      n_chunks = (int)std::min<int64_t>((want + base_items - 1) / base_items, n_comp / 1024);
+    pl.chunk_rows = n_comp;
+    if (n_chunks > 1) {
+      pl.chunk_rows = ((n_comp + n_chunks - 1) / n_chunks + chunk_align - 1) / chunk_align * chunk_align;
+      n_chunks = (n_comp + pl.chunk_rows - 1) / pl.chunk_rows;
+    }
+    pl.n_chunks = n_chunks;
+    pl.item0 = n_items;
+    n_items += (int64_t)nh * pl.n_tiles * n_chunks;
+    pl.state0 = state_rows;  // [n_chunks][n_tokens * n_head] of this sequence
+    state_rows += (int64_t)n_chunks * seqs[b].n_tokens * n_head;
+    pl.ows0 = ows_rows;  // chunks 1.. accumulate their o here
+    ows_rows += (int64_t)(n_chunks - 1) * seqs[b].n_tokens * n_head;
   }
-  states_.resize((size_t)n_chunks * nq);
-  if (n_chunks > 1) ows_.resize((size_t)(n_chunks - 1) * nq * hd);
+  states_.resize((size_t)state_rows);
+  ows_.resize((size_t)ows_rows * hd);
   const bool dequant = p_.attn_impl == "dequant";
-  const int n_sink = std::min(sq.n, p_.sink), n_tail = tail_len(sq);
-  parallel_dynamic(pool, (int64_t)nh * n_tiles * n_chunks, (int64_t)nq * sq.n * hd * 2, [&](int64_t item, int) {
+  int64_t work = 0;  // multiply-adds of the batch, for the serial cut-off
+  for (int b = 0; b < n_seqs; ++b) work += (int64_t)seqs[b].n_tokens * n_head * st(il, seqs[b].seq_id).n * hd * 2;
+  parallel_dynamic(pool, n_items, work, [&](int64_t it, int) {
+    int b = 0;  // the sequence of item `it`: the last whose first item is <= it
+    for (int lo = 0, hi = n_seqs - 1; lo <= hi;) {
+      const int mid = (lo + hi) / 2;
+      if (plan_[mid].item0 <= it) b = mid, lo = mid + 1;
+      else hi = mid - 1;
+    }
+    const attend_seq& a = seqs[b];
+    const seq_plan& pl = plan_[b];
+    const seq_state& sq = st(il, a.seq_id);
+    const int64_t item = it - pl.item0;
+    const int n_chunks = pl.n_chunks, n_tiles = pl.n_tiles, chunk_rows = pl.chunk_rows;
     const int c = (int)(item % n_chunks), tl = (int)(item / n_chunks % n_tiles), h = (int)(item / n_chunks / n_tiles);
-    const int ta = tl * tile, tb = std::min(n_tokens, ta + tile);
-    const size_t hi = head_index(il, seq_id, h);
+    const int ta = tl * pl.tile, tb = std::min(a.n_tokens, ta + pl.tile);
+    const size_t nqs = (size_t)a.n_tokens * n_head;  // this sequence's (token, head) queries
+    const size_t qbase = (size_t)tok0_[b] * n_head;    // its first query in the batch buffers
+    const size_t hi = head_index(il, a.seq_id, h);
+    const int pos0 = a.pos0;
     attn_query_view qv;
-    qv.q = &qr_[((size_t)ta * n_head + (size_t)h * ng) * hd];
+    qv.q = &qr_[(qbase + (size_t)ta * n_head + (size_t)h * ng) * hd];
     qv.stride_t = (int64_t)n_head * hd;
     qv.n_tokens = tb - ta;
     qv.n_group = ng;
@@ -576,17 +635,17 @@ void kv_cache_quant::attend(int il, int seq_id, int pos0, int n_tokens, int n_he
     qv.pos0 = pos0 + ta;
     qv.scale = scale;
     if (k_int8) {
-      if (q16) qv.q16 = &q16_[((size_t)ta * n_head + (size_t)h * ng) * hd];
-      else qv.q8 = &q8_[((size_t)ta * n_head + (size_t)h * ng) * hd];
-      qv.q8_scale = &q8s_[((size_t)ta * n_head + (size_t)h * ng) * nqg];
+      if (q16) qv.q16 = &q16_[(qbase + (size_t)ta * n_head + (size_t)h * ng) * hd];
+      else qv.q8 = &q8_[(qbase + (size_t)ta * n_head + (size_t)h * ng) * hd];
+      qv.q8_scale = &q8s_[(qbase + (size_t)ta * n_head + (size_t)h * ng) * nqg];
       qv.q8_scale_stride_t = (int64_t)n_head * nqg;
       qv.q8_group = qg;
     }
-    attn_state* sts = &states_[(size_t)c * nq];
+    attn_state* sts = &states_[(size_t)pl.state0 + (size_t)c * nqs];
     for (int t = ta; t < tb; ++t)
       for (int g = 0; g < ng; ++g) {
         const size_t i = (size_t)t * n_head + (size_t)h * ng + g;
-        float* o = c == 0 ? out + i * hd : &ows_[((size_t)(c - 1) * nq + i) * hd];
+        float* o = c == 0 ? a.out + i * hd : &ows_[((size_t)pl.ows0 + (size_t)(c - 1) * nqs + i) * hd];
         sts[i] = attn_state::empty(o, hd);
       }
     // states of this tile, contiguous per token: [t][g] -> sts[t * n_head + h * ng + g]
@@ -603,6 +662,7 @@ void kv_cache_quant::attend(int il, int seq_id, int pos0, int n_tokens, int n_he
       for (int t = ta; t < tb; ++t)
         for (int g = 0; g < ng; ++g) dst_base[(size_t)t * n_head + (size_t)h * ng + g].merge(local[(t - ta) * ng + g]);
     };
+    const int n_sink = std::min(sq.n, p_.sink), n_tail = tail_len(sq);
     // compressed body chunk c
     const int r0 = c * chunk_rows, r1 = std::min(sq.n_comp, r0 + chunk_rows);
     if (r1 > r0 && p_.sink + r0 <= pos0 + tb - 1) {
@@ -648,11 +708,16 @@ void kv_cache_quant::attend(int il, int seq_id, int pos0, int n_tokens, int n_he
     }
   });
   // 3. merge the chunks, normalise, undo λ_V and the V rotation once per head
-  pool.parallel_for(n_tokens, (int64_t)nq * hd * 8, [&](int64_t t, int) {
+  pool.parallel_for(n_tok, (int64_t)nq * hd * 8, [&](int64_t tg, int) {
+    const int b = seq_of_tok_[tg];
+    const seq_plan& pl = plan_[b];
+    const int t = (int)tg - tok0_[b];
+    const size_t nqs = (size_t)seqs[b].n_tokens * n_head;
+    float* out = seqs[b].out;
     for (int hq = 0; hq < n_head; ++hq) {
       const size_t i = (size_t)t * n_head + hq;
-      attn_state& s0 = states_[i];
-      for (int c = 1; c < n_chunks; ++c) s0.merge(states_[(size_t)c * nq + i]);
+      attn_state& s0 = states_[(size_t)pl.state0 + i];
+      for (int c = 1; c < pl.n_chunks; ++c) s0.merge(states_[(size_t)pl.state0 + (size_t)c * nqs + i]);
       s0.finalize(out + i * hd);
     }
     v_.rot.inverse_n(out + (size_t)t * n_head * hd, n_head);
