@@ -4,9 +4,12 @@
 
 #include <unistd.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
 
 #include "support/data_dir.h"
 #include "support/run_cmd.h"
@@ -82,22 +85,111 @@ TEST(Cli, StreamingTextAndSummary) {
   EXPECT_NE(r.err.find("bytes/token"), std::string::npos) << r.err;
 }
 
+// KV bytes per token of the whole model (all layers, K and V) counted by hand from the format
+// definitions of docs/formats.md, not from the library: codes of `bits` x head_dim / 8 bytes plus
+// one f16 scale (and, asymmetric, one f16 zero point) per group of G elements, per token, kv head
+// and layer. G is the default group (32 when head_dim is a multiple of 32, else head_dim); KIVI K
+// stores per channel one f16 scale and zero per T = 32 tokens (4 d / T bytes per token), its V is
+// q{b}a; certified is its fast tier (K q8, V q4, one f16 error bound per row each) plus the host
+// tier's f16 originals of K and V (4 d). Returns -1 for a type it does not know.
+double hand_kv_bytes_per_token(const std::string& type, int n_layer, int n_kv_head, int d) {
+  const double G = d % 32 == 0 ? 32 : d, T = 32;
+  auto per_token = [&](int bits, bool asym) { return bits * d / 8.0 + (asym ? 2 : 1) * 2.0 * d / G; };
+  auto kivi_k = [&](int bits) { return bits * d / 8.0 + 4.0 * d / T; };
+  double side2 = -1;  // K + V bytes per token of one kv head of one layer
+  if (type == "f32") side2 = 2 * 4.0 * d;
+  else if (type == "f16" || type == "bf16") side2 = 2 * 2.0 * d;
+  else if (type == "q8") side2 = 2 * per_token(8, false);
+  else if (type == "q4") side2 = 2 * per_token(4, false);
+  else if (type == "q3") side2 = 2 * per_token(3, false);
+  else if (type == "q2") side2 = 2 * per_token(2, false);
+  else if (type == "q8a") side2 = 2 * per_token(8, true);
+  else if (type == "q4a") side2 = 2 * per_token(4, true);
+  else if (type == "q3a") side2 = 2 * per_token(3, true);
+  else if (type == "q2a") side2 = 2 * per_token(2, true);
+  else if (type == "kivi8") side2 = kivi_k(8) + per_token(8, true);
+  else if (type == "kivi4") side2 = kivi_k(4) + per_token(4, true);
+  else if (type == "kivi2") side2 = kivi_k(2) + per_token(2, true);
+  else if (type == "certified") side2 = (per_token(8, false) + 2) + (per_token(4, false) + 2) + 4.0 * d;
+  return side2 < 0 ? -1 : side2 * n_layer * n_kv_head;
+}
+
+std::string fmt2(double x) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%.2f", x);
+  return b;
+}
+
+// Every KV type of `kvq info` (JSON and the text table) on two shapes (head_dim 8 with G = 8,
+// head_dim 64 with G = 32): bytes/token equals the hand count above, the ratio equals f16 bytes /
+// format bytes, dense types allocate bytes/token x n_ctx, and no row carries an error.
 TEST(Cli, InfoListsKvTypes) {
-  KVQ_REQUIRE_DATA(model, "models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.gguf");
-  const auto r = run_cmd({test::kvq_bin(), "info", "-m", model, "--json"});
-  ASSERT_EQ(r.rc, 0) << r.err;
-  const auto j = nlohmann::json::parse(r.out);
-  EXPECT_EQ(j["head_dim"], 64);
-  EXPECT_EQ(j["n_kv_head"], 2);
-  EXPECT_EQ(j["n_head"], 8);
-  bool saw_f16 = false;
-  for (const auto& row : j["kv_types"])
-    if (row["type"] == "f16") {
-      saw_f16 = true;
-      EXPECT_EQ(row["bytes_per_token"], 6 * 2 * 64 * 2 * 2);
-      EXPECT_EQ(row["ratio_to_f16"], 1.0);
+  struct shape { const char* rel; int n_layer, n_kv_head, n_head, head_dim; };
+  // the hand count pinned to the figures of docs/quality.md: stories260K f16 640, q8 400, q4 240,
+  // kivi4 260 (5 layers x 4 kv heads x (K + V)); tinylit f16 3072, q8 1632 (8.5 bits), q4 864, kivi4 960
+  struct want { double f16, q8, q4, kivi4; };
+  const std::vector<std::pair<shape, want>> models = {
+      {{"models/stories260K/stories260K.gguf", 5, 4, 8, 8}, {640, 400, 240, 260}},
+      {{"models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.gguf", 6, 2, 8, 64}, {3072, 1632, 864, 960}},
+  };
+  const std::set<std::string> all_types = {"f32", "f16", "bf16", "q8", "q4", "q3", "q2", "q8a",
+                                           "q4a", "q3a", "q2a", "kivi8", "kivi4", "kivi2", "certified"};
+  for (const auto& [sh, w] : models) {
+    KVQ_REQUIRE_DATA(model, sh.rel);
+    SCOPED_TRACE(sh.rel);
+    const double f16 = hand_kv_bytes_per_token("f16", sh.n_layer, sh.n_kv_head, sh.head_dim);
+    ASSERT_EQ(f16, w.f16);
+    ASSERT_EQ(hand_kv_bytes_per_token("q8", sh.n_layer, sh.n_kv_head, sh.head_dim), w.q8);
+    ASSERT_EQ(hand_kv_bytes_per_token("q4", sh.n_layer, sh.n_kv_head, sh.head_dim), w.q4);
+    ASSERT_EQ(hand_kv_bytes_per_token("kivi4", sh.n_layer, sh.n_kv_head, sh.head_dim), w.kivi4);
+
+    const auto r = run_cmd({test::kvq_bin(), "info", "-m", model, "--json"});
+    ASSERT_EQ(r.rc, 0) << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["head_dim"], sh.head_dim);
+    EXPECT_EQ(j["n_kv_head"], sh.n_kv_head);
+    EXPECT_EQ(j["n_head"], sh.n_head);
+    EXPECT_EQ(j["n_layer"], sh.n_layer);
+    const int64_t n_ctx = j["n_ctx"];
+    std::set<std::string> seen;
+    for (const auto& row : j["kv_types"]) {
+      const std::string t = row["type"];
+      EXPECT_TRUE(seen.insert(t).second) << "type listed twice: " << t;
+      EXPECT_FALSE(row.contains("error")) << t << ": " << row.value("error", "");
+      const double want_bpt = hand_kv_bytes_per_token(t, sh.n_layer, sh.n_kv_head, sh.head_dim);
+      if (want_bpt < 0) {
+        ADD_FAILURE() << "kvq info lists '" << t << "', which has no hand count here";
+        continue;
+      }
+      if (!row.contains("bytes_per_token")) continue;
+      EXPECT_EQ(row["bytes_per_token"].get<double>(), want_bpt) << t;
+      EXPECT_NEAR(row["ratio_to_f16"].get<double>(), f16 / want_bpt, 1e-12) << t;
+      if (t == "f32" || t == "f16" || t == "bf16") {
+        EXPECT_EQ(row["bytes_at_n_ctx"].get<int64_t>(), (int64_t)want_bpt * n_ctx) << t;
+      }
     }
-  EXPECT_TRUE(saw_f16);
+    EXPECT_EQ(seen, all_types);
+
+    // the text table prints the same figures to two decimals: "type  bytes/token  ratio x  bytes at n_ctx"
+    const auto rt = run_cmd({test::kvq_bin(), "info", "-m", model});
+    ASSERT_EQ(rt.rc, 0) << rt.err;
+    std::istringstream lines(rt.out.substr(rt.out.find("bytes at n_ctx")));
+    std::string line;
+    std::getline(lines, line);  // the header
+    std::set<std::string> seen_text;
+    while (std::getline(lines, line)) {
+      std::istringstream f(line);
+      std::string t, bpt, ratio;
+      f >> t >> bpt >> ratio;
+      if (t.empty()) continue;
+      seen_text.insert(t);
+      const double want_bpt = hand_kv_bytes_per_token(t, sh.n_layer, sh.n_kv_head, sh.head_dim);
+      EXPECT_GE(want_bpt, 0) << line;
+      EXPECT_EQ(bpt, fmt2(want_bpt)) << line;
+      EXPECT_EQ(ratio, fmt2(f16 / want_bpt) + "x") << line;
+    }
+    EXPECT_EQ(seen_text, all_types);
+  }
 }
 
 // Bad input: exit code 2 and a message naming what was wrong; never a crash.
