@@ -18,6 +18,19 @@ void qk_i32_ref(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, in
 void qk_i32_ref(const kv_quant_side& k, int r0, int n_rows, const int16_t* q16, int hd, int32_t* dots);
 void qk_i32_avx2(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, int hd, int32_t* dots);
 void qk_i32_avx512(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, int hd, int32_t* dots);
+// Test hook: the same dots as the fused engine's own integer scorers compute them (tile_scores_packed
+// for 4/2-bit K, tile_scores_int for 8/3-bit K with an int8 query, tile_scores_i16 for 8-bit K
+// with an int16 query, through the engine's with_shape dispatch, 32-row blocks and 8-row tiles),
+// for n_q queries q8[n_q, hd] (or q16[n_q, hd], 8-bit K only; the other pointer null) and rows
+// [r0, r0 + n_rows): dots[(qi * n_rows + j) * n_groups + g], as the float each scorer returns.
+// The scorers return only float scores, so each group is scored with unit constants (K scale 1 in
+// that group and 0 in the others, query scale 1, no offset, no zero, no attention scale): every
+// float operation is then exact and the float is the scorer's i32 dot converted once, exact while
+// |dot| < 2^24 (or dot has enough trailing zeros). n_q <= 8.
+void qk_engine_dots_avx2(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, const int16_t* q16, int n_q,
+                         int hd, float* dots);
+void qk_engine_dots_avx512(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, const int16_t* q16,
+                           int n_q, int hd, float* dots);
 // sums[g] = sum over group g of q8[i].
 void q8_group_sums(const int8_t* q8, int hd, int group, int32_t* sums);
 void q8_group_sums(const int16_t* q16, int hd, int group, int32_t* sums);

@@ -2,8 +2,10 @@
 // parts to f32 rounding) on views built from the reference quantizers.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <vector>
 
@@ -118,13 +120,16 @@ struct simd_tier {
   const char* name;
   bool available;
   void (*qk)(const kv_quant_side&, int, int, const int8_t*, int, int32_t*);
+  void (*engine_dots)(const kv_quant_side&, int, int, const int8_t*, const int16_t*, int, int, float*);
   bool (*supported)(const kv_quant_view&);
   void (*attend)(const kv_quant_view&, const attn_query_view&, attn_state*);
 };
 std::vector<simd_tier> simd_tiers() {
   const auto& c = cpu();
-  return {{"avx2", c.avx2 && c.fma && c.f16c, qk_i32_avx2, attn_quant_supported_avx2, attn_quant_avx2},
-          {"avx512", best_isa() >= isa::avx512, qk_i32_avx512, attn_quant_supported_avx512, attn_quant_avx512}};
+  return {{"avx2", c.avx2 && c.fma && c.f16c, qk_i32_avx2, qk_engine_dots_avx2, attn_quant_supported_avx2,
+           attn_quant_avx2},
+          {"avx512", best_isa() >= isa::avx512, qk_i32_avx512, qk_engine_dots_avx512, attn_quant_supported_avx512,
+           attn_quant_avx512}};
 }
 
 void PrintTo(const simd_tier& t, std::ostream* os) { *os << t.name; }  // test names, not raw bytes
@@ -153,6 +158,85 @@ TEST_P(attn_simd_tiers, qk_integer_dots_bit_exact_with_scalar) {
         tier.qk(b.side, 0, 40, q8.data(), hd, a.data());
         ASSERT_EQ(r, a) << kv_traits(f).name << " hd " << hd << " group " << group;
       }
+}
+
+// The integer scoring the fused engine really runs (qk_engine_dots_*: tile_scores_packed for 4/2-bit
+// K, tile_scores_int for 8/3-bit K with an int8 query, tile_scores_i16 for 8-bit K with an int16
+// query) equals qk_i32_ref bit for bit. The hook returns each i32 dot as a float through exact
+// steps; comparing with (float)reference is comparing the integers when every reference dot is
+// below 2^24 in magnitude (a wrong dot then converts to a different float, or is >= 2^24), which is
+// checked per case: int8 queries always are (127 * 128 * 256 < 2^24). int16 queries run twice: full
+// range values that are multiples of 64 (|q| <= 504 * 64, dots multiples of 64 below 2^30: exact, and
+// any error is a multiple of 64 too, so seen) and any values up to (2^24 - 1) / (128 * group).
+// Rows [3, 3 + n) of a side whose first and last of them hold all-maximum / all-minimum codes;
+// queries all +max / all -max besides random ones; 1, 6 and 7 queries (the packed scorer's batches
+// of 1, 4 + 2 and 4 + 3).
+TEST_P(attn_simd_tiers, engine_integer_scores_bit_exact_with_scalar) {
+  const simd_tier tier = GetParam();
+  if (!tier.available) GTEST_SKIP() << "no " << tier.name << " on this CPU (or KVQ_ISA lowers it)";
+  std::mt19937 rng(6);
+  enum class qkind { i8, i16_hi, i16_lo };
+  const int n_qs[] = {7, 6, 1};
+  int idx = 0, cases = 0;
+  for (kv_format f : {kv_format::q8, kv_format::q4, kv_format::q3, kv_format::q2, kv_format::q8a, kv_format::q4a,
+                      kv_format::q3a, kv_format::q2a})
+    for (int hd : {64, 128, 96, 256})
+      for (int group : {32, 64, 128, 0}) {
+        if (group == 0) group = hd;
+        else if (group >= hd || hd % group) continue;  // (group == hd runs once, as 0)
+        for (int n_rows : {1, 17, 97}) {
+          const int r0 = 3, n_q = n_qs[idx++ % 3], ng = hd / group;
+          const auto& t = kv_traits(f);
+          auto b = make_side(f, r0 + n_rows, hd, group, rng);
+          auto fill_row = [&](int row, int code) {
+            std::vector<uint8_t> u(hd, (uint8_t)code);  // the stored code (an int8 for 8 bits)
+            pack_codes(t.bits, u.data(), hd, &b.codes[(size_t)row * b.side.code_stride]);
+          };
+          fill_row(r0, t.code_max);
+          if (n_rows > 1) fill_row(r0 + n_rows - 1, t.code_min);
+          std::vector<qkind> kinds = {qkind::i8};
+          if (t.bits == 8) kinds = {qkind::i8, qkind::i16_hi, qkind::i16_lo};
+          for (qkind kind : kinds) {
+            // query value range: int8 +-127; int16 high: multiples of 64; int16 low: exact dots
+            const int lim = kind == qkind::i8       ? 127
+                            : kind == qkind::i16_hi ? 504
+                                                    : std::min(kq16_max, ((1 << 24) - 1) / (128 * group));
+            const int mul = kind == qkind::i16_hi ? 64 : 1;
+            std::vector<int8_t> q8((size_t)n_q * hd);
+            std::vector<int16_t> q16((size_t)n_q * hd);
+            for (int qi = 0; qi < n_q; ++qi)
+              for (int i = 0; i < hd; ++i) {
+                const int v = (qi == 1 ? lim : qi == 2 ? -lim : (int)(rng() % (2 * lim + 1)) - lim) * mul;
+                q8[(size_t)qi * hd + i] = (int8_t)v;
+                q16[(size_t)qi * hd + i] = (int16_t)v;
+              }
+            const size_t per_q = (size_t)n_rows * ng;
+            std::vector<int32_t> ref(n_q * per_q);
+            for (int qi = 0; qi < n_q; ++qi) {
+              if (kind == qkind::i8) qk_i32_ref(b.side, r0, n_rows, &q8[(size_t)qi * hd], hd, &ref[qi * per_q]);
+              else qk_i32_ref(b.side, r0, n_rows, &q16[(size_t)qi * hd], hd, &ref[qi * per_q]);
+            }
+            std::vector<float> got(ref.size(), NAN);
+            tier.engine_dots(b.side, r0, n_rows, kind == qkind::i8 ? q8.data() : nullptr,
+                             kind == qkind::i8 ? nullptr : q16.data(), n_q, hd, got.data());
+            const char* kname = kind == qkind::i8 ? "int8" : kind == qkind::i16_hi ? "int16 high" : "int16 low";
+            int bad = 0;
+            for (size_t i = 0; i < ref.size(); ++i) {
+              // the test's premise: the float of each reference dot stands for exactly that integer
+              if (kind == qkind::i16_hi) ASSERT_TRUE(ref[i] % 64 == 0 && std::abs(ref[i]) < (1 << 30));
+              else ASSERT_LT(std::abs(ref[i]), 1 << 24);
+              if (got[i] == (float)ref[i]) continue;
+              if (bad++ == 0)
+                ADD_FAILURE() << t.name << " hd " << hd << " group " << group << " rows " << n_rows << " " << kname
+                              << " query " << i / per_q << " row " << i % per_q / ng << " group " << i % ng
+                              << ": scorer " << got[i] << ", reference " << ref[i];
+            }
+            ASSERT_EQ(bad, 0) << t.name << " hd " << hd << " group " << group << " rows " << n_rows << " " << kname;
+            ++cases;
+          }
+        }
+      }
+  std::printf("[tiers] %s engine scorers vs qk_i32_ref: %d cases bit-exact\n", tier.name, cases);
 }
 
 // The whole fused kernel: AVX2 vs the scalar reference on the same views (float parts differ only
