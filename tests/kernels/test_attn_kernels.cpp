@@ -7,6 +7,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <set>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kernels/attn_dense_tiers.h"
@@ -239,8 +242,16 @@ TEST_P(attn_simd_tiers, engine_integer_scores_bit_exact_with_scalar) {
   std::printf("[tiers] %s engine scorers vs qk_i32_ref: %d cases bit-exact\n", tier.name, cases);
 }
 
+// Group i % 4 of {32, 64, 128, head_dim}; head_dim where that one does not divide it.
+int group_at(int hd, int i) {
+  const int g[] = {32, 64, 128, hd};
+  return hd % g[i % 4] == 0 ? g[i % 4] : hd;
+}
+
 // The whole fused kernel: AVX2 vs the scalar reference on the same views (float parts differ only
-// by summation order and the vector exp).
+// by summation order and the vector exp). Per-token K and V groups cycle through 32, 64, 128 and
+// head_dim (checked below: every such group of every head_dim is met, for K with per-head and
+// per-group query scales).
 TEST_P(attn_simd_tiers, fused_matches_reference) {
   const simd_tier tier = GetParam();
   if (!tier.available) GTEST_SKIP() << "no " << tier.name << " on this CPU (or KVQ_ISA lowers it)";
@@ -252,14 +263,19 @@ TEST_P(attn_simd_tiers, fused_matches_reference) {
                              kv_format::f32, kv_format::bf16};
   int idx = 0;
   double worst = 0;
+  std::set<std::tuple<int, int, bool>> k_met;  // (head_dim, K group, per-group query scales)
+  std::set<std::pair<int, int>> v_met;         // (head_dim, V group)
   for (kv_format fk : kfmts)
     for (kv_format fv : vfmts)
       for (int hd : {64, 128, 256}) {
         ++idx;
         const int n_pos = 50 + (idx * 37) % 300, ng = 1 + idx % 8, n_tok = idx % 3 == 0 ? 5 : 1;
-        const int kg = kv_traits(fk).layout == kv_layout::per_channel ? (idx % 2 ? 32 : 16) : (idx % 2 ? 32 : hd);
+        const bool k_chan = kv_traits(fk).layout == kv_layout::per_channel;
+        const int kg = k_chan ? (idx % 2 ? 32 : 16) : group_at(hd, idx / 2);  // (KIVI: tokens per group)
+        const int vg = group_at(hd, idx / 8);
         auto kb = make_side(fk, n_pos, hd, kg, rng);
-        auto vb = make_side(fv, n_pos, hd, idx % 2 ? 32 : hd, rng);
+        auto vb = make_side(fv, n_pos, hd, vg, rng);
+        if (kv_traits(fv).layout == kv_layout::per_token) v_met.insert({hd, vg});
         kv_quant_view kv;
         kv.k = kb.side;
         kv.v = vb.side;
@@ -294,6 +310,7 @@ TEST_P(attn_simd_tiers, fused_matches_reference) {
         qv.q8_scale = q8s.data();
         qv.q8_scale_stride_t = (int64_t)ng * nqg;
         qv.q8_group = qg == hd ? 0 : qg;
+        if (kv_traits(fk).layout == kv_layout::per_token) k_met.insert({hd, kg, qv.q8_group != 0});
         const int nq = n_tok * ng;
         std::vector<float> o_ref((size_t)nq * hd), o_avx((size_t)nq * hd), f_ref(o_ref.size()), f_avx(o_ref.size());
         std::vector<attn_state> s_ref(nq), s_avx(nq);
@@ -315,8 +332,18 @@ TEST_P(attn_simd_tiers, fused_matches_reference) {
           m = std::max(m, (double)std::fabs(f_ref[i]));
         }
         worst = std::max(worst, e / m);
-        EXPECT_LE(e / m, 2e-5) << kv_traits(fk).name << "/" << kv_traits(fv).name << " hd " << hd;
+        EXPECT_LE(e / m, 2e-5) << kv_traits(fk).name << "/" << kv_traits(fv).name << " hd " << hd << " K group "
+                               << kg << " V group " << vg << " query scale group " << qg;
       }
+  for (int hd : {64, 128, 256})
+    for (int g : {32, 64, 128, 256}) {
+      if (g > hd) continue;
+      EXPECT_TRUE(k_met.count({hd, g, false})) << "hd " << hd << " K group " << g << " (per-head query scale)";
+      if (g < hd) {
+        EXPECT_TRUE(k_met.count({hd, g, true})) << "hd " << hd << " K group " << g << " (per-group query scales)";
+      }
+      EXPECT_TRUE(v_met.count({hd, g})) << "hd " << hd << " V group " << g;
+    }
   std::printf("[tiers] fused %s vs scalar reference: %d views, worst relative difference %.3g\n", tier.name, idx,
               worst);
 }
