@@ -117,8 +117,9 @@ side_buf make_side(kv_format f, int n_rows, int hd, int group, std::mt19937& rng
   return b;
 }
 
-// The SIMD tiers under test, each skipped (with a message) where this CPU lacks it: the AVX-512
-// tier runs only on a CPU with AVX-512 VL + VNNI (e.g. the CUDA machine's Xeon host).
+// The SIMD tiers under test, each skipped (with a message) where best_isa() does not reach it: the
+// CPU lacks it (the AVX-512 tier needs AVX-512 VL + VNNI) or KVQ_ISA lowers the tier (KVQ_ISA=scalar
+// skips both, KVQ_ISA=avx2 the AVX-512 one).
 struct simd_tier {
   const char* name;
   bool available;
@@ -128,8 +129,7 @@ struct simd_tier {
   void (*attend)(const kv_quant_view&, const attn_query_view&, attn_state*);
 };
 std::vector<simd_tier> simd_tiers() {
-  const auto& c = cpu();
-  return {{"avx2", c.avx2 && c.fma && c.f16c, qk_i32_avx2, qk_engine_dots_avx2, attn_quant_supported_avx2,
+  return {{"avx2", best_isa() >= isa::avx2, qk_i32_avx2, qk_engine_dots_avx2, attn_quant_supported_avx2,
            attn_quant_avx2},
           {"avx512", best_isa() >= isa::avx512, qk_i32_avx512, qk_engine_dots_avx512, attn_quant_supported_avx512,
            attn_quant_avx512}};
