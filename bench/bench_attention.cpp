@@ -3,10 +3,11 @@
 // (hadamard) fused, kivi2 fused, and q4 dequantize-then-attend. Counter bytes_per_second: bytes of
 // the cache read per second (bytes_used() of the layer); the copy_roofline benchmarks of the same
 // binary give the memory roofline (bytes copied per second with 2 threads, and bytes read).
-//   ./bench_attention --benchmark_counters_tabular=true
+//   ./bench_attention --benchmark_counters_tabular=true   (KVQ_BENCH_THREADS=N: N threads instead of 2)
 #include <benchmark/benchmark.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -19,7 +20,8 @@
 
 namespace {
 
-constexpr int kHeadDim = 128, kHeads = 32, kKvHeads = 8, kThreads = 2;
+constexpr int kHeadDim = 128, kHeads = 32, kKvHeads = 8;
+const int kThreads = getenv("KVQ_BENCH_THREADS") ? atoi(getenv("KVQ_BENCH_THREADS")) : 2;
 
 kvq::thread_pool& pool() {
   static kvq::thread_pool p(kThreads);

@@ -73,7 +73,8 @@ void attn_dense_ref(const kv_dense_view& kv, const attn_query_view& qv, attn_sta
 }
 
 void attn_dense(const kv_dense_view& kv, const attn_query_view& q, attn_state* states) {
-  if (best_isa() >= isa::avx2 && attn_dense_avx2_supported(kv)) return attn_dense_avx2(kv, q, states);
+  if (best_isa() >= isa::avx512 && attn_dense_supported_avx512(kv)) return attn_dense_avx512(kv, q, states);
+  if (best_isa() >= isa::avx2 && attn_dense_supported_avx2(kv)) return attn_dense_avx2(kv, q, states);
   attn_dense_ref(kv, q, states);
 }
 
