@@ -1,6 +1,7 @@
 // Certified cache on a real model and real text (stories260K, TinyStories validation): every
-// measured bound holds, tol 0 reproduces the f16 cache's logits, and at tol 1e-1 / 1e-2 / 1e-3
-// every returned attention output is within tol of exact attention. (The closing figures of
+// measured bound holds, tol 0 reproduces the f16 cache's attention (and its logits up to the
+// model's amplification of f32 rounding), and at tol 1e-1 / 1e-2 / 1e-3 every returned attention
+// output is within tol of exact attention. (The closing figures of
 // issue 6 come from kvq perplexity: docs/certified.md.)
 #include <gtest/gtest.h>
 
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "kvq/certified.h"
+#include "kvq/f16.h"
 #include "kvq/model.h"
 #include "kvq/perplexity.h"
 #include "kvq/tokenizer.h"
@@ -84,6 +86,85 @@ class CertifiedModel : public ::testing::Test {
   thread_pool pool{2};
 };
 
+// Two caches in lock step: both receive every append and attend (the same K, V and queries), the
+// model goes on with the reference cache's outputs, and every (token, query head) output of the
+// other cache is compared with the reference's, row by row, against an f32 rounding allowance.
+// The allowance is that of the f16 cache's f32 online softmax over f16 K/V (the other side, exact
+// f64 attention rounded to f32, adds one f32 rounding): scores carry a relative rounding of at
+// most (hd + 2) u of scale * sum_i |q_i k_i| (delta below), moving the softmax weights by at most
+// e^(2 delta) - 1 in l1; exp, the running sums, the rescales and the final division add (2n + 24) u
+// of max |v|. u = 2^-24, n keys.
+class lockstep final : public kv_cache {
+ public:
+  lockstep(kv_cache& ref, kv_cache& other) : ref_(ref), other_(other) {}
+  const kv_cache_params& params() const override { return ref_.params(); }
+  void append(int il, int seq_id, int n_tokens, const float* k, const float* v) override {
+    ref_.append(il, seq_id, n_tokens, k, v);
+    other_.append(il, seq_id, n_tokens, k, v);
+    const size_t m = (size_t)n_tokens * params().n_kv_head * params().head_dim;
+    k16_.resize(params().n_layer);
+    v16_.resize(params().n_layer);
+    for (size_t i = 0; i < m; ++i) {
+      k16_[il].push_back(f16_to_f32(f32_to_f16(k[i])));
+      v16_[il].push_back(f16_to_f32(f32_to_f16(v[i])));
+    }
+  }
+  void attend(int il, int seq_id, int pos0, int n_tokens, int n_head, const float* q, float scale, float* out,
+              thread_pool& pool) override {
+    const int hd = params().head_dim, nkv = params().n_kv_head, ng = n_head / nkv;
+    std::vector<float> o((size_t)n_tokens * n_head * hd);
+    ref_.attend(il, seq_id, pos0, n_tokens, n_head, q, scale, out, pool);
+    other_.attend(il, seq_id, pos0, n_tokens, n_head, q, scale, o.data(), pool);
+    constexpr double u = 0x1p-24;
+    for (int t = 0; t < n_tokens; ++t)
+      for (int h = 0; h < n_head; ++h) {
+        const float* qh = q + ((size_t)t * n_head + h) * hd;
+        const int n = pos0 + t + 1, kh = h / ng;
+        double smax = 0, vmax = 0;
+        for (int j = 0; j < n; ++j) {
+          const float* kj = &k16_[il][((size_t)j * nkv + kh) * hd];
+          const float* vj = &v16_[il][((size_t)j * nkv + kh) * hd];
+          double a = 0;
+          for (int i = 0; i < hd; ++i) {
+            a += std::fabs((double)qh[i] * kj[i]);
+            vmax = std::max(vmax, (double)std::fabs(vj[i]));
+          }
+          smax = std::max(smax, a * scale);
+        }
+        const double delta = (hd + 2) * u * smax;
+        const double allow = (std::expm1(2 * delta) + (2.0 * n + 24) * u) * vmax * 1.01;
+        double d = 0;
+        for (int i = 0; i < hd; ++i) {
+          const size_t x = ((size_t)t * n_head + h) * hd + i;
+          d = std::max(d, (double)std::fabs(o[x] - out[x]));
+        }
+        ++rows;
+        if (!(d <= allow)) ++over;
+        max_ratio = std::max(max_ratio, d / allow);
+        max_rel = std::max(max_rel, d / vmax);
+      }
+  }
+  int n_pos(int seq_id) const override { return ref_.n_pos(seq_id); }
+  void clear(int seq_id) override {
+    ref_.clear(seq_id);
+    other_.clear(seq_id);
+    for (auto* s : {&k16_, &v16_})
+      for (auto& l : *s) l.clear();
+  }
+  void truncate(int, int) override { FAIL() << "not used"; }
+  size_t bytes() const override { return ref_.bytes(); }
+  size_t bytes_used() const override { return ref_.bytes_used(); }
+  std::string describe() const override { return ref_.describe(); }
+
+  uint64_t rows = 0, over = 0;
+  double max_ratio = 0, max_rel = 0;
+
+ private:
+  kv_cache& ref_;
+  kv_cache& other_;
+  std::vector<std::vector<float>> k16_, v16_;  // [n_layer][pos, kv head, hd] f16-rounded, seq 0
+};
+
 TEST_F(CertifiedModel, Stories260KBoundsHoldAndTolZeroIsF16) {
   kv_cache_params p = f.m->cache_params(n_ctx);
   p.type_k = p.type_v = "certified";
@@ -100,12 +181,33 @@ TEST_F(CertifiedModel, Stories260KBoundsHoldAndTolZeroIsF16) {
   EXPECT_EQ(s.violations, 0u) << c->summary();
   EXPECT_GE(s.ratio_min, 1.0);
   std::printf("%s", c->summary().c_str());
-  // tol 0: exact attention over the f16 originals, i.e. the f16 cache up to f32 rounding
+  // tol 0: exact attention over the f16 originals, i.e. the f16 cache up to f32 rounding. Checked
+  // in lock step, where it is a local claim: every output row of c1 is within the f32 rounding
+  // allowance of the f16 cache's row for the same K, V and query (measured: at most 0.03 of the
+  // allowance, 1.9e-6 of max |v|; an f32 cache, which skips the f16 rounding, exceeds it in 94% of
+  // the rows, by up to 91x).
   p.certify_tol = 0;
   p.certify_measure = false;
-  auto c0 = make_kv_cache(p);
   kv_cache_params pf = f.m->cache_params(n_ctx);
   pf.type_k = pf.type_v = "f16";
+  {
+    auto c1 = make_kv_cache(p);
+    auto f1 = make_kv_cache(pf);
+    lockstep ls(*f1, *c1);
+    run_text(*f.m, ls, f.ids, f.bos, n_ctx, n_chunks, n_ctx, pool);
+    EXPECT_EQ(ls.rows, s.steps);
+    EXPECT_EQ(ls.over, 0u) << "max |difference| / allowance " << ls.max_ratio;
+    EXPECT_EQ(c1->stats().heads_exact, s.steps);
+  }
+  // End to end, each cache running the model on its own outputs: the logits cannot agree to f32
+  // rounding. stories260K amplifies a 1-ulp change of the attention outputs (layers 0-1) to up to
+  // 4.0e-4 of max |logit| (200 random +-1 ulp perturbations: 3.96e-4 with the AVX-512 kernels,
+  // 3.11e-4 with KVQ_ISA=scalar; the f16 cache alone, scalar vs AVX-512 matmul: 3.7e-4), because
+  // |q|, |k| reach 35 and 27 in 8 dims (scores up to 200) and each upstream difference flips the
+  // f16 rounding of some K/V elements of the next layers, a 2^-11 relative step each (one 1-ulp
+  // perturbation of layer 0: 9 flipped K/V elements in layer 1, 345 in layer 4). Measured here:
+  // 5.3e-5 (AVX-512) and 3.0e-4 (scalar); the bound leaves 2.5x over the largest such effect seen.
+  auto c0 = make_kv_cache(p);
   auto f16 = make_kv_cache(pf);
   text_run r0 = run_text(*f.m, *c0, f.ids, f.bos, n_ctx, n_chunks, n_ctx, pool);
   text_run rf = run_text(*f.m, *f16, f.ids, f.bos, n_ctx, n_chunks, n_ctx, pool);
@@ -114,7 +216,7 @@ TEST_F(CertifiedModel, Stories260KBoundsHoldAndTolZeroIsF16) {
     md = std::max(md, (double)std::fabs(r0.logits[i] - rf.logits[i]));
     mx = std::max(mx, (double)std::fabs(rf.logits[i]));
   }
-  EXPECT_LT(md, 1e-4 * mx);
+  EXPECT_LT(md, 1e-3 * mx);
   EXPECT_NEAR(r0.nll / r0.n, rf.nll / rf.n, 1e-5);
   EXPECT_EQ(c0->stats().heads_exact, s.steps);
 }
