@@ -2,6 +2,7 @@
 // Tools are thin: they parse flags, call the library, print.
 #pragma once
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <functional>
 #include <string>
@@ -32,6 +33,13 @@ void add_kv_flags(CLI::App* app, kv_cache_params& p);
 // Writes `text` to `path` atomically (temp file + rename), so a failure never leaves a
 // half-written file. Throws kvq::error(io).
 void write_file_atomic(const std::string& path, const std::string& text);
+
+// JSON text of j for stdout and plot scripts; bytes that are not valid UTF-8 in its strings (a
+// generated token that splits a character, a prompt or GGUF name in another encoding) become
+// U+FFFD, as the Hugging Face and llama.cpp servers do, instead of failing the whole output.
+inline std::string json_text(const nlohmann::json& j, int indent = -1) {
+  return j.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
+}
 
 // Runs scripts/<script> (python3 + matplotlib) on a JSON document to draw `png` (tmp + rename:
 // a failure leaves no PNG). Throws kvq::error(io). Defined in cmd_kv_error.cpp.

@@ -147,7 +147,7 @@ void check_plotter(const std::string& png) {
   nlohmann::json j{{"model", "check"}, {"model_desc", "check"}, {"fill", "real"}, {"n_threads", 1}, {"n_ctx_train", 0}};
   j["rows"] = nlohmann::json::array({{{"type_k", "f16"}, {"type_v", "f16"}, {"depth", 0}, {"decode_tokens_per_s", 1.0},
                                       {"kv_bytes_used", 0}, {"beyond_train_ctx", false}}});
-  as_bench("--plot '" + png + "': cannot plot before the run: ", [&] { run_plot_script("plot_bench.py", j.dump(), probe); });
+  as_bench("--plot '" + png + "': cannot plot before the run: ", [&] { run_plot_script("plot_bench.py", json_text(j), probe); });
   std::remove(probe.c_str());
 }
 
@@ -246,7 +246,7 @@ int run_bench(bench_opts& o) {
 
   // Results first, the plot after: a plot failure must not lose a long run.
   if (o.json) {
-    std::printf("%s\n", j.dump().c_str());
+    std::printf("%s\n", json_text(j).c_str());
   } else {
     std::printf("model: %s%s\n", r.model_desc.c_str(), o.shape.empty() ? "" : (", " + o.weights + " weights").c_str());
     std::printf("machine: %s, %d CPUs, load average %.2f at start, %.2f at end\n", mi.cpu.c_str(), mi.n_cpu,
@@ -276,7 +276,7 @@ int run_bench(bench_opts& o) {
   std::fflush(stdout);
   if (!o.plot.empty()) {
     as_bench("--plot '" + o.plot + "': the results above are complete, the plot failed: ",
-             [&] { run_plot_script("plot_bench.py", j.dump(), o.plot); });
+             [&] { run_plot_script("plot_bench.py", json_text(j), o.plot); });
     std::fprintf(stderr, "[kvq] plot written to %s\n", o.plot.c_str());
   }
   return 0;

@@ -65,7 +65,7 @@ int run_generate(generate_opts& o) {
     j["kv_bytes_allocated"] = r.kv_bytes;
     j["kv_bytes_used"] = r.kv_bytes_used;
     add_certified_json(j, certified.reports());
-    std::printf("%s\n", j.dump().c_str());
+    std::printf("%s\n", json_text(j).c_str());
   } else {
     std::fprintf(stderr,
                  "\n[kvq] prompt %zu tokens, generated %zu tokens (stop: %s, seed %llu)\n"

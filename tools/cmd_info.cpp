@@ -61,7 +61,7 @@ int run_info(info_opts& o) {
                      {"rope", hp.rope == rope_type::neox ? "neox" : "norm"}, {"rms_eps", hp.rms_eps},
                      {"attn_scale", hp.attn_scale}, {"tied_output", hp.tied_output}, {"n_params", hp.n_params},
                      {"n_ctx", n_ctx}, {"kv_types", rows}};
-    std::printf("%s\n", j.dump(2).c_str());
+    std::printf("%s\n", json_text(j, 2).c_str());
     return 0;
   }
   std::printf("model        %s\n", o.model_path.c_str());

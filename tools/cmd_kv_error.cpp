@@ -153,9 +153,9 @@ int run_kv_error(kv_error_opts& o) {
     };
   const kv_error_result r = kv_error(*m, ids, perplexity_bos(*tok), o.p, prog);
   const nlohmann::json j = to_json(o, r);
-  if (!o.plot.empty()) run_plot_script("plot_kv_error.py", j.dump(), o.plot);
+  if (!o.plot.empty()) run_plot_script("plot_kv_error.py", json_text(j), o.plot);
   if (o.json) {
-    std::printf("%s\n", j.dump().c_str());
+    std::printf("%s\n", json_text(j).c_str());
     return 0;
   }
   std::printf("model %s: %d layers x %d heads (%d kv heads, head_dim %d); %d chunk(s) of %d tokens, %lld queries/head\n",

@@ -85,7 +85,7 @@ int run_perplexity(perplexity_opts& o) {
   if (o.json) {
     nlohmann::json j = to_json(o, r);
     add_certified_json(j, certified.reports());
-    std::printf("%s\n", j.dump().c_str());
+    std::printf("%s\n", json_text(j).c_str());
     return 0;
   }
   print_certified_reports(certified.reports());

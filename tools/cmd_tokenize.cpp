@@ -22,7 +22,7 @@ int run_tokenize(tokenize_opts& o) {
     for (int32_t id : ids) std::printf("%6d -> '%s'\n", id, tok->token_to_piece(id).c_str());
     return 0;
   }
-  std::printf("%s\n", nlohmann::json(ids).dump().c_str());
+  std::printf("%s\n", json_text(nlohmann::json(ids)).c_str());
   return 0;
 }
 

@@ -1,11 +1,14 @@
 // make_kv_cache(): validates params and picks the implementation (STYLE.md habit 7).
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <new>
 #include <string>
 #include <vector>
 
 #include "cache/kv_cache_impl.h"
 #include "kvq/certified.h"
+#include "kvq/cpu.h"
 #include "kvq/error.h"
 #include "kvq/quant.h"
 #include "kvq/rotation.h"
@@ -45,9 +48,17 @@ void validate_cache_shape(const kv_cache_params& p) {
   for (const auto* side : {&p.type_k, &p.type_v}) {
     bool known = false;
     for (const auto& t : kv_type_names()) known = known || t == *side;
-    if (!known)
-      fail_input(std::string("[kv_cache] unknown ") + (side == &p.type_k ? "K" : "V") + " cache type '" +
-                 *side + "' (supported: " + joined_type_names() + ")");
+    if (!known) {
+      // llama.cpp's --cache-type names, for users coming from there (q4_0 is per-token symmetric
+      // 4-bit with an f16 scale per 32 elements, as kvq's q4; q4_1 adds a minimum, as q4a)
+      static const char* const llama[][2] = {{"q8_0", "q8"}, {"q4_0", "q4"}, {"q4_1", "q4a"},
+                                             {"q5_0", "q4 or q8"}, {"q5_1", "q4a or q8a"}, {"iq4_nl", "q4"}};
+      std::string hint;
+      for (const auto& l : llama)
+        if (*side == l[0]) hint = std::string("; llama.cpp's ") + l[0] + " is closest to kvq's " + l[1];
+      fail_input(std::string("[kv_cache] unknown ") + (side == &p.type_k ? "K" : "V") + " cache type '" + *side +
+                 "' (supported: " + joined_type_names() + ")" + hint);
+    }
   }
 }
 
@@ -88,11 +99,33 @@ void check_attend_batch(const attend_seq* seqs, int n_seqs, int n_seq) {
 }
 
 std::unique_ptr<kv_cache> make_kv_cache(const kv_cache_params& p) {
-  switch (impl_of(p)) {
-    case cache_impl::certified: return make_kv_cache_certified(p);
-    case cache_impl::dense: return make_kv_cache_dense(p);
-    default: return make_kv_cache_quant(p);
+  const cache_impl impl = impl_of(p);  // validates the params
+  // Refused up front rather than left to the allocator (an OOM kill, or std::bad_alloc as an
+  // internal error): a cache larger than the memory available now.
+  const size_t need = kv_bytes_at_ctx(p), avail = mem_available_bytes();
+  auto too_big = [&](const std::string& why) {
+    char b[320];
+    std::snprintf(b, sizeof b,
+                  "[kv_cache] a cache of n_ctx %d x n_seq %d (K %s / V %s) needs %.2f GiB, %s; lower -c or "
+                  "use a smaller KV type",
+                  p.n_ctx, p.n_seq, p.type_k.c_str(), p.type_v.c_str(), need / 1073741824.0, why.c_str());
+    fail_input(b);
+  };
+  if (avail > 0 && need > avail) {
+    char b[96];
+    std::snprintf(b, sizeof b, "more than the %.2f GiB of memory available (MemAvailable)", avail / 1073741824.0);
+    too_big(b);
   }
+  try {
+    switch (impl) {
+      case cache_impl::certified: return make_kv_cache_certified(p);
+      case cache_impl::dense: return make_kv_cache_dense(p);
+      default: return make_kv_cache_quant(p);
+    }
+  } catch (const std::bad_alloc&) {
+    too_big("and its allocation failed");
+  }
+  return nullptr;  // not reached: too_big throws
 }
 
 double kv_bytes_per_token(const kv_cache_params& p) {

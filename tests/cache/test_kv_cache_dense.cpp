@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "kvq/cpu.h"
 #include "kvq/error.h"
 #include "kvq/f16.h"
 #include "kvq/kv_cache.h"
@@ -99,6 +100,13 @@ TEST(kv_cache, unknown_type_is_named) {
               std::string::npos)
         << e.what();
   }
+  p.type_k = "q4_0";  // a llama.cpp name gets a hint
+  try {
+    make_kv_cache(p);
+    ADD_FAILURE() << "no error for q4_0";
+  } catch (const error& e) {
+    EXPECT_NE(std::string(e.what()).find("; llama.cpp's q4_0 is closest to kvq's q4"), std::string::npos) << e.what();
+  }
   p.type_k = "f16";
   p.type_v = "zz";
   EXPECT_THROW(make_kv_cache(p), error);
@@ -128,6 +136,33 @@ TEST(kv_cache, overflow_truncate_clear) {
   thread_pool pool(1);
   std::vector<float> q(4, 1.0f), out(4);
   EXPECT_THROW(c->attend(0, 0, 0, 1, 1, q.data(), 0.5f, out.data(), pool), error);
+}
+
+// A cache larger than the memory available is refused up front with the bytes it needs (not an
+// OOM kill or std::bad_alloc), for dense and compressed types alike.
+TEST(kv_cache, larger_than_available_memory_is_refused) {
+  const size_t avail = mem_available_bytes();
+  if (avail == 0) GTEST_SKIP() << "MemAvailable unknown on this system";
+  for (const char* t : {"f32", "q4"}) {
+    kv_cache_params p;
+    p.n_layer = 64;
+    p.n_kv_head = 8;
+    p.head_dim = 128;
+    p.type_k = p.type_v = t;
+    // the smallest n_ctx (a multiple of 1024) whose cache exceeds MemAvailable by 25 %
+    p.n_ctx = 1024;
+    while ((double)kv_bytes_at_ctx(p) < 1.25 * (double)avail && p.n_ctx < (1 << 30) / 2) p.n_ctx *= 2;
+    ASSERT_GT((double)kv_bytes_at_ctx(p), (double)avail) << t;
+    try {
+      make_kv_cache(p);
+      ADD_FAILURE() << t << ": no error";
+    } catch (const error& e) {
+      const std::string m = e.what();
+      EXPECT_EQ(e.code(), errc::invalid_input) << m;
+      EXPECT_NE(m.find("[kv_cache] a cache of n_ctx " + std::to_string(p.n_ctx)), std::string::npos) << m;
+      EXPECT_NE(m.find("MemAvailable"), std::string::npos) << m;
+    }
+  }
 }
 
 // NaN / Inf policy of the dense caches (docs/formats.md): they store what they are given, f16

@@ -75,6 +75,25 @@ TEST(Cli, GenerateJsonMatchesLlamaCppGreedy) {
   FAIL() << "golden run p2_f16_fa-on not found";
 }
 
+// --json output stays valid JSON when the text is not valid UTF-8: a prompt in another script
+// (tinylit's byte-level vocabulary splits it), a sampled token that splits a character, and raw
+// invalid bytes in the prompt. The invalid bytes become U+FFFD in "text"; the ids stay exact.
+TEST(Cli, GenerateJsonSurvivesInvalidUtf8) {
+  KVQ_REQUIRE_DATA(model, "models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.gguf");
+  const std::vector<std::vector<std::string>> extra = {{"-p", "\xe6\x97\xa5\xe6\x9c\xac\xe8\xaa\x9e", "-n", "1", "--temp", "0"},
+                                                       {"-p", "x", "-n", "6", "--temp", "3", "--top-k", "0", "--seed", "2"},
+                                                       {"-p", "ab\xff\xfe cd", "-n", "2", "--temp", "0"}};
+  for (const auto& e : extra) {
+    std::vector<std::string> argv = {test::kvq_bin(), "generate", "-m", model, "--json", "-t", "1"};
+    argv.insert(argv.end(), e.begin(), e.end());
+    const auto r = run_cmd(argv);
+    ASSERT_EQ(r.rc, 0) << e[1] << ": " << r.err;
+    const auto j = nlohmann::json::parse(r.out);  // throws (fails the test) on invalid JSON
+    EXPECT_EQ(j["ids"].size(), (size_t)std::stoi(e[3])) << e[1];
+    EXPECT_TRUE(j["text"].is_string());
+  }
+}
+
 TEST(Cli, StreamingTextAndSummary) {
   KVQ_REQUIRE_DATA(model, "models/stories260K/stories260K.gguf");
   const auto r = run_cmd({test::kvq_bin(), "generate", "-m", model, "-p", "Once upon a time", "-n", "16", "--temp", "0",
