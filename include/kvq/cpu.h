@@ -1,6 +1,5 @@
 // Runtime CPU feature detection for ISA dispatch (one decision per process, cached).
 #pragma once
-#include <cstddef>
 #include <string>
 
 namespace kvq {
@@ -16,9 +15,5 @@ const cpu_features& cpu();
 // Best tier this CPU supports, lowered by the environment variable KVQ_ISA=scalar|avx2|avx512.
 isa best_isa();
 const char* isa_name(isa i);
-
-// Bytes of memory available to new allocations (Linux /proc/meminfo MemAvailable), 0 when unknown.
-// make_kv_cache refuses a cache larger than this up front.
-size_t mem_available_bytes();
 
 }  // namespace kvq

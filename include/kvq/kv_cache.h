@@ -43,14 +43,14 @@ struct kv_cache_params {
   bool certify_measure = false;  // debug: also compute exact attention and record bound / actual error
 };
 
-// One sequence's queries in a batched attend (kv_cache::attend_batch): as the arguments of
-// kv_cache::attend. q: [n_tokens, n_head, head_dim] f32 after RoPE; out: [n_tokens, n_head, head_dim].
+// One sequence's queries in a batched attend (kv_cache::attend_batch), as the arguments of
+// kv_cache::attend.
 struct attend_seq {
-  int seq_id = 0;
-  int pos0 = 0;
-  int n_tokens = 0;
-  const float* q = nullptr;
-  float* out = nullptr;
+  int seq_id = 0;            // in [0, n_seq), at most once per batch
+  int pos0 = 0;              // position (tokens) of the first query; query t attends [0, pos0 + t]
+  int n_tokens = 0;          // queries (tokens), >= 1
+  const float* q = nullptr;  // [n_tokens, n_head, head_dim] f32 after RoPE
+  float* out = nullptr;      // [n_tokens, n_head, head_dim]; must not overlap another sequence's q or out
 };
 
 // Per-step statistics a cache may report (certified mode fills these; others leave zeros).
@@ -82,7 +82,8 @@ class kv_cache {
   // The compressed caches thread over (sequence, kv head, query tile, body chunk) at once, so a batch
   // of short sequences keeps every thread busy; other caches attend the sequences in turn. Each
   // seq_id at most once per call (invalid_input otherwise). Throws as attend(); the compressed caches
-  // validate every sequence before computing any.
+  // validate every sequence before computing any. Like every kv_cache call, one call at a time per
+  // cache (the caches keep scratch buffers).
   virtual void attend_batch(int il, const attend_seq* seqs, int n_seqs, int n_head, float scale, thread_pool& pool);
 
   virtual int n_pos(int seq_id) const = 0;          // positions stored (all layers)

@@ -8,8 +8,8 @@
 
 #include "cache/kv_cache_impl.h"
 #include "kvq/certified.h"
-#include "kvq/cpu.h"
 #include "kvq/error.h"
+#include "kvq/sys_memory.h"
 #include "kvq/quant.h"
 #include "kvq/rotation.h"
 
@@ -79,22 +79,21 @@ cache_impl impl_of(const kv_cache_params& p) {
 }  // namespace
 
 void kv_cache::attend_batch(int il, const attend_seq* seqs, int n_seqs, int n_head, float scale, thread_pool& pool) {
-  check_attend_batch(seqs, n_seqs, params().n_seq);
+  check_attend_batch("attend_batch", seqs, n_seqs, params().n_seq);
   for (int i = 0; i < n_seqs; ++i)
     attend(il, seqs[i].seq_id, seqs[i].pos0, seqs[i].n_tokens, n_head, seqs[i].q, scale, seqs[i].out, pool);
 }
 
-void check_attend_batch(const attend_seq* seqs, int n_seqs, int n_seq) {
+void check_attend_batch(const char* op, const attend_seq* seqs, int n_seqs, int n_seq) {
+  const std::string tag = std::string("[kv_cache] ") + op + ": ";
   if (n_seqs < 0 || (n_seqs > 0 && seqs == nullptr))
-    fail_input("[kv_cache] attend_batch: " + std::to_string(n_seqs) + " sequences" + (seqs ? "" : " and no array"));
+    fail_input(tag + std::to_string(n_seqs) + " sequences" + (seqs ? "" : " and no array"));
   std::vector<uint8_t> seen((size_t)std::max(n_seq, 0), 0);
   for (int i = 0; i < n_seqs; ++i) {
     const int s = seqs[i].seq_id;
     if (s < 0 || s >= n_seq)
-      fail_input("[kv_cache] attend_batch: seq_id " + std::to_string(s) + " out of range [0, " + std::to_string(n_seq) +
-                 ")");
-    if (seen[(size_t)s]++)
-      fail_input("[kv_cache] attend_batch: seq_id " + std::to_string(s) + " appears twice in one call");
+      fail_input(tag + "seq_id " + std::to_string(s) + " out of range [0, " + std::to_string(n_seq) + ")");
+    if (seen[(size_t)s]++) fail_input(tag + "seq_id " + std::to_string(s) + " appears twice in one call");
   }
 }
 
@@ -103,19 +102,18 @@ std::unique_ptr<kv_cache> make_kv_cache(const kv_cache_params& p) {
   // Refused up front rather than left to the allocator (an OOM kill, or std::bad_alloc as an
   // internal error): a cache larger than the memory available now.
   const size_t need = kv_bytes_at_ctx(p), avail = mem_available_bytes();
-  auto too_big = [&](const std::string& why) {
-    char b[320];
-    std::snprintf(b, sizeof b,
-                  "[kv_cache] a cache of n_ctx %d x n_seq %d (K %s / V %s) needs %.2f GiB, %s; lower -c or "
-                  "use a smaller KV type",
-                  p.n_ctx, p.n_seq, p.type_k.c_str(), p.type_v.c_str(), need / 1073741824.0, why.c_str());
-    fail_input(b);
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  auto gib = [&](size_t bytes) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.2f GiB", (double)bytes / kGiB);
+    return std::string(b);
   };
-  if (avail > 0 && need > avail) {
-    char b[96];
-    std::snprintf(b, sizeof b, "more than the %.2f GiB of memory available (MemAvailable)", avail / 1073741824.0);
-    too_big(b);
-  }
+  auto too_big = [&](const std::string& why) {
+    fail_input("[kv_cache] a cache of n_ctx " + std::to_string(p.n_ctx) + " x n_seq " + std::to_string(p.n_seq) +
+               " (K " + p.type_k + " / V " + p.type_v + ") needs " + gib(need) + ", " + why +
+               "; lower -c or use a smaller KV type");
+  };
+  if (avail > 0 && need > avail) too_big("more than the " + gib(avail) + " of memory available (MemAvailable)");
   try {
     switch (impl) {
       case cache_impl::certified: return make_kv_cache_certified(p);

@@ -12,7 +12,8 @@ namespace kvq {
 // Validates the shape fields shared by every cache ("[kv_cache] n_layer must be >= 1, got 0").
 void validate_cache_shape(const kv_cache_params& p);
 // Validates the sequence list of kv_cache::attend_batch: seq_id in [0, n_seq), each at most once.
-void check_attend_batch(const attend_seq* seqs, int n_seqs, int n_seq);
+// op ("attend" or "attend_batch") starts the error message.
+void check_attend_batch(const char* op, const attend_seq* seqs, int n_seqs, int n_seq);
 // Dense element type of a baseline cache type name, or kv_elem::count when not dense.
 kv_elem dense_elem_of(const std::string& type);
 

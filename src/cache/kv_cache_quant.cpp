@@ -137,6 +137,9 @@ class kv_cache_quant final : public kv_cache {
   void attend(int il, int seq_id, int pos0, int n_tokens, int n_head, const float* q, float scale, float* out,
               thread_pool& pool) override;
   void attend_batch(int il, const attend_seq* seqs, int n_seqs, int n_head, float scale, thread_pool& pool) override;
+  // attend and attend_batch; op names the caller in error messages
+  void attend_seqs(const char* op, int il, const attend_seq* seqs, int n_seqs, int n_head, float scale,
+                   thread_pool& pool);
 
   int n_pos(int seq_id) const override {
     if (seq_id < 0 || seq_id >= p_.n_seq) return 0;
@@ -512,23 +515,29 @@ void kv_cache_quant::truncate(int seq_id, int n_keep) {
 void kv_cache_quant::attend(int il, int seq_id, int pos0, int n_tokens, int n_head, const float* q, float scale,
                             float* out, thread_pool& pool) {
   const attend_seq one{seq_id, pos0, n_tokens, q, out};
-  attend_batch(il, &one, 1, n_head, scale, pool);
+  attend_seqs("attend", il, &one, 1, n_head, scale, pool);
 }
 
 void kv_cache_quant::attend_batch(int il, const attend_seq* seqs, int n_seqs, int n_head, float scale,
                                   thread_pool& pool) {
-  check_attend_batch(seqs, n_seqs, p_.n_seq);
+  attend_seqs("attend_batch", il, seqs, n_seqs, n_head, scale, pool);
+}
+
+void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs, int n_seqs, int n_head, float scale,
+                                 thread_pool& pool) {
+  const std::string tag = std::string("[kv_cache] ") + op + ": ";
+  check_attend_batch(op, seqs, n_seqs, p_.n_seq);
   for (int b = 0; b < n_seqs; ++b) {
     const attend_seq& a = seqs[b];
-    check_layer_seq("attend", il, a.seq_id);
+    check_layer_seq(op, il, a.seq_id);
     const seq_state& sq = st(il, a.seq_id);
     if (a.n_tokens < 1 || a.pos0 < 0 || (int64_t)a.pos0 + a.n_tokens > sq.n)
-      fail_input("[kv_cache] attend: queries at positions [" + std::to_string(a.pos0) + ", " +
+      fail_input(tag + "queries at positions [" + std::to_string(a.pos0) + ", " +
                  std::to_string((int64_t)a.pos0 + a.n_tokens) + ") need appended positions, layer " +
                  std::to_string(il) + " of seq " + std::to_string(a.seq_id) + " holds " + std::to_string(sq.n));
   }
   if (n_head < p_.n_kv_head || n_head % p_.n_kv_head != 0)
-    fail_input("[kv_cache] attend: n_head " + std::to_string(n_head) + " is not a multiple of n_kv_head " +
+    fail_input(tag + "n_head " + std::to_string(n_head) + " is not a multiple of n_kv_head " +
                std::to_string(p_.n_kv_head));
   if (n_seqs == 0) return;
   const int hd = p_.head_dim, nh = p_.n_kv_head, ng = n_head / nh;
@@ -575,21 +584,23 @@ void kv_cache_quant::attend_batch(int il, const attend_seq* seqs, int n_seqs, in
   // Decode-like batches too small to keep the threads busy split long bodies (split-K).
   const int chunk_align = std::max(32, unit_);
   const int64_t want = 4LL * pool.size();
-  int64_t base_items = 0;
   plan_.resize(n_seqs);
   for (int b = 0; b < n_seqs; ++b) {
     const int nt = seqs[b].n_tokens, tile = nt <= 16 ? nt : 16;
     plan_[b].tile = tile;
     plan_[b].n_tiles = (nt + tile - 1) / tile;
-    base_items += (int64_t)nh * plan_[b].n_tiles;
   }
+  // Chunks of at least `target` body rows: the batch's (item, body row) work spread over about
+  // `want` items, so one long sequence among short ones is split too (never below 1024 rows).
+  int64_t body_work = 0;
+  for (int b = 0; b < n_seqs; ++b) body_work += (int64_t)nh * plan_[b].n_tiles * st(il, seqs[b].seq_id).n_comp;
+  const int64_t target = std::max<int64_t>(1024, body_work / want);
   int64_t n_items = 0, state_rows = 0, ows_rows = 0;
   for (int b = 0; b < n_seqs; ++b) {
     seq_plan& pl = plan_[b];
     const int n_comp = st(il, seqs[b].seq_id).n_comp;
     int n_chunks = 1;
-    if (base_items < want && n_comp >= 2 * 1024)
-      n_chunks = (int)std::min<int64_t>((want + base_items - 1) / base_items, n_comp / 1024);
+    if (n_comp >= 2 * 1024) n_chunks = (int)std::min<int64_t>((n_comp + target - 1) / target, n_comp / 1024);
     pl.chunk_rows = n_comp;
     if (n_chunks > 1) {
       pl.chunk_rows = ((n_comp + n_chunks - 1) / n_chunks + chunk_align - 1) / chunk_align * chunk_align;

@@ -3,7 +3,6 @@
 #include <cpuid.h>
 
 #include <cstdint>
-#include <fstream>
 
 #include <cstdlib>
 #include <cstring>
@@ -63,15 +62,6 @@ const char* isa_name(isa i) {
     case isa::avx512: return "avx512";
     default: return "?";
   }
-}
-
-size_t mem_available_bytes() {
-  std::ifstream f("/proc/meminfo");
-  std::string key, unit;
-  size_t kib = 0;
-  while (f >> key >> kib >> unit)
-    if (key == "MemAvailable:") return kib * 1024;
-  return 0;
 }
 
 }  // namespace kvq

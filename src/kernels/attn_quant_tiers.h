@@ -20,7 +20,8 @@ void qk_i32_avx2(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, i
 void qk_i32_avx512(const kv_quant_side& k, int r0, int n_rows, const int8_t* q8, int hd, int32_t* dots);
 // Test hook: the same dots as the fused engine's own integer scorers compute them (tile_scores_packed
 // for 4/2-bit K, tile_scores_int for 8/3-bit K with an int8 query, tile_scores_i16 for 8-bit K
-// with an int16 query, through the engine's with_shape dispatch, 32-row blocks and 8-row tiles),
+// with an int16 query, through the engine's with_shape dispatch, 32-row blocks and the tier's
+// tiles: 8 rows, or 16 for the AVX-512 packed scorer),
 // for n_q queries q8[n_q, hd] (or q16[n_q, hd], 8-bit K only; the other pointer null) and rows
 // [r0, r0 + n_rows): dots[(qi * n_rows + j) * n_groups + g], as the float each scorer returns.
 // The scorers return only float scores, so each group is scored with unit constants (K scale 1 in

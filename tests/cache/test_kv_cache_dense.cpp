@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "kvq/cpu.h"
 #include "kvq/error.h"
+#include "kvq/sys_memory.h"
 #include "kvq/f16.h"
 #include "kvq/kv_cache.h"
 #include "cache/attn_f64.h"
