@@ -269,7 +269,7 @@ class kv_cache_quant final : public kv_cache {
     int64_t item0 = 0, state0 = 0, ows0 = 0;
   };
   std::vector<seq_plan> plan_;
-  std::vector<int> tok0_, seq_of_tok_;
+  std::vector<int> tok0_;  // attend_batch: first batch token of each sequence, [n_seqs + 1]
 };
 
 void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, bool is_v, size_t heads,
@@ -547,9 +547,6 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
   for (int b = 0; b < n_seqs; ++b) tok0_[b + 1] = tok0_[b] + seqs[b].n_tokens;
   const int n_tok = tok0_[n_seqs];
   const size_t nq = (size_t)n_tok * n_head;
-  seq_of_tok_.resize(n_tok);
-  for (int b = 0; b < n_seqs; ++b)
-    for (int t = tok0_[b]; t < tok0_[b + 1]; ++t) seq_of_tok_[t] = b;
   // 1. Q rotated once (and scaled by λ_K), then, when K is per-token quantized, int8 (int16 for
   // 8-bit K) with one scale per K group.
   qr_.resize(nq * hd);
@@ -585,15 +582,18 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
   const int chunk_align = std::max(32, unit_);
   const int64_t want = 4LL * pool.size();
   plan_.resize(n_seqs);
-  for (int b = 0; b < n_seqs; ++b) {
-    const int nt = seqs[b].n_tokens, tile = nt <= 16 ? nt : 16;
-    plan_[b].tile = tile;
-    plan_[b].n_tiles = (nt + tile - 1) / tile;
-  }
   // Chunks of at least `target` body rows: the batch's (item, body row) work spread over about
   // `want` items, so one long sequence among short ones is split too (never below 1024 rows).
-  int64_t body_work = 0;
-  for (int b = 0; b < n_seqs; ++b) body_work += (int64_t)nh * plan_[b].n_tiles * st(il, seqs[b].seq_id).n_comp;
+  // `work` (multiply-adds of the batch) decides whether threads pay at all.
+  int64_t body_work = 0, work = 0;
+  for (int b = 0; b < n_seqs; ++b) {
+    const int nt = seqs[b].n_tokens, tile = nt <= 16 ? nt : 16;
+    const seq_state& sq = st(il, seqs[b].seq_id);
+    plan_[b].tile = tile;
+    plan_[b].n_tiles = (nt + tile - 1) / tile;
+    body_work += (int64_t)nh * plan_[b].n_tiles * sq.n_comp;
+    work += (int64_t)nt * n_head * sq.n * hd * 2;
+  }
   const int64_t target = std::max<int64_t>(1024, body_work / want);
   int64_t n_items = 0, state_rows = 0, ows_rows = 0;
   for (int b = 0; b < n_seqs; ++b) {
@@ -617,15 +617,11 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
   states_.resize((size_t)state_rows);
   ows_.resize((size_t)ows_rows * hd);
   const bool dequant = p_.attn_impl == "dequant";
-  int64_t work = 0;  // multiply-adds of the batch, for the serial cut-off
-  for (int b = 0; b < n_seqs; ++b) work += (int64_t)seqs[b].n_tokens * n_head * st(il, seqs[b].seq_id).n * hd * 2;
   parallel_dynamic(pool, n_items, work, [&](int64_t it, int) {
-    int b = 0;  // the sequence of item `it`: the last whose first item is <= it
-    for (int lo = 0, hi = n_seqs - 1; lo <= hi;) {
-      const int mid = (lo + hi) / 2;
-      if (plan_[mid].item0 <= it) b = mid, lo = mid + 1;
-      else hi = mid - 1;
-    }
+    // the sequence of item `it`: the last whose first item is <= it
+    const int b = (int)(std::upper_bound(plan_.begin(), plan_.begin() + n_seqs, it,
+                                         [](int64_t v, const seq_plan& p) { return v < p.item0; }) -
+                        plan_.begin()) - 1;
     const attend_seq& a = seqs[b];
     const seq_plan& pl = plan_[b];
     const seq_state& sq = st(il, a.seq_id);
@@ -720,7 +716,7 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
   });
   // 3. merge the chunks, normalise, undo λ_V and the V rotation once per head
   pool.parallel_for(n_tok, (int64_t)nq * hd * 8, [&](int64_t tg, int) {
-    const int b = seq_of_tok_[tg];
+    const int b = (int)(std::upper_bound(tok0_.begin(), tok0_.begin() + n_seqs, (int)tg) - tok0_.begin()) - 1;
     const seq_plan& pl = plan_[b];
     const int t = (int)tg - tok0_[b];
     const size_t nqs = (size_t)seqs[b].n_tokens * n_head;

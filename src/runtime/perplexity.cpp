@@ -68,12 +68,6 @@ nlohmann::json file_header(const model& m, const perplexity_params& p, int n_chu
              " (make a new base with --kl-base)");
 }
 
-// s as a KL base file's header stores it: bytes that are not valid UTF-8 become U+FFFD.
-std::string as_stored(const std::string& s) {
-  return nlohmann::json::parse(nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace))
-      .get<std::string>();
-}
-
 // Checks a base file's model and context against this run (no text needed); returns its codec.
 kl_codec check_base_model(kl_file_reader& r, const model& m, const perplexity_params& p) {
   const nlohmann::json& h = r.header();
@@ -81,8 +75,10 @@ kl_codec check_base_model(kl_file_reader& r, const model& m, const perplexity_pa
   const std::string& f = r.path();
   try {
     if (h.at("arch").get<std::string>() != hp.arch) base_mismatch(f, "architecture", h.at("arch"), hp.arch);
-    if (h.at("model").get<std::string>() != as_stored(hp.name))
-      base_mismatch(f, "model", "'" + h.at("model").get<std::string>() + "'", "'" + as_stored(hp.name) + "'");
+    // the name as the header stores it (kl_header_text)
+    const std::string name = nlohmann::json::parse(kl_header_text(hp.name)).get<std::string>();
+    if (h.at("model").get<std::string>() != name)
+      base_mismatch(f, "model", "'" + h.at("model").get<std::string>() + "'", "'" + name + "'");
     if (h.at("n_vocab").get<int>() != hp.n_vocab)
       base_mismatch(f, "a vocabulary of", std::to_string(h.at("n_vocab").get<int>()), std::to_string(hp.n_vocab));
     if (h.at("n_embd").get<int>() != hp.n_embd || h.at("n_layer").get<int>() != hp.n_layer)

@@ -114,11 +114,15 @@ kl_token kl_from_record(const kl_codec& c, const uint8_t* rec, const float* lt) 
   return r;
 }
 
+std::string kl_header_text(const nlohmann::json& header) {
+  return header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 kl_file_writer::kl_file_writer(const std::string& path, const nlohmann::json& header)
     : path_(path), tmp_(path + ".tmp." + std::to_string(::getpid())) {
   f_ = std::fopen(tmp_.c_str(), "wb");
   if (!f_) fail(errc::io, "[perplexity] cannot open '" + tmp_ + "' for writing the KL base file");
-  const std::string h = header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  const std::string h = kl_header_text(header);
   const uint32_t n = (uint32_t)h.size();
   write(reinterpret_cast<const uint8_t*>(kMagic), 8);
   write(reinterpret_cast<const uint8_t*>(&n), 4);

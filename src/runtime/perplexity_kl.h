@@ -36,6 +36,10 @@ struct kl_token {
 };
 kl_token kl_from_record(const kl_codec& c, const uint8_t* rec, const float* logp_test);
 
+// The header as a KL base file stores it (JSON text; bytes that are not valid UTF-8, e.g. in a
+// GGUF model name, become U+FFFD).
+std::string kl_header_text(const nlohmann::json& header);
+
 // Streaming writer: records go to "<path>.tmp.<pid>"; commit() renames it over `path`. Destroying
 // an uncommitted writer removes the temp file, so a failed run leaves nothing behind.
 class kl_file_writer {
