@@ -90,9 +90,10 @@ struct paged_kv_view {
 
 // Fused append: k, v device [n_tokens][n_kv_head][head_dim] f16 or bf16; token i goes to slot
 // slots[i] = page * page_size + row (device int64). Per (token, kv head, side) one warp: rotate (FWHT
-// in shared memory), round to f16, per-group absmax -> f16 scale rounded up -> codes -> pack; f16
-// format stores the rotated, f16-rounded row. Codes and scales equal quantize_row_ref on the same
-// input (|rotated x| <= 65504 assumed; the CPU cache checks this, the kernel does not). One launch.
+// in shared memory), round to f16, per-group min/max -> signed f16 scale rounded up (quant.h) ->
+// codes -> pack; f16 format stores the rotated, f16-rounded row. Codes and scales equal
+// quantize_row_ref on the same input (|rotated x| <= 65504 assumed; the CPU cache checks this, the
+// kernel does not). One launch.
 void append_paged(const paged_kv_view& kv, const void* k, const void* v, kv_elem elem, const int64_t* slots,
                   int n_tokens, void* stream = nullptr);
 

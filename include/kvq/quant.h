@@ -6,18 +6,25 @@
 // `scale` and `zero` are f16 (zero = 0 for symmetric formats).
 //
 //  per-token  (q8, q4, q3, q2; asymmetric q8a, q4a, q3a, q2a): one scale (and zero) per token per
-//     kv head per group of G elements along head_dim. Symmetric: codes in [-qmax, qmax] with
-//     qmax = 2^(b-1) - 1, scale = absmax / qmax rounded UP to f16 (so |x| / scale <= qmax and the
-//     per-element error is <= scale / 2). Asymmetric: zero = min (f16), scale = (max - zero) /
-//     (2^b - 1) rounded up to f16, codes in [0, 2^b - 1].
+//     kv head per group of G elements along head_dim (quantize_row_ref).
+//     Symmetric 4/3/2 bits: signed scale (as llama.cpp's q4_0, so all 2^b codes are used): the
+//     centred codes c = code - code_offset span [-qneg, qpos] = [-8, 7], [-4, 3], [-2, 1]; the
+//     element of largest magnitude goes to the -qneg end, so the scale is negative when that
+//     element is positive. |scale| = max(extreme / qneg, other side / qpos) rounded UP to f16, so
+//     nothing is clamped and the per-element error is <= |scale| / 2.
+//     Symmetric 8 bits (q8): c in [-127, 127], scale = absmax / 127 rounded up to f16 (>= 0).
+//     Asymmetric: zero = min rounded to f16, scale = (max - zero) / (2^b - 1) rounded up to f16,
+//     c = code - code_offset in [0, 2^b - 1] (q8a stores c - 128 as int8).
 //  per-channel (K of kivi8, kivi4, kivi2; KIVI, Liu et al. 2024, arXiv:2402.02750, §3.2): a group
-//     of T tokens of one kv head shares, per channel, one asymmetric scale and zero; the codes are
-//     stored per token row exactly like the asymmetric per-token codes. The V of a KIVI cache is
-//     per-token asymmetric (kivi_v of the traits row).
+//     of T tokens of one kv head shares, per channel, one asymmetric scale and zero, chosen for
+//     least squared error over the group (clipped range, then least-squares refits; never worse
+//     than min/max), both rounded to nearest f16; the codes are stored per token row exactly like
+//     the asymmetric per-token codes. The V of a KIVI cache is per-token asymmetric (kivi_v of the
+//     traits row).
 //
-// Rounding (all tiers and devices must match to stay bit-exact): code = rint(x * (1.0f / scale))
+// Rounding (all tiers and devices must match to stay bit-exact): c = rint(x * (1.0f / scale))
 // (asymmetric: rint((x - zero) * (1.0f / scale))) in f32, round-half-to-even, then clamped; a
-// zero scale gives code offset (value 0 or zero).
+// zero scale gives c = 0 (value 0, or zero). Formulas and worked bounds: docs/formats.md.
 #pragma once
 #include <cstddef>
 #include <cstdint>
