@@ -7,4 +7,8 @@ apt-get install -y -qq --no-install-recommends \
   build-essential cmake pkg-config git ca-certificates \
   libopenblas-dev nlohmann-json3-dev libcli11-dev libfmt-dev libpcre2-dev \
   libgtest-dev libgmock-dev libbenchmark-dev \
-  python3 python3-pip python3-numpy python3-matplotlib >/dev/null
+  python3 python3-pip python3-numpy python3-matplotlib python3-yaml python3-tqdm python3-requests >/dev/null
+# The gguf Python package (llama.cpp's gguf-py) is the independent reference the weight dequantizer
+# tests compare against (tests/core/gguf_dequant_ref.py). Debian has no package for it; its
+# dependencies come from apt above, so pip adds only gguf itself (PEP 668: system interpreter).
+python3 -m pip install --quiet --disable-pip-version-check --break-system-packages --no-deps 'gguf==0.19.0'

@@ -23,8 +23,9 @@ enum class ggml_type : uint32_t {
   tq1_0 = 34, tq2_0 = 35, mxfp4 = 39,
 };
 const char* ggml_type_name(ggml_type t);  // "q4_0", or "type<N>" for unknown ids
-// Block size in elements and bytes per block for the types kvq can hold (f32, f16, bf16, q8_0,
-// q4_0); 0 for others.
+// Block size in elements and bytes per block for the weight types kvq computes with (f32, f16,
+// bf16, q4_0, q4_1, q5_0, q5_1, q8_0, iq4_nl, q2_k .. q6_k, iq4_xs: src/core/weight_types/traits.cpp);
+// 0 for others.
 int64_t ggml_block_elems(ggml_type t);
 int64_t ggml_block_bytes(ggml_type t);
 // Storage block size (elements, bytes) of every ggml type id whose layout is known (all the ids

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <limits>
 
+#include "core/weight_types/traits.h"
 #include "kvq/error.h"
 
 namespace kvq {
@@ -50,10 +51,7 @@ const type_row* row_of(ggml_type t) {
   return &k_types[id];
 }
 
-bool kvq_holds(ggml_type t) {
-  return t == ggml_type::f32 || t == ggml_type::f16 || t == ggml_type::bf16 ||
-         t == ggml_type::q8_0 || t == ggml_type::q4_0;
-}
+bool kvq_holds(ggml_type t) { return find_weight_traits(t) != nullptr; }
 
 // Smallest encoded size of one value of a type (used to reject absurd counts early).
 uint64_t min_value_bytes(gguf_value_type t) {

@@ -1,5 +1,6 @@
-// matmul dispatch (ISA tier once per process, rows split over the thread pool), the activation
-// quantizer and the scalar tier.
+// matmul dispatch (ISA tier once per process, rows split over the thread pool, activations
+// quantized once per call to the type's vec_dot_type), the scalar float tier and the generic
+// matrix-matrix loop over a type's vec_dot.
 #include "kvq/matmul.h"
 
 #include <fmt/format.h>
@@ -10,27 +11,12 @@
 
 #include "core/matmul_kernels.h"
 #include "kvq/error.h"
+#include "kvq/f16.h"
 
 namespace kvq {
 namespace detail {
 
-void quantize_x_q8(const float* x, int64_t n_in, int64_t n_tokens, block_q8_x* out) {
-  const int64_t nb = n_in / qk8_0;
-  for (int64_t t = 0; t < n_tokens; ++t) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xs = x + t * n_in + b * qk8_0;
-      block_q8_x& q = out[t * nb + b];
-      float amax = 0;
-      for (int i = 0; i < qk8_0; ++i) amax = std::max(amax, std::fabs(xs[i]));
-      q.d = amax / 127.0f;
-      const float id = amax > 0 ? 127.0f / amax : 0.0f;
-      for (int i = 0; i < qk8_0; ++i) q.qs[i] = (int8_t)std::nearbyint(xs[i] * id);
-    }
-  }
-}
-
 namespace {
-
 // f16 -> f32 for all 65536 values (256 KiB), so the scalar tier does not branch per element.
 const float* f16_table() {
   static const std::vector<float> table = [] {
@@ -56,48 +42,11 @@ const float* row_f32(const weight_view& w, int64_t r, std::vector<float>& buf) {
   return buf.data();
 }
 
-int32_t dot_i8(const int8_t* a, const int8_t* b) {  // 32 elements
-  int32_t s = 0;
-  for (int i = 0; i < qk8_0; ++i) s += (int32_t)a[i] * (int32_t)b[i];
-  return s;
-}
-
 }  // namespace
 
-void matmul_rows_scalar(const matmul_task& task, int64_t r0, int64_t r1) {
+void matmul_rows_float_scalar(const matmul_task& task, int64_t r0, int64_t r1) {
   const weight_view& w = task.w;
   const int64_t n_in = w.n_in, n_out = w.n_out;
-  if (w.type == ggml_type::q8_0 || w.type == ggml_type::q4_0) {
-    const int64_t nb = n_in / qk8_0;
-    int8_t wq[qk8_0];
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* row = w.data + (size_t)r * w.row_bytes;
-      for (int64_t t = 0; t < task.n_tokens; ++t) {
-        const block_q8_x* xq = task.xq + t * nb;
-        float acc = 0;
-        for (int64_t b = 0; b < nb; ++b) {
-          float dw;
-          const int8_t* q;
-          if (w.type == ggml_type::q8_0) {
-            const auto& blk = reinterpret_cast<const block_q8_0*>(row)[b];
-            dw = f16_to_f32(blk.d);
-            q = blk.qs;
-          } else {
-            const auto& blk = reinterpret_cast<const block_q4_0*>(row)[b];
-            dw = f16_to_f32(blk.d);
-            for (int j = 0; j < qk4_0 / 2; ++j) {
-              wq[j] = (int8_t)((blk.qs[j] & 0x0f) - 8);
-              wq[j + qk4_0 / 2] = (int8_t)((blk.qs[j] >> 4) - 8);
-            }
-            q = wq;
-          }
-          acc += (float)dot_i8(q, xq[b].qs) * (dw * xq[b].d);
-        }
-        task.y[t * n_out + r] = acc;
-      }
-    }
-    return;
-  }
   thread_local std::vector<float> buf;
   for (int64_t r = r0; r < r1; ++r) {
     const float* wr = row_f32(w, r, buf);
@@ -114,24 +63,42 @@ void matmul_rows_scalar(const matmul_task& task, int64_t r0, int64_t r1) {
   }
 }
 
+void matmul_rows_vec_dot(const matmul_task& task, int64_t r0, int64_t r1) {
+  const weight_view& w = task.w;
+  const auto* xq = static_cast<const uint8_t*>(task.xq);
+  // Token chunks whose quantized activations stay in ~32 KiB of L1/L2; each weight row is read once
+  // per chunk (prefill reuses it across the chunk's tokens, decode is one token).
+  const int64_t tc = std::max<int64_t>(1, 32768 / (int64_t)std::max<size_t>(task.xq_row_bytes, 1));
+  for (int64_t t0 = 0; t0 < task.n_tokens; t0 += tc) {
+    const int64_t t1 = std::min(task.n_tokens, t0 + tc);
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = w.data + (size_t)r * w.row_bytes;
+      for (int64_t t = t0; t < t1; ++t)
+        task.y[t * w.n_out + r] = task.dot(w.n_in, row, xq + (size_t)t * task.xq_row_bytes);
+    }
+  }
+}
+
 void matmul_with_isa(isa tier, const weight_view& w, const float* x, int64_t n_tokens, float* y,
                      thread_pool& pool) {
   if (n_tokens <= 0 || w.n_out <= 0) return;
-  if (ggml_block_elems(w.type) == 0 || w.data == nullptr)
-    fail_unsupported(fmt::format("[matmul] weight '{}' has unsupported type {} (supported: f32, f16, "
-                                 "bf16, q8_0, q4_0)",
-                                 w.name, ggml_type_name(w.type)));
+  const weight_type_traits* tr = find_weight_traits(w.type);
+  if (tr == nullptr || w.data == nullptr)
+    fail_unsupported(fmt::format("[matmul] weight '{}' has unsupported type {} (supported: {})", w.name,
+                                 ggml_type_name(w.type), supported_weight_type_names()));
   if ((int)tier > (int)best_isa() && tier != isa::scalar)
     fail_unsupported(fmt::format("[matmul] ISA tier {} is not available on this CPU (best: {})",
                                  isa_name(tier), isa_name(best_isa())));
-  void (*rows)(const matmul_task&, int64_t, int64_t) =
-      tier == isa::scalar ? matmul_rows_scalar : matmul_rows_avx2;
+  const rows_fn rows = tr->rows[(int)tier];
 
-  matmul_task task{w, x, nullptr, n_tokens, y};
-  thread_local std::vector<block_q8_x> xq;
-  if (w.type == ggml_type::q8_0 || w.type == ggml_type::q4_0) {
-    xq.resize((size_t)(n_tokens * (w.n_in / qk8_0)));
-    quantize_x_q8(x, w.n_in, n_tokens, xq.data());
+  matmul_task task{w, x, nullptr, 0, tr->vec_dot[(int)tier], n_tokens, y};
+  thread_local std::vector<uint8_t> xq;  // [n_tokens, xq_row_bytes]
+  if (tr->vec_dot_type != act_type::f32) {
+    const act_type at = tr->vec_dot_type;
+    task.xq_row_bytes = (size_t)(w.n_in / act_block_elems(at) * act_block_bytes(at));
+    xq.resize(task.xq_row_bytes * (size_t)n_tokens);
+    for (int64_t t = 0; t < n_tokens; ++t)
+      quantize_act(at, x + t * w.n_in, w.n_in, xq.data() + (size_t)t * task.xq_row_bytes);
     task.xq = xq.data();
   }
 

@@ -4,8 +4,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "core/matmul_kernels.h"
+#include "kvq/f16.h"
 
 namespace kvq::detail {
 namespace {
@@ -109,7 +111,7 @@ void rows_float(const matmul_task& task, int64_t r0, int64_t r1) {
   }
 }
 
-// --- q8_0 / q4_0 weights x q8 activations -------------------------------------------------------
+// --- 32-value symmetric weights (q8_0, q4_0, q5_0, iq4_nl) x q8_0 activations --------------------
 
 // 32 signed weights of block b of a row, and its scale.
 struct load_q8_0 {
@@ -128,6 +130,39 @@ struct load_q4_0 {
     const __m128i lo = _mm_and_si128(p, m);                     // elements 0..15
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(p, 4), m);  // elements 16..31
     return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+  }
+};
+
+// The 16 nibbles of qs as 32 bytes: low nibbles (elements 0..15), then high (16..31).
+inline __m256i nibbles32(const uint8_t* qs) {
+  const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i m = _mm_set1_epi8(0x0f);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), m), _mm_and_si128(p, m));
+}
+
+struct load_q5_0 {
+  static __m256i q32(const uint8_t* row, int64_t b, float* d) {
+    const auto& blk = reinterpret_cast<const block_q5_0*>(row)[b];
+    *d = f16_to_f32(blk.d);
+    uint32_t qh;
+    std::memcpy(&qh, blk.qh, 4);
+    // Byte i of `bits` is 0xff when bit i of qh is set: spread byte i/8 of qh to byte i, then
+    // compare with a mask that has every bit but bit i%8 set.
+    __m256i bits = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)qh),
+        _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    bits = _mm256_cmpeq_epi8(_mm256_or_si256(bits, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                             _mm256_set1_epi64x(-1));
+    const __m256i q = _mm256_or_si256(nibbles32(blk.qs), _mm256_and_si256(bits, _mm256_set1_epi8(0x10)));
+    return _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+  }
+};
+struct load_iq4_nl {
+  static __m256i q32(const uint8_t* row, int64_t b, float* d) {
+    const auto& blk = reinterpret_cast<const block_iq4_nl*>(row)[b];
+    *d = f16_to_f32(blk.d);
+    const __m128i lut = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kvalues_iq4nl));
+    return _mm256_shuffle_epi8(_mm256_set_m128i(lut, lut), nibbles32(blk.qs));
   }
 };
 
@@ -173,6 +208,7 @@ void rows_quant(const matmul_task& task, int64_t r0, int64_t r1) {
   const int64_t nb = w.n_in / qk8_0, n_out = w.n_out, n_tok = task.n_tokens;
   const size_t rb = w.row_bytes;
   auto wrow = [&](int64_t r) { return w.data + (size_t)r * rb; };
+  const auto* xq = static_cast<const block_q8_x*>(task.xq);  // [n_tok, nb]
   constexpr int R = 4, T = 2;
   // Token chunks whose quantized x (36 bytes per 32 values) stays in ~16 KiB of L1.
   const int64_t tc = std::max<int64_t>(T, (16384 / (nb * (int64_t)sizeof(block_q8_x))) / T * T);
@@ -182,13 +218,13 @@ void rows_quant(const matmul_task& task, int64_t r0, int64_t r1) {
     for (; r + R <= r1; r += R) {
       int64_t t = t0;
       for (; t + T <= t1; t += T)
-        tile_quant<L, R, T>(wrow(r), rb, task.xq + t * nb, nb, task.y + t * n_out + r, n_out);
+        tile_quant<L, R, T>(wrow(r), rb, xq + t * nb, nb, task.y + t * n_out + r, n_out);
       for (; t < t1; ++t)
-        tile_quant<L, R, 1>(wrow(r), rb, task.xq + t * nb, nb, task.y + t * n_out + r, n_out);
+        tile_quant<L, R, 1>(wrow(r), rb, xq + t * nb, nb, task.y + t * n_out + r, n_out);
     }
     for (; r < r1; ++r)
       for (int64_t t = t0; t < t1; ++t)
-        tile_quant<L, 1, 1>(wrow(r), rb, task.xq + t * nb, nb, task.y + t * n_out + r, n_out);
+        tile_quant<L, 1, 1>(wrow(r), rb, xq + t * nb, nb, task.y + t * n_out + r, n_out);
   }
 }
 
@@ -201,7 +237,9 @@ void matmul_rows_avx2(const matmul_task& task, int64_t r0, int64_t r1) {
     case ggml_type::bf16: return rows_float<load_bf16>(task, r0, r1);
     case ggml_type::q8_0: return rows_quant<load_q8_0>(task, r0, r1);
     case ggml_type::q4_0: return rows_quant<load_q4_0>(task, r0, r1);
-    default: return matmul_rows_scalar(task, r0, r1);  // unreachable: checked by the dispatcher
+    case ggml_type::q5_0: return rows_quant<load_q5_0>(task, r0, r1);
+    case ggml_type::iq4_nl: return rows_quant<load_iq4_nl>(task, r0, r1);
+    default: return matmul_rows_vec_dot(task, r0, r1);  // unreachable: the traits rows say which
   }
 }
 

@@ -1,45 +1,40 @@
-// Private: the per-ISA row kernels behind kvq::matmul and the activation quantizer they share.
+// Private: the per-ISA row kernels behind kvq::matmul.
 //
-// Numerics per weight type:
+// Numerics per weight type (the traits row's vec_dot_type, weight_types/act_blocks.h):
 //   f32, f16, bf16: weights widened to f32 in registers, x stays f32, f32 FMA accumulation.
-//   q8_0, q4_0:     x is quantized per token to q8 blocks (32 int8 + an f32 scale, round to
-//                   nearest even, as ggml's vec_dot_type q8_0 but with an f32 scale), then integer
-//                   block dot products scaled by d_w * d_x (ggml's q8_0 x q8_0 / q4_0 x q8_0 scheme).
-//                   The error against exact math is bounded by sum_i |w_i| * amax(x block)/254.
+//   quantized:      x is quantized per token to 8-bit blocks (q8_0 / q8_1: 32 values, q8_k: 256
+//                   values; f32 scale, round to nearest even), then integer block dot products
+//                   scaled in f32 (ggml's vec_dot scheme). The error against exact math is bounded
+//                   by sum_i |w_i| * amax(x block)/254 plus f32 rounding.
 #pragma once
 #include <cstdint>
 #include <vector>
 
-#include "core/weight_blocks.h"
+#include "core/weight_types/traits.h"
 #include "kvq/cpu.h"
 #include "kvq/matmul.h"
 
 namespace kvq::detail {
 
-// One block of an activation row quantized for the integer dot products.
-struct block_q8_x {
-  float d;           // scale: value = d * qs[i]
-  int8_t qs[qk8_0];  // in [-127, 127]
-};
-static_assert(sizeof(block_q8_x) == 36, "block_q8_x is 36 bytes");
-
-// x: [n_tokens, n_in] f32 -> out: [n_tokens, n_in / 32] blocks. n_in must be a multiple of 32.
-void quantize_x_q8(const float* x, int64_t n_in, int64_t n_tokens, block_q8_x* out);
-
 // Everything a row kernel needs: rows [r0, r1) of y for all tokens.
 struct matmul_task {
   weight_view w;             // by value: a view
   const float* x;            // [n_tokens, n_in]
-  const block_q8_x* xq;      // [n_tokens, n_in / 32] when w is q8_0 / q4_0, else null
+  const void* xq;            // [n_tokens, xq_row_bytes] activations in vec_dot_type (null for f32)
+  size_t xq_row_bytes;       // bytes of one token's quantized activations
+  vec_dot_fn dot;            // the tier's dot for w.type (null for f32 types)
   int64_t n_tokens;
   float* y;                  // [n_tokens, n_out]
 };
 
-void matmul_rows_scalar(const matmul_task& task, int64_t r0, int64_t r1);
-void matmul_rows_avx2(const matmul_task& task, int64_t r0, int64_t r1);  // needs AVX2+FMA+F16C
+void matmul_rows_float_scalar(const matmul_task& task, int64_t r0, int64_t r1);  // f32/f16/bf16
+void matmul_rows_vec_dot(const matmul_task& task, int64_t r0, int64_t r1);  // any type with a dot
+// f32/f16/bf16 and the 32-value symmetric types (q4_0, q5_0, q8_0, iq4_nl) against q8_0
+// activations; needs AVX2+FMA+F16C.
+void matmul_rows_avx2(const matmul_task& task, int64_t r0, int64_t r1);
 
 // matmul on an explicit tier (tests and benchmarks; matmul() uses best_isa()). A tier above what
-// the CPU supports raises errc::unsupported. isa::avx512 runs the AVX2 kernels.
+// the CPU supports raises errc::unsupported.
 void matmul_with_isa(isa tier, const weight_view& w, const float* x, int64_t n_tokens, float* y,
                      thread_pool& pool);
 

@@ -278,7 +278,9 @@ TEST(gguf, type_names_and_blocks) {
   EXPECT_EQ(ggml_block_bytes(ggml_type::q8_0), 34);
   EXPECT_EQ(ggml_block_bytes(ggml_type::q4_0), 18);
   EXPECT_EQ(ggml_block_bytes(ggml_type::bf16), 2);
-  EXPECT_EQ(ggml_block_elems(ggml_type::q4_k), 0);  // kvq does not compute with it
+  EXPECT_EQ(ggml_block_elems(ggml_type::q4_k), 256);
+  EXPECT_EQ(ggml_block_bytes(ggml_type::q6_k), 210);
+  EXPECT_EQ(ggml_block_elems(ggml_type::iq2_xxs), 0);  // kvq does not compute with it
   EXPECT_EQ(ggml_storage_block_elems(ggml_type::q4_k), 256);
   EXPECT_EQ(ggml_storage_block_bytes(ggml_type::q6_k), 210);
   EXPECT_EQ(ggml_storage_block_bytes((ggml_type)4), 0);

@@ -6,12 +6,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <random>
 
 #include "kvq/error.h"
+#include "core/matmul_kernels.h"
+#include "core/weight_types/traits.h"
 #include "kvq/gguf.h"
+#include "kvq/matmul.h"
 #include "support/data_dir.h"
 
 namespace kvq {
@@ -151,6 +155,75 @@ TEST(gguf_fuzz, vocab_file_flips_and_truncations) {
               o.ok, o.err, t.ok, t.err);
   EXPECT_EQ(o.ok + o.err, 150);
   EXPECT_EQ(t.ok, 0);  // no tensors: every truncation cuts a string or array
+}
+
+// The block decoders on arbitrary bytes (f16 scales that are NaN / Inf / subnormal included): every
+// to_float and every tier's dot reads exactly its row (ASan builds check) and, when the row's f16
+// fields are finite, returns finite values.
+TEST(gguf_fuzz, weight_block_decoders_random_bytes) {
+  std::mt19937 rng(4242);
+  for (uint32_t id = 0; id < 40; ++id) {
+    const weight_type_traits* tr = find_weight_traits((ggml_type)id);
+    if (tr == nullptr || tr->vec_dot_type == act_type::f32) continue;
+    const int64_t n = 2 * tr->blk;  // two blocks per row
+    const act_type at = tr->vec_dot_type;
+    std::vector<float> x((size_t)n), y((size_t)n);
+    for (auto& v : x) v = std::ldexp((float)((int)(rng() % 2001) - 1000), -10);
+    std::vector<uint8_t> xq((size_t)(n / act_block_elems(at) * act_block_bytes(at)));
+    quantize_act(at, x.data(), n, xq.data());
+    for (int trial = 0; trial < 200; ++trial) {
+      // Heap copy of exactly one row, so an overrun is an ASan error.
+      std::vector<uint8_t> row((size_t)(2 * tr->bytes));
+      for (auto& b : row) b = (uint8_t)rng();
+      tr->to_float(row.data(), y.data(), n);
+      bool finite_in = true;
+      for (float v : y) finite_in = finite_in && std::isfinite(v);
+      for (int t = 0; t < (int)isa::count; ++t) {
+        if (t > (int)best_isa()) break;
+        const float d = tr->vec_dot[t](n, row.data(), xq.data());
+        if (finite_in) {
+          EXPECT_TRUE(std::isfinite(d)) << ggml_type_name(tr->type) << " tier " << t;
+        }
+      }
+    }
+  }
+}
+
+// make_weight_view on random tensor descriptions: a view whose rows cover exactly the bytes, or a
+// kvq::error starting with "[matmul]"; never anything else.
+TEST(gguf_fuzz, make_weight_view_random_descriptions) {
+  std::mt19937 rng(99);
+  std::vector<uint8_t> buf(1 << 16);
+  int ok = 0, err = 0;
+  for (int i = 0; i < 20000; ++i) {
+    gguf_tensor_info t;
+    t.name = "fuzz";
+    t.type = (ggml_type)(rng() % 45);
+    const int n_dims = (int)(rng() % 4);
+    for (int d = 0; d < n_dims; ++d) t.ne.push_back((int64_t)(rng() % 4 == 0 ? rng() % 600 : 256 * (rng() % 3)) - (rng() % 50 == 0));
+    const int64_t blk = ggml_storage_block_elems(t.type);
+    uint64_t nb = 0;
+    if (blk > 0 && !t.ne.empty()) {
+      nb = (uint64_t)ggml_storage_block_bytes(t.type);
+      for (int64_t d : t.ne) nb *= (uint64_t)std::max<int64_t>(d, 0);
+      nb /= (uint64_t)blk;
+    }
+    t.n_bytes = rng() % 3 == 0 ? rng() % 4096 : std::min<uint64_t>(nb, buf.size());
+    t.data = rng() % 20 == 0 ? nullptr : buf.data();
+    try {
+      const weight_view w = make_weight_view(t);
+      EXPECT_EQ((uint64_t)w.row_bytes * (uint64_t)w.n_out, t.n_bytes);
+      EXPECT_EQ(w.n_in % ggml_block_elems(w.type), 0);
+      EXPECT_NE(w.data, nullptr);
+      ++ok;
+    } catch (const error& e) {
+      EXPECT_EQ(std::string(e.what()).rfind("[matmul] ", 0), 0u) << e.what();
+      ++err;
+    }
+  }
+  std::printf("make_weight_view: %d views, %d rejected\n", ok, err);
+  EXPECT_GT(ok, 100);
+  EXPECT_GT(err, 100);
 }
 
 }  // namespace

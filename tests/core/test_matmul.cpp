@@ -6,8 +6,12 @@
 #include <random>
 
 #include "core/matmul_kernels.h"
-#include "core/weight_blocks.h"
+#include <fmt/format.h>
+
+#include "core/random_blocks.h"
+#include "core/weight_types/blocks_legacy.h"
 #include "kvq/error.h"
+#include "kvq/f16.h"
 #include "kvq/matmul.h"
 #include "support/data_dir.h"
 
@@ -54,7 +58,9 @@ test_weight random_weight(ggml_type type, int64_t n_in, int64_t n_out, uint32_t 
       }
       break;
     }
-    default: break;
+    default:  // every other quantized type: random bytes, scales +-2^[-8, -4) (some subnormal)
+      tw.bytes = test::random_blocks(type, n / ggml_block_elems(type), seed, -8, -4);
+      break;
   }
   tw.info.name = "test.weight";
   tw.info.type = type;
@@ -73,12 +79,14 @@ std::vector<float> random_x(int64_t n, uint32_t seed) {
   return x;
 }
 
-// Rigorous per-output bound: f32 summation (n_in * 2^-23 * sum|w x|) plus, for q8_0/q4_0, the
-// activation quantization (|dx_i| <= amax(block)/254).
+// Rigorous per-output bound: f32 summation (n_in * 2^-23 * sum|w x|) plus, for quantized types,
+// the activation quantization (|dx_i| <= amax(activation block)/254).
 std::vector<double> error_bounds(const weight_view& w, const float* x, int64_t n_tokens) {
   std::vector<double> bound(n_tokens * w.n_out);
   std::vector<float> row(w.n_in);
-  const bool quant = w.type == ggml_type::q8_0 || w.type == ggml_type::q4_0;
+  const act_type at = find_weight_traits(w.type)->vec_dot_type;
+  const bool quant = at != act_type::f32;
+  const int64_t ab = act_block_elems(at);
   for (int64_t r = 0; r < w.n_out; ++r) {
     weight_row_to_f32(w, r, row.data());
     for (int64_t t = 0; t < n_tokens; ++t) {
@@ -86,11 +94,11 @@ std::vector<double> error_bounds(const weight_view& w, const float* x, int64_t n
       double sum_abs = 0, qerr = 0;
       for (int64_t i = 0; i < w.n_in; ++i) sum_abs += std::fabs((double)row[i] * xt[i]);
       if (quant)
-        for (int64_t b = 0; b < w.n_in / 32; ++b) {
+        for (int64_t b = 0; b < w.n_in / ab; ++b) {
           double amax = 0, wsum = 0;
-          for (int i = 0; i < 32; ++i) {
-            amax = std::max(amax, (double)std::fabs(xt[b * 32 + i]));
-            wsum += std::fabs(row[b * 32 + i]);
+          for (int64_t i = 0; i < ab; ++i) {
+            amax = std::max(amax, (double)std::fabs(xt[b * ab + i]));
+            wsum += std::fabs(row[b * ab + i]);
           }
           qerr += wsum * amax / 254.0;
         }
@@ -103,6 +111,7 @@ std::vector<double> error_bounds(const weight_view& w, const float* x, int64_t n
 std::vector<isa> tiers() {
   std::vector<isa> t{isa::scalar};
   if (best_isa() >= isa::avx2) t.push_back(isa::avx2);
+  if (best_isa() >= isa::avx512) t.push_back(isa::avx512);
   return t;
 }
 
@@ -155,6 +164,20 @@ TEST(matmul, quant_types_odd_shapes) {
     for (shape s : {shape{32, 1}, shape{32, 7}, shape{96, 9}, shape{256, 37}, shape{512, 131}})
       for (int64_t n_tokens : {1, 3, 17})
         for (thread_pool* p : {&pool1, &pool2}) check_matmul(type, s.n_in, s.n_out, n_tokens, *p, seed++);
+}
+
+// Every other quantized weight type (its own vec_dot_type), odd row counts, decode and prefill.
+TEST(matmul, all_weight_types_odd_shapes) {
+  thread_pool pool1(1), pool2(2);
+  uint32_t seed = 500;
+  for (ggml_type type : {ggml_type::q4_1, ggml_type::q5_0, ggml_type::q5_1, ggml_type::iq4_nl,
+                         ggml_type::q2_k, ggml_type::q3_k, ggml_type::q4_k, ggml_type::q5_k,
+                         ggml_type::q6_k, ggml_type::iq4_xs}) {
+    const int64_t blk = ggml_block_elems(type);
+    for (shape s : {shape{blk, 1}, shape{blk, 7}, shape{3 * blk, 9}, shape{4 * blk, 37}})
+      for (int64_t n_tokens : {1, 3, 17})
+        for (thread_pool* p : {&pool1, &pool2}) check_matmul(type, s.n_in, s.n_out, n_tokens, *p, seed++);
+  }
 }
 
 TEST(matmul, large_prefill_f16) {  // spans several token chunks and both threads
@@ -225,16 +248,41 @@ TEST(matmul, weight_row_to_f32_layouts) {
 
 TEST(matmul, make_weight_view_errors) {
   std::vector<uint8_t> bytes(1024);
-  gguf_tensor_info t{"blk.0.ffn_up.weight", ggml_type::q4_k, {256, 2}, 0, 288, bytes.data()};
-  try {
-    make_weight_view(t);
-    FAIL();
-  } catch (const error& e) {
-    EXPECT_EQ(e.code(), errc::unsupported);
-    const std::string m = e.what();
-    EXPECT_NE(m.find("[matmul] tensor 'blk.0.ffn_up.weight' has type q4_k"), std::string::npos) << m;
-    EXPECT_NE(m.find("f32, f16, bf16, q8_0, q4_0"), std::string::npos) << m;
+  gguf_tensor_info t{"blk.0.ffn_up.weight", ggml_type::iq2_xxs, {256, 2}, 0, 132, bytes.data()};
+  for (ggml_type bad : {ggml_type::iq2_xxs, (ggml_type)77}) {  // known but not computed; unknown id
+    t.type = bad;
+    try {
+      make_weight_view(t);
+      FAIL();
+    } catch (const error& e) {
+      EXPECT_EQ(e.code(), errc::unsupported);
+      const std::string m = e.what();
+      EXPECT_NE(m.find(fmt::format("[matmul] tensor 'blk.0.ffn_up.weight' (shape [256, 2]) has type {} (id {})",
+                                   ggml_type_name(bad), (unsigned)bad)),
+                std::string::npos)
+          << m;
+      EXPECT_NE(m.find("f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, iq4_nl, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs"),
+                std::string::npos)
+          << m;
+    }
   }
+  t.type = ggml_type::q4_k;  // byte size must match type and shape exactly (288)
+  for (uint64_t nb : {287u, 289u})
+    try {
+      t.n_bytes = nb;
+      make_weight_view(t);
+      FAIL();
+    } catch (const error& e) {
+      EXPECT_EQ(e.code(), errc::invalid_input);
+      const std::string m = e.what();
+      EXPECT_NE(m.find(fmt::format("[matmul] tensor 'blk.0.ffn_up.weight' (q4_k, shape [256, 2]) has {} "
+                                   "bytes of data; its type and shape need 288",
+                                   nb)),
+                std::string::npos)
+          << m;
+    }
+  t.n_bytes = 288;
+  EXPECT_EQ(make_weight_view(t).row_bytes, 144u);
   t.type = ggml_type::q8_0;
   t.ne = {48, 2};
   EXPECT_THROW(make_weight_view(t), error);  // not a multiple of 32
