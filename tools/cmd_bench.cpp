@@ -12,6 +12,7 @@
 #include "kvq/bench.h"
 #include "kvq/error.h"
 #include "kvq/perplexity.h"
+#include "kvq/sys_memory.h"
 #include "kvq/tokenizer.h"
 
 namespace kvq::cli {
@@ -82,17 +83,6 @@ double load_average() {
   double l = -1;
   if (!(f >> l)) return -1;
   return l;
-}
-
-// MemAvailable in bytes, or 0 when unknown.
-size_t mem_available() {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  size_t kib = 0;
-  std::string unit;
-  while (f >> key >> kib >> unit)
-    if (key == "MemAvailable:") return kib * 1024;
-  return 0;
 }
 
 // Runs f and re-tags a kvq::error from another layer as "[bench] <context><message>".
@@ -195,7 +185,7 @@ int run_bench(bench_opts& o) {
   if (o.max_kv_gib > 0) {
     o.p.max_kv_bytes = (size_t)(o.max_kv_gib * 1024.0 * 1024.0 * 1024.0);
   } else if (o.max_kv_gib == 0) {
-    o.p.max_kv_bytes = mem_available() / 2;  // the caches share the machine with the model and others
+    o.p.max_kv_bytes = mem_available_bytes() / 2;  // the caches share the machine with the model and others
   }
   model_shape shape;
   if (!o.shape.empty()) {
