@@ -18,7 +18,8 @@
 namespace kvq::cli {
 
 // Runs scripts/<script> (python3 + matplotlib) on a JSON document to draw `png`. The script is
-// looked up in $KVQ_SCRIPTS_DIR, then in scripts/ of the directories above the kvq binary; the
+// looked up in $KVQ_SCRIPTS_DIR, then in scripts/ of the directories above the kvq binary, then in
+// scripts/ of the source tree the binary was built from (a build folder outside the tree); the
 // interpreter is $KVQ_PYTHON, else /usr/bin/python3 (Debian's, which has python3-matplotlib),
 // else python3 on PATH. The PNG is drawn to a temp name and renamed, so a failure leaves none.
 // Shared with cmd_bench.cpp (declared in cli.h).
@@ -32,6 +33,9 @@ void run_plot_script(const std::string& script, const std::string& json_text, co
     for (int up = 0; up < 5 && !p.empty(); ++up, p = p.parent_path())
       if (fs::exists(p / "scripts" / script)) { dir = (p / "scripts").string(); break; }
   }
+#ifdef KVQ_SOURCE_SCRIPTS_DIR
+  if (dir.empty() && fs::exists(fs::path(KVQ_SOURCE_SCRIPTS_DIR) / script)) dir = KVQ_SOURCE_SCRIPTS_DIR;
+#endif
   if (dir.empty() || !fs::exists(fs::path(dir) / script))
     fail(errc::io, "[plot] cannot find scripts/" + script + " (set KVQ_SCRIPTS_DIR to the repository's scripts/)");
   std::string py = "python3";
