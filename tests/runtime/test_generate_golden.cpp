@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -102,6 +103,25 @@ int identical_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>& 
   return (int)n;
 }
 
+// Teacher-forced agreement: the cache `type` is fed the prompt, then f16's generated tokens one at a
+// time (generate's prefill and decode path); counts the steps whose greedy token (first argmax, as
+// the sampler) equals f16's. Unlike the identical prefix it keeps measuring after a divergence.
+int forced_agreement(model& m, const std::vector<int32_t>& prompt, const std::vector<int32_t>& f16_ids,
+                     const std::string& type) {
+  kv_cache_params cp = m.cache_params(512);
+  cp.type_k = cp.type_v = type;
+  auto cache = make_kv_cache(cp);
+  thread_pool pool(2);
+  std::vector<float> logits(m.hparams().n_vocab);
+  m.forward(prompt, 0, 0, *cache, pool, logits.data(), false);
+  int agree = 0, pos = (int)prompt.size();
+  for (int32_t id : f16_ids) {
+    agree += std::max_element(logits.begin(), logits.end()) - logits.begin() == id;
+    m.forward(std::span<const int32_t>(&id, 1), pos++, 0, *cache, pool, logits.data(), false);
+  }
+  return agree;
+}
+
 // Greedy 64 tokens with the compressed caches vs the f16 cache, on the three prompts of the f16
 // golden runs (whose 64 tokens are checked against llama.cpp above). The 8-bit formats and K q8 /
 // V q4 reproduce f16 token for token; for the 4/3/2-bit formats the identical prefix length is
@@ -121,16 +141,27 @@ TEST_F(Stories260KGolden, CompressedCachesVsF16Greedy) {
   // Greedy decoding is deterministic, but a legitimate change of rounding order (a kernel tier,
   // a refit) can flip a near-tied token, so each floor sits about 20 % (at least 1-2 tokens)
   // under the measured value; a format whose scales or codes are wrong diverges within a few
-  // tokens (q2 keeps 1 token of 64) and fails the 4- and 8-bit floors. 0 where 0 was measured.
+  // tokens (q2 keeps 1 token of 64) and fails the 4- and 8-bit floors. 0 where 0 was measured
+  // (not asserted: the teacher-forced floors below cover those).
   struct lossy {
     std::string type;
-    int floor[3];  // identical-prefix floor per prompt (p1, p2, p3)
+    int floor[3];         // identical-prefix floor per prompt (p1, p2, p3); 0: not asserted
+    int forced_floor[3];  // teacher-forced agreement floor per prompt (forced_agreement, of 64)
   };
+  // The identical prefix is 0 for q3 / q2 / q2a on p2 and p3 (their first token already differs), so
+  // a floor there could not fail; the teacher-forced agreement (forced_agreement) keeps measuring
+  // after a divergence and holds every format, those included. Measured at this commit:
+  //   q4 56/50/50, q4a 56/53/53, kivi4 64/63/64, q3 34/31/36, q2 16/12/12, q2a 24/19/16,
+  //   kivi2 61/53/60 of 64 (f16 itself 64/64/64);
+  // floors are 80 % of these, rounded down. At 2 bits the attention output error exceeds uniform
+  // attention's (tests/cache), so the q2 / q2a floors guard the measured behaviour against
+  // regressions rather than certify quality.
   const std::vector<lossy> lossy_types = {
-      {"q4", {28, 2, 11}}, {"q4a", {16, 2, 16}}, {"kivi4", {51, 41, 51}}, {"q3", {6, 0, 0}},
-      {"q2", {1, 0, 0}},   {"q2a", {1, 0, 0}},   {"kivi2", {27, 16, 22}},
+      {"q4", {28, 2, 11}, {44, 40, 40}}, {"q4a", {16, 2, 16}, {44, 42, 42}}, {"kivi4", {51, 41, 51}, {51, 50, 51}},
+      {"q3", {6, 0, 0}, {27, 24, 28}},   {"q2", {1, 0, 0}, {12, 9, 9}},      {"q2a", {1, 0, 0}, {19, 15, 12}},
+      {"kivi2", {27, 16, 22}, {48, 42, 48}},
   };
-  std::vector<std::vector<int>> prefix(lossy_types.size());
+  std::vector<std::vector<int>> prefix(lossy_types.size()), agree(lossy_types.size());
   int n_prompts = 0;
   for (const auto& run : golden["runs"]) {
     const std::string id = run["id"];
@@ -139,6 +170,7 @@ TEST_F(Stories260KGolden, CompressedCachesVsF16Greedy) {
     const std::string prompt = run["prompt"];
     const generate_result f16 = run_kv(prompt, "f16", "f16");
     ASSERT_EQ(f16.ids, run["generated_token_ids"].get<std::vector<int32_t>>()) << id;
+    ASSERT_EQ(forced_agreement(*m, f16.prompt_ids, f16.ids, "f16"), 64) << id << ": the forced path is generate's";
     for (const auto& [k, v] : std::vector<std::pair<std::string, std::string>>{
              {"q8", "q8"}, {"q8a", "q8a"}, {"kivi8", "kivi8"}, {"q8", "q4"}}) {
       const generate_result r = run_kv(prompt, k, v);
@@ -152,29 +184,40 @@ TEST_F(Stories260KGolden, CompressedCachesVsF16Greedy) {
       EXPECT_LT(r.kv_bytes_per_token, f16.kv_bytes_per_token) << l.type;
       const int n = identical_prefix(r.ids, f16.ids);
       prefix[i].push_back(n);
-      EXPECT_GE(n, l.floor[n_prompts]) << id << " " << l.type << ": identical prefix " << n << " of 64";
+      if (l.floor[n_prompts] > 0) {
+        EXPECT_GE(n, l.floor[n_prompts]) << id << " " << l.type << ": identical prefix " << n << " of 64";
+      }
+      const int a = forced_agreement(*m, f16.prompt_ids, f16.ids, l.type);
+      agree[i].push_back(a);
+      EXPECT_GE(a, l.forced_floor[n_prompts]) << id << " " << l.type << ": teacher-forced agreement " << a << " of 64";
     }
     ++n_prompts;
   }
   ASSERT_EQ(n_prompts, 3);
   // Per-channel K keeps f16's tokens longest at each bit width, as its perplexity says
   // (docs/quality.md, stories260K: kivi4 +3.3 % vs q4 +52 %, q4a +37 %; kivi2 +178 % vs q2 +2621 %).
-  auto total = [&](const std::string& t) {
+  auto total = [&](const std::vector<std::vector<int>>& per_type, const std::string& t) {
     for (size_t i = 0; i < lossy_types.size(); ++i)
-      if (lossy_types[i].type == t) return prefix[i][0] + prefix[i][1] + prefix[i][2];
+      if (lossy_types[i].type == t) return per_type[i][0] + per_type[i][1] + per_type[i][2];
     return -1;
   };
-  EXPECT_GT(total("kivi4"), std::max(total("q4"), total("q4a")));
-  EXPECT_GT(total("kivi2"), std::max(total("q2"), total("q2a")));
-  for (size_t i = 0; i < lossy_types.size(); ++i) {
+  for (const auto* m : {&prefix, &agree}) {
+    EXPECT_GT(total(*m, "kivi4"), std::max(total(*m, "q4"), total(*m, "q4a")));
+    EXPECT_GT(total(*m, "kivi2"), std::max(total(*m, "q2"), total(*m, "q2a")));
+  }
+  auto csv = [](const std::vector<int>& v) {
     std::string s;
-    for (int n : prefix[i]) {
+    for (int n : v) {
       if (!s.empty()) s += ',';
       s += std::to_string(n);
     }
-    RecordProperty("identical_prefix_" + lossy_types[i].type, s);
-    std::printf("[stories260K greedy 64] %-6s identical prefix vs f16 (p1,p2,p3): %s\n", lossy_types[i].type.c_str(),
-                s.c_str());
+    return s;
+  };
+  for (size_t i = 0; i < lossy_types.size(); ++i) {
+    RecordProperty("identical_prefix_" + lossy_types[i].type, csv(prefix[i]));
+    RecordProperty("forced_agreement_" + lossy_types[i].type, csv(agree[i]));
+    std::printf("[stories260K greedy 64] %-6s vs f16 (p1,p2,p3): identical prefix %s, teacher-forced agreement %s\n",
+                lossy_types[i].type.c_str(), csv(prefix[i]).c_str(), csv(agree[i]).c_str());
   }
 }
 
