@@ -10,6 +10,7 @@
 #include "kvq/bench.h"
 #include "kvq/error.h"
 #include "kvq/f16.h"
+#include "kvq/gguf_writer.h"
 
 namespace kvq {
 
@@ -47,68 +48,21 @@ struct rng {
   }
 };
 
-class gguf_out {
- public:
-  explicit gguf_out(const std::string& path) : path_(path) {
-    f_ = std::fopen(path.c_str(), "wb");
-    if (!f_) fail(errc::io, "[bench] cannot create the synthetic model file '" + path + "'");
-  }
-  ~gguf_out() {
-    if (f_) std::fclose(f_);
-  }
-  void raw(const void* p, size_t n) {
-    if (std::fwrite(p, 1, n, f_) != n) fail(errc::io, "[bench] write to '" + path_ + "' failed (disk full?)");
-  }
-  void u32(uint32_t v) { raw(&v, 4); }
-  void u64(uint64_t v) { raw(&v, 8); }
-  void str(const std::string& s) {
-    u64(s.size());
-    raw(s.data(), s.size());
-  }
-  void pad(uint64_t align) {
-    static const char zeros[64] = {};
-    const long at = std::ftell(f_);
-    const uint64_t n = (align - (uint64_t)at % align) % align;
-    raw(zeros, n);
-  }
-  void close() {
-    if (std::fclose(f_) != 0) {
-      f_ = nullptr;
-      fail(errc::io, "[bench] cannot finish '" + path_ + "'");
-    }
-    f_ = nullptr;
-  }
-
- private:
-  std::string path_;
-  std::FILE* f_ = nullptr;
-};
-
 struct tensor_spec {
   std::string name;
   ggml_type type;
   int64_t n_in, n_out;  // ne[0], ne[1] (n_out = 1: a vector)
-  uint64_t bytes() const {
-    const int64_t n = n_in * n_out;
-    switch (type) {
-      case ggml_type::f32: return 4 * (uint64_t)n;
-      case ggml_type::f16: return 2 * (uint64_t)n;
-      case ggml_type::q8_0: return (uint64_t)n / 32 * 34;
-      case ggml_type::q4_0: return (uint64_t)n / 32 * 18;
-      default: return 0;
-    }
-  }
 };
 
 // Streams one tensor's random data (uniform, variance 1/n_in; vectors = 1).
-void write_tensor_data(gguf_out& out, const tensor_spec& t, rng& r) {
+void write_tensor_data(const gguf_writer::byte_sink& out, const tensor_spec& t, rng& r) {
   const int64_t n = t.n_in * t.n_out;
   std::vector<uint8_t> buf;
   buf.reserve(1 << 22);
   const float a = std::sqrt(3.0f / (float)t.n_in);  // U(-a, a) has variance 1/n_in
   auto flush = [&](bool force) {
     if (force || buf.size() >= (1u << 22) - 64) {
-      out.raw(buf.data(), buf.size());
+      out(buf.data(), buf.size());
       buf.clear();
     }
   };
@@ -210,58 +164,28 @@ std::unique_ptr<model> make_synthetic_model(const model_shape& s, ggml_type wt, 
     ~unlink_guard() { std::remove(p.c_str()); }
   } guard{path};
 
-  {
-    gguf_out out(path);
-    const std::string a = s.arch + ".";
-    struct kv_u32 { std::string k; uint32_t v; };
-    struct kv_f32 { std::string k; float v; };
-    const std::vector<kv_u32> u32s = {
-        {a + "context_length", (uint32_t)s.n_ctx_train}, {a + "embedding_length", (uint32_t)E},
-        {a + "block_count", (uint32_t)L},                {a + "feed_forward_length", (uint32_t)s.n_ff},
-        {a + "attention.head_count", (uint32_t)s.n_head}, {a + "attention.head_count_kv", (uint32_t)s.n_kv_head},
-        {a + "attention.key_length", (uint32_t)s.head_dim}, {a + "attention.value_length", (uint32_t)s.head_dim}};
-    const std::vector<kv_f32> f32s = {{a + "rope.freq_base", s.rope_freq_base},
-                                      {a + "attention.layer_norm_rms_epsilon", 1e-6f}};
-    out.raw("GGUF", 4);
-    out.u32(3);
-    out.u64(ts.size());
-    out.u64(2 + u32s.size() + f32s.size());
-    out.str("general.architecture");
-    out.u32((uint32_t)gguf_value_type::string);
-    out.str(s.arch);
-    out.str("general.name");
-    out.u32((uint32_t)gguf_value_type::string);
-    out.str("synthetic " + s.name + (L != s.n_layer ? " (" + std::to_string(L) + " layers)" : std::string()) +
-            " " + ggml_type_name(wt));
-    for (const auto& kv : u32s) {
-      out.str(kv.k);
-      out.u32((uint32_t)gguf_value_type::u32);
-      out.u32(kv.v);
-    }
-    for (const auto& kv : f32s) {
-      out.str(kv.k);
-      out.u32((uint32_t)gguf_value_type::f32);
-      out.raw(&kv.v, 4);
-    }
-    uint64_t offset = 0;
-    for (const auto& t : ts) {
-      out.str(t.name);
-      const bool vec = t.n_out == 1;
-      out.u32(vec ? 1 : 2);
-      out.u64((uint64_t)t.n_in);
-      if (!vec) out.u64((uint64_t)t.n_out);
-      out.u32((uint32_t)t.type);
-      out.u64(offset);
-      offset += (t.bytes() + 31) / 32 * 32;
-    }
-    out.pad(32);
-    rng r{seed};
-    for (const auto& t : ts) {
-      write_tensor_data(out, t, r);
-      out.pad(32);
-    }
-    out.close();
+  const std::string a = s.arch + ".";
+  gguf_writer w;
+  w.set_str("general.architecture", s.arch);
+  w.set_str("general.name", "synthetic " + s.name +
+                                (L != s.n_layer ? " (" + std::to_string(L) + " layers)" : std::string()) + " " +
+                                ggml_type_name(wt));
+  w.set_u32(a + "context_length", (uint32_t)s.n_ctx_train);
+  w.set_u32(a + "embedding_length", (uint32_t)E);
+  w.set_u32(a + "block_count", (uint32_t)L);
+  w.set_u32(a + "feed_forward_length", (uint32_t)s.n_ff);
+  w.set_u32(a + "attention.head_count", (uint32_t)s.n_head);
+  w.set_u32(a + "attention.head_count_kv", (uint32_t)s.n_kv_head);
+  w.set_u32(a + "attention.key_length", (uint32_t)s.head_dim);
+  w.set_u32(a + "attention.value_length", (uint32_t)s.head_dim);
+  w.set_f32(a + "rope.freq_base", s.rope_freq_base);
+  w.set_f32(a + "attention.layer_norm_rms_epsilon", 1e-6f);
+  rng r{seed};
+  for (const auto& t : ts) {
+    const std::vector<int64_t> ne = t.n_out == 1 ? std::vector<int64_t>{t.n_in} : std::vector<int64_t>{t.n_in, t.n_out};
+    w.add_tensor_streamed(t.name, t.type, ne, [&r, &t](const gguf_writer::byte_sink& out) { write_tensor_data(out, t, r); });
   }
+  w.write(path, "bench");
   return model::load(path);  // the mapping outlives the unlink by guard
 }
 

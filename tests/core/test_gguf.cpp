@@ -8,7 +8,7 @@
 #include "kvq/error.h"
 #include "kvq/gguf.h"
 #include "support/data_dir.h"
-#include "support/gguf_writer.h"
+#include "kvq/gguf_writer.h"
 
 namespace kvq {
 namespace {
@@ -20,7 +20,7 @@ std::string tmp_path(const std::string& name) {
 }
 
 // Writes `w` to a temporary file, opens it, removes the file (the mapping stays valid).
-std::unique_ptr<gguf_file> round_trip(const test::gguf_writer& w, const std::string& name) {
+std::unique_ptr<gguf_file> round_trip(const gguf_writer& w, const std::string& name) {
   const std::string p = tmp_path(name);
   w.write(p);
   auto f = gguf_file::open(p);
@@ -157,7 +157,7 @@ TEST(gguf, vocab_only_files) {
 
 TEST(gguf, round_trip_every_value_type) {
   for (uint32_t version : {2u, 3u}) {
-    test::gguf_writer w;
+    gguf_writer w;
     w.set_version(version);
     w.set_u8("v.u8", 250);
     w.set_i8("v.i8", -120);
@@ -256,7 +256,7 @@ TEST(gguf, round_trip_every_value_type) {
 }
 
 TEST(gguf, custom_alignment) {
-  test::gguf_writer w;
+  gguf_writer w;
   w.set_alignment(64);
   w.set_str("general.architecture", "llama");
   w.add_tensor_f32("a", {3}, {1, 2, 3});
@@ -289,7 +289,7 @@ TEST(gguf, type_names_and_blocks) {
 // --- malformed files built by hand -------------------------------------------------------------
 
 std::vector<uint8_t> valid_bytes() {
-  test::gguf_writer w;
+  gguf_writer w;
   w.set_str("general.architecture", "llama");
   w.set_u32("llama.block_count", 1);
   w.add_tensor_f32("w", {4, 2}, {1, 2, 3, 4, 5, 6, 7, 8});
@@ -341,13 +341,13 @@ TEST(gguf, malformed_headers) {
 
 TEST(gguf, malformed_values_and_tensors) {
   auto build = [](auto&& fn) {
-    test::gguf_writer w;
+    gguf_writer w;
     fn(w);
     return w.bytes();
   };
   // duplicate key: write two keys then rename the second to the first
   {
-    auto b = build([](test::gguf_writer& w) {
+    auto b = build([](gguf_writer& w) {
       w.set_u32("dup.a", 1);
       w.set_u32("dup.b", 2);
     });
@@ -357,30 +357,30 @@ TEST(gguf, malformed_values_and_tensors) {
     expect_error(b, "dupkey", "duplicate metadata key 'dup.a'");
   }
   {
-    auto b = build([](test::gguf_writer& w) { w.set_u32("k", 1); });
+    auto b = build([](gguf_writer& w) { w.set_u32("k", 1); });
     poke<uint32_t>(b, 24 + 8 + 1, 13);
     expect_error(b, "vtype", "metadata 'k' type: unknown value type 13");
   }
   {
-    auto b = build([](test::gguf_writer& w) { w.set_bool("k", true); });
+    auto b = build([](gguf_writer& w) { w.set_bool("k", true); });
     b[24 + 8 + 1 + 4] = 2;
     expect_error(b, "bool", "bool value 2");
   }
   {
-    auto b = build([](test::gguf_writer& w) { w.set_arr_i32("k", {1, 2}); });
+    auto b = build([](gguf_writer& w) { w.set_arr_i32("k", {1, 2}); });
     poke<uint64_t>(b, 24 + 8 + 1 + 4 + 4, 1ull << 61);
     expect_error(b, "arrcount", "array of 2305843009213693952 i32 elements cannot fit");
   }
   {
-    auto b = build([](test::gguf_writer& w) { w.set_u32("general.alignment", 48); });
+    auto b = build([](gguf_writer& w) { w.set_u32("general.alignment", 48); });
     expect_error(b, "align48", "'general.alignment' = 48 is not a power of two");
   }
   {
-    auto b = build([](test::gguf_writer& w) { w.set_str("general.alignment", "x"); });
+    auto b = build([](gguf_writer& w) { w.set_str("general.alignment", "x"); });
     expect_error(b, "alignstr", "'general.alignment' has type string");
   }
   auto with_tensor = [&](ggml_type t, std::vector<int64_t> ne, size_t bytes) {
-    return build([&](test::gguf_writer& w) {
+    return build([&](gguf_writer& w) {
       w.add_tensor("tt", (ggml_type)999, ne, std::vector<uint8_t>(bytes));  // unknown id: no checks
     });
   };
@@ -410,7 +410,7 @@ TEST(gguf, malformed_values_and_tensors) {
     expect_error(b, "overflow", "element count overflows");
   }
   {
-    auto b = build([](test::gguf_writer& w) {
+    auto b = build([](gguf_writer& w) {
       w.add_tensor_f32("same", {1}, {1});
       w.add_tensor_f32("same", {1}, {2});
     });

@@ -8,7 +8,7 @@
 
 #include "kvq/error.h"
 #include "kvq/model.h"
-#include "support/gguf_writer.h"
+#include "kvq/gguf_writer.h"
 
 namespace kvq {
 namespace {
@@ -36,7 +36,7 @@ std::vector<float> rnd(std::mt19937& g, size_t n, float scale, float offset = 0)
 tiny_weights write_tiny(const tiny_cfg& c, const std::string& path) {
   std::mt19937 g(1234);
   tiny_weights w;
-  test::gguf_writer wr;
+  gguf_writer wr;
   const std::string a = c.arch + ".";
   wr.set_str("general.architecture", c.arch);
   wr.set_u32(a + "context_length", 256);
@@ -239,13 +239,13 @@ TEST(ModelLoad, Errors) {
   tiny_cfg c;
   const std::string path = tmp_path("errors");
   {  // unsupported architecture
-    test::gguf_writer wr;
+    gguf_writer wr;
     wr.set_str("general.architecture", "mamba");
     wr.write(path);
     expect_load_error(path, "mamba");
   }
   {  // missing tensor
-    test::gguf_writer wr;
+    gguf_writer wr;
     wr.set_str("general.architecture", "llama");
     wr.set_u32("llama.embedding_length", 32);
     wr.set_u32("llama.block_count", 1);
@@ -255,7 +255,7 @@ TEST(ModelLoad, Errors) {
     expect_load_error(path, "token_embd.weight");
   }
   {  // head_count not a multiple of head_count_kv
-    test::gguf_writer wr;
+    gguf_writer wr;
     wr.set_str("general.architecture", "llama");
     wr.set_u32("llama.embedding_length", 32);
     wr.set_u32("llama.block_count", 1);
@@ -269,7 +269,7 @@ TEST(ModelLoad, Errors) {
     tiny_cfg bad = c;
     write_tiny(bad, path);
     // Rewrite with attn_q of the wrong width by changing the declared head count.
-    test::gguf_writer wr;
+    gguf_writer wr;
     std::mt19937 g(1);
     wr.set_str("general.architecture", "llama");
     wr.set_u32("llama.embedding_length", 32);

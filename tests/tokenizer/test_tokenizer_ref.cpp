@@ -14,7 +14,7 @@
 #include "kvq/gguf.h"
 #include "kvq/tokenizer.h"
 #include "support/data_dir.h"
-#include "support/gguf_writer.h"
+#include "kvq/gguf_writer.h"
 #include "tokenizer/regex_split.h"
 #include "tokenizer/spm.h"
 #include "tokenizer/unicode.h"
@@ -22,7 +22,7 @@
 
 namespace {
 
-using kvq::test::gguf_writer;
+using kvq::gguf_writer;
 using ids_t = std::vector<int32_t>;
 
 std::unique_ptr<kvq::tokenizer> load(const gguf_writer& w, const std::string& name) {

@@ -1,12 +1,13 @@
-#include "support/gguf_writer.h"
+#include "kvq/gguf_writer.h"
 
+#include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <stdexcept>
+#include <string>
 
+#include "kvq/error.h"
 #include "kvq/f16.h"
 
-namespace kvq::test {
+namespace kvq {
 
 namespace {
 
@@ -97,20 +98,35 @@ void gguf_writer::set_arr_arr_i32(const std::string& k, const std::vector<std::v
   set_arr_raw(k, gguf_value_type::array, v.size(), e);
 }
 
+namespace {
+
+// Bytes of a tensor of a known type and shape; invalid_input otherwise.
+uint64_t tensor_bytes(const std::string& name, ggml_type type, const std::vector<int64_t>& ne) {
+  const int64_t blk = ggml_storage_block_elems(type);
+  if (blk <= 0)
+    fail_input("[gguf_writer] tensor '" + name + "': unknown type " + ggml_type_name(type));
+  int64_t n = 1;
+  for (int64_t d : ne)
+    if (d <= 0 || __builtin_mul_overflow(n, d, &n)) fail_input("[gguf_writer] tensor '" + name + "': bad shape");
+  if (ne.empty() || ne[0] % blk != 0)
+    fail_input("[gguf_writer] tensor '" + name + "': ne[0] not a multiple of the block size " + std::to_string(blk));
+  return (uint64_t)(n / blk * ggml_storage_block_bytes(type));
+}
+
+}  // namespace
+
 void gguf_writer::add_tensor(const std::string& name, ggml_type type, const std::vector<int64_t>& ne,
                              const std::vector<uint8_t>& data) {
-  const int64_t blk = ggml_storage_block_elems(type);
-  if (blk > 0) {  // unknown type ids (and absurd shapes for them) are written unchecked
-    int64_t n = 1;
-    for (int64_t d : ne)
-      if (d <= 0 || __builtin_mul_overflow(n, d, &n))
-        throw std::invalid_argument("gguf_writer: " + name + ": bad shape");
-    if (ne.empty() || ne[0] % blk != 0)
-      throw std::invalid_argument("gguf_writer: " + name + ": ne[0] not a multiple of the block size");
-    if ((int64_t)data.size() != n / blk * ggml_storage_block_bytes(type))
-      throw std::invalid_argument("gguf_writer: " + name + ": data size does not match shape/type");
-  }
-  tensors_.push_back({name, type, ne, data});
+  // unknown type ids (and absurd shapes for them) are written unchecked
+  if (ggml_storage_block_elems(type) > 0 && tensor_bytes(name, type, ne) != data.size())
+    fail_input("[gguf_writer] tensor '" + name + "': data size " + std::to_string(data.size()) +
+               " does not match shape and type (" + std::to_string(tensor_bytes(name, type, ne)) + " bytes)");
+  tensors_.push_back({name, type, ne, data.size(), data, {}});
+}
+
+void gguf_writer::add_tensor_streamed(const std::string& name, ggml_type type, const std::vector<int64_t>& ne,
+                                      std::function<void(const byte_sink&)> fill) {
+  tensors_.push_back({name, type, ne, tensor_bytes(name, type, ne), {}, std::move(fill)});
 }
 
 void gguf_writer::add_tensor_f32(const std::string& name, const std::vector<int64_t>& ne,
@@ -120,13 +136,13 @@ void gguf_writer::add_tensor_f32(const std::string& name, const std::vector<int6
     if (stored_as == ggml_type::f32) app<float>(b, f);
     else if (stored_as == ggml_type::f16) app<uint16_t>(b, f32_to_f16(f));
     else if (stored_as == ggml_type::bf16) app<uint16_t>(b, f32_to_bf16(f));
-    else throw std::invalid_argument("gguf_writer: add_tensor_f32 stores only f32/f16/bf16");
+    else fail_input(std::string("[gguf_writer] add_tensor_f32 stores only f32/f16/bf16, not ") + ggml_type_name(stored_as));
   }
   add_tensor(name, stored_as, ne, b);
 }
 
-std::vector<uint8_t> gguf_writer::bytes() const {
-  std::vector<uint8_t> b;
+void gguf_writer::emit(const byte_sink& out, const std::string& op) const {
+  std::vector<uint8_t> b;  // the header
   app<uint32_t>(b, 0x46554747u);  // "GGUF" little-endian
   app<uint32_t>(b, version_);
   app<uint64_t>(b, tensors_.size());
@@ -134,9 +150,7 @@ std::vector<uint8_t> gguf_writer::bytes() const {
   app<uint64_t>(b, kv_.size() + (write_align ? 1 : 0));
   for (const kv& e : kv_) {
     app_str(b, e.key);
-    const size_t at = b.size();
-    b.resize(at + e.typed_value.size());
-    std::memcpy(b.data() + at, e.typed_value.data(), e.typed_value.size());
+    b.insert(b.end(), e.typed_value.begin(), e.typed_value.end());
   }
   if (write_align) {
     app_str(b, "general.alignment");
@@ -145,32 +159,62 @@ std::vector<uint8_t> gguf_writer::bytes() const {
   }
   auto align_up = [&](uint64_t x) { return (x + alignment_ - 1) / alignment_ * alignment_; };
   uint64_t off = 0;
-  std::vector<uint64_t> offsets;
   for (const tensor& t : tensors_) {
     app_str(b, t.name);
     app<uint32_t>(b, (uint32_t)t.ne.size());
     for (int64_t d : t.ne) app<uint64_t>(b, (uint64_t)d);
     app<uint32_t>(b, (uint32_t)t.type);
     off = align_up(off);
-    offsets.push_back(off);
     app<uint64_t>(b, off);
-    off += t.data.size();
+    off += t.n_bytes;
   }
   b.resize(align_up(b.size()), 0);
-  const size_t data_start = b.size();
-  for (size_t i = 0; i < tensors_.size(); ++i) {
-    b.resize(data_start + offsets[i], 0);
-    b.insert(b.end(), tensors_[i].data.begin(), tensors_[i].data.end());
+  out(b.data(), b.size());
+  // Tensor data, each at its aligned offset in the data section.
+  const std::vector<uint8_t> zeros(alignment_, 0);
+  uint64_t at = 0;
+  for (const tensor& t : tensors_) {
+    out(zeros.data(), align_up(at) - at);
+    at = align_up(at);
+    if (!t.fill) {
+      out(t.data.data(), t.data.size());
+    } else {
+      uint64_t given = 0;
+      t.fill([&](const void* p, size_t n) {
+        given += n;
+        out(p, n);
+      });
+      if (given != t.n_bytes)
+        fail(errc::internal, "[" + op + "] tensor '" + t.name + "': fill wrote " + std::to_string(given) +
+                                 " bytes, expected " + std::to_string(t.n_bytes));
+    }
+    at += t.n_bytes;
   }
+}
+
+std::vector<uint8_t> gguf_writer::bytes() const {
+  std::vector<uint8_t> b;
+  emit([&](const void* p, size_t n) { b.insert(b.end(), (const uint8_t*)p, (const uint8_t*)p + n); }, "gguf_writer");
   return b;
 }
 
-void gguf_writer::write(const std::string& path) const {
-  const std::vector<uint8_t> b = bytes();
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) throw std::runtime_error("gguf_writer: cannot open " + path);
-  f.write(reinterpret_cast<const char*>(b.data()), (std::streamsize)b.size());
-  if (!f) throw std::runtime_error("gguf_writer: write failed " + path);
+void gguf_writer::write(const std::string& path, const std::string& op) const {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (!f) fail(errc::io, "[" + op + "] cannot create '" + path + "'");
+  struct closer {
+    std::FILE*& f;
+    ~closer() {
+      if (f) std::fclose(f);
+    }
+  } guard{f};
+  emit(
+      [&](const void* p, size_t n) {
+        if (n > 0 && std::fwrite(p, 1, n, f) != n) fail(errc::io, "[" + op + "] write to '" + path + "' failed (disk full?)");
+      },
+      op);
+  const int rc = std::fclose(f);
+  f = nullptr;
+  if (rc != 0) fail(errc::io, "[" + op + "] write to '" + path + "' failed (disk full?)");
 }
 
-}  // namespace kvq::test
+}  // namespace kvq
