@@ -6,6 +6,7 @@
 #include <queue>
 
 #include "kvq/error.h"
+#include "tokenizer/symbol_merge.h"
 #include "tokenizer/unicode.h"
 
 namespace kvq::tok {
@@ -76,11 +77,6 @@ struct bigram_greater {
   }
 };
 
-struct symbol {
-  int32_t prev, next;
-  uint32_t off, n;
-};
-
 void make_key(std::string& key, std::string_view left, std::string_view right) {
   const uint32_t ll = static_cast<uint32_t>(left.size());
   key.resize(4 + left.size() + right.size());
@@ -140,25 +136,18 @@ int32_t bpe_model::rank(std::string_view left, std::string_view right, std::stri
 
 void bpe_model::tokenize(std::string_view text, std::vector<int32_t>& out) const {
   const std::vector<std::string> words = splitter_.split(text, /*byte_encode=*/true);
-  std::vector<symbol> sym;
+  std::vector<merge_symbol> sym;
   std::vector<bigram> heap;
   std::string key;
   for (const std::string& word : words) {
     if (word.empty()) continue;
     const std::string_view w(word);
-    sym.clear();
     heap.clear();
     if (ignore_merges_ && v_.find(w) >= 0) {
       out.push_back(v_.find(w));
       continue;
     }
-    for (size_t off = 0; off < w.size();) {
-      const size_t n = std::min(utf8_len(w[off]), w.size() - off);
-      const int32_t i = static_cast<int32_t>(sym.size());
-      sym.push_back({i - 1, off + n == w.size() ? -1 : i + 1, static_cast<uint32_t>(off),
-                     static_cast<uint32_t>(n)});
-      off += n;
-    }
+    utf8_symbols(w, sym);
     auto try_add = [&](int32_t l, int32_t r) {
       if (l < 0 || r < 0) return;
       const int32_t rk = rank(w.substr(sym[l].off, sym[l].n), w.substr(sym[r].off, sym[r].n), key);
@@ -167,22 +156,7 @@ void bpe_model::tokenize(std::string_view text, std::vector<int32_t>& out) const
       std::push_heap(heap.begin(), heap.end(), bigram_greater{});
     };
     for (int32_t i = 1; i < static_cast<int32_t>(sym.size()); ++i) try_add(i - 1, i);
-    while (!heap.empty()) {
-      std::pop_heap(heap.begin(), heap.end(), bigram_greater{});
-      const bigram b = heap.back();
-      heap.pop_back();
-      symbol& l = sym[b.left];
-      symbol& r = sym[b.right];
-      // stale: a side was merged away or grew since queued (llama.cpp compares the texts, which
-      // for adjacent live symbols is the same test)
-      if (l.n == 0 || r.n == 0 || l.n + r.n != b.size) continue;
-      l.n += r.n;
-      r.n = 0;
-      l.next = r.next;
-      if (r.next >= 0) sym[r.next].prev = b.left;
-      try_add(l.prev, b.left);
-      try_add(b.left, l.next);
-    }
+    merge_best_pairs<bigram_greater>(sym, heap, try_add);
     for (int32_t i = 0; i != -1; i = sym[i].next) {
       const std::string_view piece = w.substr(sym[i].off, sym[i].n);
       const int32_t id = v_.find(piece);

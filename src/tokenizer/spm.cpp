@@ -5,16 +5,12 @@
 #include <algorithm>
 
 #include "kvq/error.h"
+#include "tokenizer/symbol_merge.h"
 #include "tokenizer/unicode.h"
 
 namespace kvq::tok {
 
 namespace {
-
-struct symbol {
-  int32_t prev, next;
-  uint32_t off, n;  // bytes of the text; n == 0 once merged into its left neighbour
-};
 
 struct bigram {
   float score;
@@ -40,15 +36,8 @@ static uint64_t spm_char_key(std::string_view c) {
 void spm_tokenize(const vocab& v, std::string_view text, std::vector<int32_t>& out, bool segment) {
   if (text.empty()) return;
   if (text.size() > UINT32_MAX) fail_input(fmt::format("[tokenizer] text of {} bytes is too long", text.size()));
-  std::vector<symbol> sym;  // [n_chars]
-  sym.reserve(text.size());
-  for (size_t off = 0; off < text.size();) {
-    const size_t n = std::min(utf8_len(text[off]), text.size() - off);
-    const int32_t i = static_cast<int32_t>(sym.size());
-    sym.push_back({i - 1, off + n == text.size() ? -1 : i + 1, static_cast<uint32_t>(off),
-                   static_cast<uint32_t>(n)});
-    off += n;
-  }
+  std::vector<merge_symbol> sym;  // [n_chars]
+  utf8_symbols(text, sym);
   const int32_t n_sym = static_cast<int32_t>(sym.size());
 
   std::vector<bigram> heap;
@@ -70,21 +59,7 @@ void spm_tokenize(const vocab& v, std::string_view text, std::vector<int32_t>& o
     sym[e - 1].next = -1;
     heap.clear();
     for (int32_t i = s + 1; i < e; ++i) try_add(i - 1, i);
-    while (!heap.empty()) {
-      std::pop_heap(heap.begin(), heap.end(), bigram_less{});
-      const bigram b = heap.back();
-      heap.pop_back();
-      symbol& l = sym[b.left];
-      symbol& r = sym[b.right];
-      // stale: one side already merged away, or grown since the pair was queued
-      if (l.n == 0 || r.n == 0 || l.n + r.n != b.size) continue;
-      l.n += r.n;
-      r.n = 0;
-      l.next = r.next;
-      if (r.next >= 0) sym[r.next].prev = b.left;
-      try_add(l.prev, b.left);
-      try_add(b.left, l.next);
-    }
+    merge_best_pairs<bigram_less>(sym, heap, try_add);
   };
   std::vector<int32_t> seg_starts{0};
   if (segment) {
