@@ -13,6 +13,8 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
 
 #include "kvq/bench.h"
 #include "kvq/error.h"
@@ -138,22 +140,14 @@ TEST(Bench, SyntheticModelHasTheShapeAndWeightStatistics) {
 }
 
 TEST(Bench, PublishedShapes) {
-  const model_shape q = find_model_shape("qwen3-1.7b");
-  EXPECT_EQ(q.n_layer, 28);
-  EXPECT_EQ(q.n_embd, 2048);
-  EXPECT_EQ(q.n_head, 16);
-  EXPECT_EQ(q.n_kv_head, 8);
-  EXPECT_EQ(q.head_dim, 128);
-  EXPECT_EQ(q.n_ff, 6144);
-  EXPECT_EQ(q.n_vocab, 151936);
-  const model_shape l = find_model_shape("llama3-8b");
-  EXPECT_EQ(l.n_layer, 32);
-  EXPECT_EQ(l.n_embd, 4096);
-  EXPECT_EQ(l.n_head, 32);
-  EXPECT_EQ(l.n_kv_head, 8);
-  EXPECT_EQ(l.head_dim, 128);
-  EXPECT_EQ(l.n_ff, 14336);
-  EXPECT_EQ(l.n_vocab, 128256);
+  // {n_layer, n_embd, n_head, n_kv_head, head_dim, n_ff, n_vocab} as the models' config.json give them
+  auto expect_shape = [](const std::string& name, const std::vector<int>& want) {
+    const model_shape s = find_model_shape(name);
+    EXPECT_EQ((std::vector<int>{s.n_layer, s.n_embd, s.n_head, s.n_kv_head, s.head_dim, s.n_ff, s.n_vocab}), want)
+        << name;
+  };
+  expect_shape("qwen3-1.7b", {28, 2048, 16, 8, 128, 6144, 151936});
+  expect_shape("llama3-8b", {32, 4096, 32, 8, 128, 14336, 128256});
   try {
     find_model_shape("gpt-5");
     ADD_FAILURE();
