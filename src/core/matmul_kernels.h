@@ -32,6 +32,7 @@ void matmul_rows_vec_dot(const matmul_task& task, int64_t r0, int64_t r1);  // a
 // f32/f16/bf16 and the 32-value symmetric types (q4_0, q5_0, q8_0, iq4_nl) against q8_0
 // activations; needs AVX2+FMA+F16C.
 void matmul_rows_avx2(const matmul_task& task, int64_t r0, int64_t r1);
+void matmul_rows_avx512(const matmul_task& task, int64_t r0, int64_t r1);  // + AVX-512 VNNI
 
 // matmul on an explicit tier (tests and benchmarks; matmul() uses best_isa()). A tier above what
 // the CPU supports raises errc::unsupported.

@@ -158,3 +158,35 @@ TEST(weight_types, gemma3_every_tensor_bit_exact_with_gguf_py) { check_model("ge
 
 }  // namespace
 }  // namespace kvq
+
+namespace kvq {
+namespace {
+
+// Every tier's dot equals the scalar reference bit for bit (each tier computes a super-block's or
+// block's integer sums exactly and scales them as the reference does), on odd block counts.
+TEST(weight_types, dot_tiers_bit_exact_with_reference) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  for (ggml_type t : k_quant_types) {
+    const weight_type_traits* tr = find_weight_traits(t);
+    for (int64_t nb : {1, 3, 7}) {
+      const int64_t n = nb * tr->blk;
+      const std::vector<uint8_t> w = test::random_blocks(t, nb, (uint32_t)(n + (int)t));
+      std::vector<float> x((size_t)n);
+      for (auto& v : x) v = g(rng);
+      x[0] = 40.0f;  // one outlier per row
+      std::vector<uint8_t> xq((size_t)(n / act_block_elems(tr->vec_dot_type) * act_block_bytes(tr->vec_dot_type)));
+      quantize_act(tr->vec_dot_type, x.data(), n, xq.data());
+      const float ref = tr->vec_dot[(int)isa::scalar](n, w.data(), xq.data());
+      ASSERT_TRUE(std::isfinite(ref)) << ggml_type_name(t);
+      for (int tier = 1; tier <= (int)best_isa(); ++tier) {
+        const float got = tr->vec_dot[tier](n, w.data(), xq.data());
+        EXPECT_EQ(std::memcmp(&got, &ref, 4), 0) << ggml_type_name(t) << " " << isa_name((isa)tier) << " blocks "
+                                                 << nb << ": " << got << " vs reference " << ref;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvq
