@@ -32,12 +32,12 @@ const weight_type_traits k_rows[] = {
   {ggml_type::q5_1,    32,   24, act_type::q8_1, to_float_q5_1,    {vec_dot_q5_1_ref, vec_dot_q5_1_ref, vec_dot_q5_1_ref},         KVQ_ROWS_VEC_DOT},
   {ggml_type::q8_0,    32,   34, act_type::q8_0, to_float_q8_0,    {vec_dot_q8_0_ref, vec_dot_q8_0_ref, vec_dot_q8_0_ref},         KVQ_ROWS_TILED_Q8_0},
   {ggml_type::iq4_nl,  32,   18, act_type::q8_0, to_float_iq4_nl,  {vec_dot_iq4_nl_ref, vec_dot_iq4_nl_ref, vec_dot_iq4_nl_ref},   KVQ_ROWS_TILED_Q8_0},
-  {ggml_type::q2_k,   256,   84, act_type::q8_k, to_float_q2_k,    {vec_dot_q2_k_ref, vec_dot_q2_k_ref, vec_dot_q2_k_ref},         KVQ_ROWS_VEC_DOT},
-  {ggml_type::q3_k,   256,  110, act_type::q8_k, to_float_q3_k,    {vec_dot_q3_k_ref, vec_dot_q3_k_ref, vec_dot_q3_k_ref},         KVQ_ROWS_VEC_DOT},
+  {ggml_type::q2_k,   256,   84, act_type::q8_k, to_float_q2_k,    {vec_dot_q2_k_ref, vec_dot_q2_k_avx2, vec_dot_q2_k_avx512},         KVQ_ROWS_VEC_DOT},
+  {ggml_type::q3_k,   256,  110, act_type::q8_k, to_float_q3_k,    {vec_dot_q3_k_ref, vec_dot_q3_k_avx2, vec_dot_q3_k_avx512},         KVQ_ROWS_VEC_DOT},
   {ggml_type::q4_k,   256,  144, act_type::q8_k, to_float_q4_k,    {vec_dot_q4_k_ref, vec_dot_q4_k_avx2, vec_dot_q4_k_avx512},     KVQ_ROWS_VEC_DOT},
-  {ggml_type::q5_k,   256,  176, act_type::q8_k, to_float_q5_k,    {vec_dot_q5_k_ref, vec_dot_q5_k_ref, vec_dot_q5_k_ref},         KVQ_ROWS_VEC_DOT},
+  {ggml_type::q5_k,   256,  176, act_type::q8_k, to_float_q5_k,    {vec_dot_q5_k_ref, vec_dot_q5_k_avx2, vec_dot_q5_k_avx512},         KVQ_ROWS_VEC_DOT},
   {ggml_type::q6_k,   256,  210, act_type::q8_k, to_float_q6_k,    {vec_dot_q6_k_ref, vec_dot_q6_k_avx2, vec_dot_q6_k_avx512},     KVQ_ROWS_VEC_DOT},
-  {ggml_type::iq4_xs, 256,  136, act_type::q8_k, to_float_iq4_xs,  {vec_dot_iq4_xs_ref, vec_dot_iq4_xs_ref, vec_dot_iq4_xs_ref},   KVQ_ROWS_VEC_DOT},
+  {ggml_type::iq4_xs, 256,  136, act_type::q8_k, to_float_iq4_xs,  {vec_dot_iq4_xs_ref, vec_dot_iq4_xs_avx2, vec_dot_iq4_xs_avx512},   KVQ_ROWS_VEC_DOT},
 };
 // clang-format on
 
