@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -112,11 +113,16 @@ void matmul_with_isa(isa tier, const weight_view& w, const float* x, int64_t n_t
     rows(task, 0, w.n_out);
     return;
   }
-  pool.run_on_all([&](int tid, int nt) {
-    // Contiguous row ranges, multiples of 8 rows (the widest row tile).
-    const int64_t per = ((w.n_out + nt - 1) / nt + 7) / 8 * 8;
-    const int64_t r0 = std::min<int64_t>(w.n_out, per * tid), r1 = std::min<int64_t>(w.n_out, r0 + per);
-    if (r0 < r1) rows(task, r0, r1);
+  // Rows in chunks handed out by an atomic counter (as ggml's mul_mat): a thread that the OS
+  // deschedules on a shared host holds up only its current chunk, not half the matrix. Chunks are
+  // multiples of 8 rows (the widest row tile), about 8 per thread.
+  const int64_t chunk = std::max<int64_t>(8, (w.n_out + 8 * n_threads - 1) / (8 * n_threads) + 7) / 8 * 8;
+  const int64_t n_chunks = (w.n_out + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  pool.run_on_all([&](int, int) {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < n_chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed))
+      rows(task, c * chunk, std::min(w.n_out, (c + 1) * chunk));
   });
 }
 
