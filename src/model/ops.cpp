@@ -18,6 +18,14 @@ void swiglu(const float* gate, const float* up, int64_t n, float* out) {
   }
 }
 
+void geglu_tanh(const float* gate, const float* up, int64_t n, float* out) {
+  const float c = 0.7978845608028654f;  // sqrt(2/pi)
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = 0.5f * g * (1.0f + std::tanh(c * g * (1.0f + 0.044715f * g * g))) * up[i];
+  }
+}
+
 void rope(float* x, int n_rot, const float* inv_freq, int pos, bool neox) {
   const int half = n_rot / 2;
   for (int i = 0; i < half; ++i) {

@@ -7,8 +7,13 @@ namespace kvq::ops {
 // out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i], for one row of n elements (out may alias x).
 void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out);
 
-// SwiGLU: out[i] = silu(gate[i]) * up[i].
+// SwiGLU (Shazeer 2020, arXiv:2002.05202, eq. 6): out[i] = silu(gate[i]) * up[i].
 void swiglu(const float* gate, const float* up, int64_t n, float* out);
+
+// GeGLU (Shazeer 2020, eq. 5) with the tanh approximation of GELU (Hendrycks & Gimpel 2016,
+// arXiv:1606.08415, §2): out[i] = gelu_tanh(gate[i]) * up[i],
+// gelu_tanh(x) = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))).
+void geglu_tanh(const float* gate, const float* up, int64_t n, float* out);
 
 // RoPE on one head vector x[head_dim] at position pos; rotates the first n_rot dims.
 // inv_freq[i] (i < n_rot/2) = freq_scale * base^(-2i/n_rot) (optionally / rope_freqs[i]).

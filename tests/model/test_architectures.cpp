@@ -225,6 +225,93 @@ TEST_P(ArchTest, ForwardMatchesFloat64Reference) {
 
 INSTANTIATE_TEST_SUITE_P(Archs, ArchTest, ::testing::Values("llama", "mistral", "qwen2", "qwen3"));
 
+// A batch holding several sequences (prefill of different lengths, then one decode token each in
+// another order) gives every sequence the float64 logits of that sequence alone.
+TEST(ModelForward, BatchOfSequencesMatchesEachAloneInFloat64) {
+  tiny_cfg c;
+  c.arch = "qwen2";
+  const std::string path = tmp_path("batch");
+  tiny_weights w = write_tiny(c, path);
+  auto m = model::load(path);
+  const std::vector<std::vector<int32_t>> seqs = {{3, 17, 5, 39, 0, 22}, {8, 1, 30}, {12}};
+  const std::vector<int32_t> next = {7, 25, 2};  // decode tokens of sequences 0, 1, 2
+  kv_cache_params cp = m->cache_params(32, {}, 3);
+  cp.type_k = cp.type_v = "f32";
+  auto cache = make_kv_cache(cp);
+  thread_pool pool(2);
+  // Prefill: sequence 1, then 0, then 2; logits of every token.
+  std::vector<int32_t> tok, pos, sid;
+  for (int s : {1, 0, 2})
+    for (size_t t = 0; t < seqs[s].size(); ++t) tok.push_back(seqs[s][t]), pos.push_back((int)t), sid.push_back(s);
+  std::vector<uint8_t> out(tok.size(), 1);
+  std::vector<float> logits(tok.size() * c.n_vocab);
+  ASSERT_EQ(m->forward(model_batch{tok, pos, sid, out}, *cache, pool, logits.data()), (int)tok.size());
+  auto expect_rows = [&](int s, const std::vector<int32_t>& ids, int first_pos, const float* got, int n_rows) {
+    const auto ref = reference_logits(c, w, ids);
+    double max_err = 0, max_ref = 0;
+    for (int r = 0; r < n_rows; ++r)
+      for (int i = 0; i < c.n_vocab; ++i) {
+        const double want = ref[(size_t)(first_pos + r) * c.n_vocab + i];
+        max_err = std::max(max_err, std::fabs(want - got[(size_t)r * c.n_vocab + i]));
+        max_ref = std::max(max_ref, std::fabs(want));
+      }
+    EXPECT_LT(max_err, 2e-4 * std::max(1.0, max_ref)) << "sequence " << s << ": max |dlogit| " << max_err;
+  };
+  int row = 0;
+  for (int s : {1, 0, 2}) {
+    expect_rows(s, seqs[s], 0, &logits[(size_t)row * c.n_vocab], (int)seqs[s].size());
+    row += (int)seqs[s].size();
+  }
+  for (int s = 0; s < 3; ++s) EXPECT_EQ(cache->n_pos(s), (int)seqs[s].size());
+  // Decode one token each, in the order 2, 0, 1; default outputs (the last token of each sequence).
+  tok.clear(), pos.clear(), sid.clear();
+  for (int s : {2, 0, 1}) tok.push_back(next[s]), pos.push_back((int)seqs[s].size()), sid.push_back(s);
+  ASSERT_EQ(m->forward(model_batch{tok, pos, sid, {}}, *cache, pool, logits.data()), 3);
+  row = 0;
+  for (int s : {2, 0, 1}) {
+    std::vector<int32_t> ids = seqs[s];
+    ids.push_back(next[s]);
+    expect_rows(s, ids, (int)seqs[s].size(), &logits[(size_t)row++ * c.n_vocab], 1);
+  }
+  std::filesystem::remove(path);
+}
+
+// Malformed batches are refused before anything is appended to the cache.
+TEST(ModelForward, BadBatchesAreRefusedBeforeAppending) {
+  tiny_cfg c;
+  const std::string path = tmp_path("badbatch");
+  write_tiny(c, path);
+  auto m = model::load(path);
+  kv_cache_params cp = m->cache_params(8, {}, 2);
+  cp.type_k = cp.type_v = "f32";
+  auto cache = make_kv_cache(cp);
+  thread_pool pool(1);
+  std::vector<float> logits(8 * c.n_vocab);
+  auto expect_refused = [&](std::vector<int32_t> tok, std::vector<int32_t> pos, std::vector<int32_t> sid,
+                            std::vector<uint8_t> out, const std::string& needle) {
+    try {
+      m->forward(model_batch{tok, pos, sid, out}, *cache, pool, logits.data());
+      ADD_FAILURE() << "expected an error containing '" << needle << "'";
+    } catch (const kvq::error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      EXPECT_EQ(e.code(), errc::invalid_input) << e.what();
+    }
+    EXPECT_EQ(cache->n_pos(0), 0);
+    EXPECT_EQ(cache->n_pos(1), 0);
+  };
+  expect_refused({}, {}, {}, {}, "no tokens");
+  expect_refused({1, 2}, {0}, {0, 0}, {}, "1 positions");
+  expect_refused({1, 2}, {0, 1}, {0, 0}, {1}, "1 output flags");
+  expect_refused({1, c.n_vocab}, {0, 1}, {0, 0}, {}, "token id 40");
+  expect_refused({1, 2}, {0, 1}, {0, 2}, {}, "sequence id 2");
+  expect_refused({1, 2}, {0, 2}, {0, 0}, {}, "consecutive positions");
+  expect_refused({1, 2, 3}, {0, 0, 1}, {0, 1, 0}, {}, "two runs");
+  expect_refused({1}, {1}, {1}, {}, "batch starts at position 1");
+  expect_refused({1, 2, 3, 4, 5, 6, 7, 8, 9}, {0, 1, 2, 3, 4, 5, 6, 7, 8}, {0, 0, 0, 0, 0, 0, 0, 0, 0}, {},
+                 "more than the cache's n_ctx 8");
+  std::filesystem::remove(path);
+}
+
 void expect_load_error(const std::string& path, const std::string& needle) {
   try {
     model::load(path);
