@@ -19,7 +19,7 @@ struct arch_entry {
 };
 constexpr arch_entry kArchs[] = {
     {"llama", make_arch_llama}, {"mistral", make_arch_llama}, {"qwen2", make_arch_llama},
-    {"qwen3", make_arch_llama},
+    {"qwen3", make_arch_llama}, {"gemma3", make_arch_gemma3},
 };
 
 }  // namespace

@@ -15,6 +15,11 @@ std::string data_path(const std::string& rel) {
   return std::filesystem::exists(p) ? p : std::string();
 }
 
+std::string model_dir() {
+  if (const char* env = std::getenv("KVQ_MODEL_DIR"); env && *env) return env;
+  return std::string(KVQ_SOURCE_DIR) + "/models";
+}
+
 std::string kvq_bin() {
   if (const char* env = std::getenv("KVQ_BIN"); env && *env) return env;
   return std::string(KVQ_BINARY_DIR) + "/kvq";

@@ -2,6 +2,7 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <string>
 
 namespace kvq::test {
@@ -10,6 +11,9 @@ namespace kvq::test {
 std::string data_dir();
 // Full path of `rel` under data_dir(), or "" when it does not exist.
 std::string data_path(const std::string& rel);
+// Directory of the real GGUF models fetched by scripts/fetch-models.sh (KVQ_MODEL_DIR, default
+// <source dir>/models).
+std::string model_dir();
 // Path of the built kvq CLI binary.
 std::string kvq_bin();
 
@@ -20,3 +24,11 @@ std::string kvq_bin();
   std::string var = ::kvq::test::data_path(rel);                                               \
   if (var.empty()) GTEST_SKIP() << "shared data '" << (rel) << "' not found under "            \
                                 << ::kvq::test::data_dir() << " (set KVQ_DATA_DIR)"
+
+// Skips the current test with a message naming the file when the real model `file` is absent from
+// model_dir().
+#define KVQ_REQUIRE_MODEL(var, file)                                                           \
+  std::string var = ::kvq::test::model_dir() + "/" + (file);                                   \
+  if (!std::filesystem::exists(var)) GTEST_SKIP() << "model '" << (file) << "' not found in "  \
+                                                  << ::kvq::test::model_dir()                  \
+                                                  << " (run scripts/fetch-models.sh or set KVQ_MODEL_DIR)"

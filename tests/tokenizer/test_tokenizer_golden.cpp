@@ -1,6 +1,8 @@
 // Tokenizer against real vocabularies: llama.cpp's own tokenizer test vectors
-// (golden/tokenizers/*.gguf.inp/.out) and llama-tokenize output on stories260K
-// (golden/stories260K/tokenization.json), plus round trips and whole-file token counts.
+// (golden/tokenizers/*.gguf.inp/.out, and the Qwen2 vectors on the Qwen2.5-Coder vocabulary),
+// llama-tokenize output on stories260K (golden/stories260K/tokenization.json) and on the golden
+// prompts of the real models (Qwen2.5-Coder-0.5B, Gemma 3 270M: KVQ_MODEL_DIR), plus round trips
+// and whole-file token counts.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -29,9 +31,9 @@ struct vectors {
 };
 
 // .inp: strings each followed by "\n__ggml_vocab_test__\n"; .out: one line of ids per string.
-vectors load_vectors(const std::string& gguf_path) {
+vectors load_vectors(const std::string& inp_path, const std::string& out_path) {
   vectors v;
-  const std::string inp = read_file(gguf_path + ".inp");
+  const std::string inp = read_file(inp_path);
   const std::string sep = "\n__ggml_vocab_test__\n";
   for (size_t pos = 0; pos < inp.size();) {
     const size_t e = inp.find(sep, pos);
@@ -39,7 +41,7 @@ vectors load_vectors(const std::string& gguf_path) {
     v.texts.push_back(inp.substr(pos, e - pos));
     pos = e + sep.size();
   }
-  std::istringstream out(read_file(gguf_path + ".out"));
+  std::istringstream out(read_file(out_path));
   std::string line;
   while (std::getline(out, line)) {
     std::istringstream ls(line);
@@ -57,7 +59,7 @@ TEST_P(golden_vocab, matches_llama_cpp_vectors) {
   KVQ_REQUIRE_DATA(path, "golden/tokenizers/" + name + ".gguf");
   auto f = kvq::gguf_file::open(path);
   auto tok = kvq::tokenizer::from_gguf(*f);
-  const vectors v = load_vectors(path);
+  const vectors v = load_vectors(path + ".inp", path + ".out");
   ASSERT_EQ(v.texts.size(), 46u);
   ASSERT_GE(v.ids.size(), v.texts.size());
   int pass = 0;
@@ -75,7 +77,7 @@ TEST_P(golden_vocab, round_trip) {
   auto f = kvq::gguf_file::open(path);
   auto tok = kvq::tokenizer::from_gguf(*f);
   const bool spm = tok->model_name() == "llama";
-  for (const std::string& s : load_vectors(path).texts) {
+  for (const std::string& s : load_vectors(path + ".inp", path + ".out").texts) {
     const auto ids = tok->encode(s, false, false);
     // SPM adds a leading space to the first text fragment (add_space_prefix).
     const std::string want = spm && !s.empty() ? " " + s : s;
@@ -201,6 +203,108 @@ TEST(golden_stories260k, whole_file_token_counts) {
   // round trip of the whole file (BOS renders as "", then the space prefix)
   EXPECT_EQ(tok->decode(ia), " " + a);
   EXPECT_EQ(tok->decode(ib), " " + b);
+}
+
+// ---- real models (scripts/fetch-models.sh; skipped when absent) ----
+
+constexpr const char* kQwenFile = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+constexpr const char* kGemmaFile = "gemma-3-270m-q4_k_m.gguf";
+constexpr const char* kQwenGolden = "golden/qwen2.5-coder-0.5b-instruct-q4_k_m";
+constexpr const char* kGemmaGolden = "golden/gemma-3-270m-q4_k_m";
+
+// llama.cpp's Qwen2 vocabulary test vectors (46 strings), checked by the golden's author with
+// llama-tokenize on this model's vocabulary: all must match.
+TEST(golden_real_models, qwen25_matches_llama_cpp_qwen2_vectors) {
+  KVQ_REQUIRE_MODEL(model, kQwenFile);
+  KVQ_REQUIRE_DATA(inp, std::string(kQwenGolden) + "/tokenizer-qwen2.inp");
+  KVQ_REQUIRE_DATA(out, std::string(kQwenGolden) + "/tokenizer-qwen2.out");
+  auto f = kvq::gguf_file::open(model);
+  auto tok = kvq::tokenizer::from_gguf(*f);
+  EXPECT_EQ(tok->model_name(), "gpt2");
+  EXPECT_EQ(tok->pre_name(), "qwen2");
+  const vectors v = load_vectors(inp, out);
+  ASSERT_EQ(v.texts.size(), 46u);
+  ASSERT_GE(v.ids.size(), v.texts.size());
+  int pass = 0;
+  for (size_t i = 0; i < v.texts.size(); ++i) {
+    const auto got = tok->encode(v.texts[i], /*add_bos=*/false, /*parse_special=*/false);
+    EXPECT_EQ(got, v.ids[i]) << "qwen2 vector " << i << ": '" << v.texts[i] << "'";
+    pass += got == v.ids[i];
+  }
+  std::printf("[ golden ] qwen2 vectors on %s: %d/%zu match\n", kQwenFile, pass, v.texts.size());
+}
+
+// Every golden prompt tokenizes to the ids llama.cpp evaluated (generation.json; for Qwen also
+// generation.json's tokenization block, with and without BOS).
+void check_golden_prompts(const std::string& model, const std::string& gen_json, size_t n_vocab, bool add_bos) {
+  auto f = kvq::gguf_file::open(model);
+  auto tok = kvq::tokenizer::from_gguf(*f);
+  EXPECT_EQ(tok->n_vocab(), (int32_t)n_vocab);
+  EXPECT_EQ(tok->add_bos_default(), add_bos);
+  const auto j = nlohmann::json::parse(read_file(gen_json));
+  int n = 0;
+  for (const auto& run : j.at("runs")) {
+    const auto want = run.at("prompt_token_ids").get<std::vector<int32_t>>();
+    EXPECT_EQ(tok->encode(run.at("prompt").get<std::string>(), tok->add_bos_default(), true), want) << run.at("id");
+    ++n;
+  }
+  EXPECT_EQ(n, 9);
+  if (!j.contains("tokenization")) return;
+  for (const auto& p : j.at("tokenization").at("prompts")) {
+    const std::string text = p.at("text");
+    EXPECT_EQ(tok->encode(text, tok->add_bos_default(), true), p.at("ids_default").get<std::vector<int32_t>>()) << text;
+    EXPECT_EQ(tok->encode(text, false, true), p.at("ids_no_bos").get<std::vector<int32_t>>()) << text;
+    const auto pieces = p.at("pieces").get<std::vector<std::string>>();
+    const auto ids = p.at("ids_no_bos").get<std::vector<int32_t>>();
+    ASSERT_EQ(pieces.size(), ids.size()) << text;
+    for (size_t i = 0; i < ids.size(); ++i) EXPECT_EQ(tok->token_to_piece(ids[i]), pieces[i]) << text << " piece " << i;
+    EXPECT_EQ(tok->decode(ids), text);
+  }
+}
+
+TEST(golden_real_models, qwen25_prompt_ids) {
+  KVQ_REQUIRE_MODEL(model, kQwenFile);
+  KVQ_REQUIRE_DATA(gen, std::string(kQwenGolden) + "/generation.json");
+  check_golden_prompts(model, gen, 151936, false);
+}
+
+// Gemma 3: SentencePiece with 262,144 pieces, byte fallback, BOS 2 added, no space prefix.
+TEST(golden_real_models, gemma3_prompt_ids_and_vocabulary) {
+  KVQ_REQUIRE_MODEL(model, kGemmaFile);
+  KVQ_REQUIRE_DATA(gen, std::string(kGemmaGolden) + "/generation.json");
+  check_golden_prompts(model, gen, 262144, true);
+  auto f = kvq::gguf_file::open(model);
+  auto tok = kvq::tokenizer::from_gguf(*f);
+  EXPECT_EQ(tok->model_name(), "llama");
+  EXPECT_EQ(tok->bos(), 2);
+  EXPECT_EQ(tok->eos(), 1);
+  EXPECT_TRUE(tok->is_eog(1));
+  // Generated text: llama.cpp printed the prompt and then the generated pieces.
+  const auto j = nlohmann::json::parse(read_file(gen));
+  for (const auto& run : j.at("runs")) {
+    const std::string text = run.at("prompt").get<std::string>() +
+                             tok->decode(run.at("generated_token_ids").get<std::vector<int32_t>>());
+    const std::string tail = run.at("stdout_text_tail");
+    EXPECT_TRUE(text.size() >= tail.size() && text.compare(text.size() - tail.size(), tail.size(), tail) == 0)
+        << run.at("id") << ": '" << text << "' does not end with llama.cpp's '" << tail << "'";
+  }
+}
+
+// Byte fallback: text outside the 262K pieces (control bytes, invalid UTF-8) becomes <0xNN> tokens
+// and decodes back to the same bytes; wikitext-2 round-trips whole.
+TEST(golden_real_models, gemma3_byte_fallback_and_round_trip) {
+  KVQ_REQUIRE_MODEL(model, kGemmaFile);
+  KVQ_REQUIRE_DATA(wiki, "data/wikitext-2-raw-test/wiki.test.raw");
+  auto f = kvq::gguf_file::open(model);
+  auto tok = kvq::tokenizer::from_gguf(*f);
+  const std::string odd = std::string("a\x01b\xff", 4);
+  const auto ids = tok->encode(odd, false, false);
+  int n_bytes = 0;
+  for (int32_t id : ids) n_bytes += tok->token_text(id).rfind("<0x", 0) == 0;
+  EXPECT_GE(n_bytes, 2) << "expected <0x01> and <0xFF> byte tokens";
+  EXPECT_EQ(tok->decode(ids), odd);
+  const std::string text = read_file(wiki);
+  EXPECT_EQ(tok->decode(tok->encode(text, false, false)), text);
 }
 
 }  // namespace
