@@ -98,8 +98,12 @@ void matmul_with_isa(isa tier, const weight_view& w, const float* x, int64_t n_t
     const act_type at = tr->vec_dot_type;
     task.xq_row_bytes = (size_t)(w.n_in / act_block_elems(at) * act_block_bytes(at));
     xq.resize(task.xq_row_bytes * (size_t)n_tokens);
-    for (int64_t t = 0; t < n_tokens; ++t)
-      quantize_act(at, x + t * w.n_in, w.n_in, xq.data() + (size_t)t * task.xq_row_bytes);
+    uint8_t* const xq_data = xq.data();  // (xq is thread-local: name the buffer, not the variable)
+    auto quantize_token = [&](int64_t t, int) {
+      quantize_act(at, x + t * w.n_in, w.n_in, xq_data + (size_t)t * task.xq_row_bytes);
+    };
+    if (n_tokens >= 16) pool.parallel_for(n_tokens, quantize_token);  // prefill: tokens in parallel
+    else for (int64_t t = 0; t < n_tokens; ++t) quantize_token(t, 0);
     task.xq = xq.data();
   }
 
