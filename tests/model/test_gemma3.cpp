@@ -11,8 +11,8 @@
 #include <random>
 
 #include "kvq/error.h"
+#include "kvq/gguf_writer.h"
 #include "kvq/model.h"
-#include "support/gguf_writer.h"
 
 namespace kvq {
 namespace {
@@ -30,7 +30,7 @@ weights write_gemma(const gemma_cfg& c, const std::string& path) {
   std::mt19937 g(4321);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   weights w;
-  test::gguf_writer wr;
+  gguf_writer wr;
   wr.set_str("general.architecture", "gemma3");
   wr.set_u32("gemma3.context_length", 256);
   wr.set_u32("gemma3.embedding_length", c.n_embd);
@@ -249,7 +249,7 @@ TEST(Gemma3, MissingPostNormIsNamed) {
   const std::string path = tmp_path("missing");
   {
     // A one-layer gemma3 file with every tensor but blk.0.post_ffw_norm.weight.
-    test::gguf_writer wr;
+    gguf_writer wr;
     std::mt19937 g(1);
     std::normal_distribution<float> nd;
     auto v = [&](size_t n) {
