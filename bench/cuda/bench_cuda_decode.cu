@@ -242,7 +242,7 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&out_b, hq.size() * 4));
       decode_params dp;
       dp.n_head = nh;
-      dp.scale = 1.0f / std::sqrt((float)hd);
+      dp.spec.scale = 1.0f / std::sqrt((float)hd);
       decode_plan p4(f4, dp, indptr.data(), last.data(), B), p16(f16n, dp, indptr.data(), last.data(), B),
           p16h(f16h, dp, indptr.data(), last.data(), B);
       // check: fused q4 vs dequantize-then-attend on the same codes (differ by the f16 rounding of V/K)

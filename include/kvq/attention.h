@@ -86,9 +86,43 @@ struct kv_dense_view {
   int head_dim = 0;
 };
 
+// Key positions [lo, hi) (absolute, tokens).
+struct key_span {
+  int lo = 0, hi = 0;
+  bool empty() const { return hi <= lo; }
+};
+
+// The attention variant of a layer, as data (STYLE.md "attention variants are data", after
+// FlashInfer's variants.cuh LogitsTransform / LogitsMask): every tier reads it from the query view
+// and derives the keys a query may see from key_range() alone.
+//   logit    = softcap(scale * q·k)
+//   softcap  c > 0: x -> c * tanh(x / c) (Gemma 2, arXiv:2408.00118 §2); 0 = none
+//   window   W > 0: a query at position p sees keys [p - W + 1, p] (sliding-window attention as in
+//            Mistral 7B, arXiv:2310.06825 §2, and llama.cpp's standard SWA); 0 = global (causal
+//            only: [0, p])
+// Room for learned attention sinks (one extra logit per head in the softmax denominator, gpt-oss):
+// a field here, honoured by every tier, when a model needs it.
+struct attn_spec {
+  float scale = 1.0f;
+  int window = 0;         // tokens; 0 = global
+  float softcap = 0.0f;   // 0 = none
+
+  // The keys a query at position pos may see (hi = pos + 1: causal).
+  key_span key_range(int pos) const { return {window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0, pos + 1}; }
+  // The same span as rows [lo, hi) of a view whose row 0 is position pos_begin, clamped to [0, n_pos).
+  key_span view_rows(int pos, int pos_begin, int n_pos) const {
+    const key_span k = key_range(pos);
+    auto clamp = [&](int x) { return x < pos_begin ? 0 : x - pos_begin > n_pos ? n_pos : x - pos_begin; };
+    return {clamp(k.lo), clamp(k.hi)};
+  }
+  // The logit of a scaled score x = scale * q·k.
+  float logit(float x) const { return softcap > 0.0f ? softcap * std::tanh(x / softcap) : x; }
+  double logit(double x) const { return softcap > 0.0f ? softcap * std::tanh(x / softcap) : x; }
+};
+
 // The queries of the GQA group that shares one kv head. Query token t (t < n_tokens), group member
 // g (g < n_group) is at q + t * stride_t + g * head_dim, sits at absolute position pos0 + t and
-// attends (causally) to positions <= pos0 + t. Scores are scale * q·k.
+// attends to spec.key_range(pos0 + t). Logits are spec.logit(spec.scale * q·k).
 struct attn_query_view {
   const float* q = nullptr;
   int64_t stride_t = 0;  // elements between consecutive query tokens
@@ -96,7 +130,9 @@ struct attn_query_view {
   int n_group = 0;
   int head_dim = 0;
   int pos0 = 0;
-  float scale = 1.0f;
+  attn_spec spec;
+  // Rows [lo, hi) of a view (row 0 at pos_begin, n_pos rows) that query token t may see.
+  key_span rows(int t, int pos_begin, int n_pos) const { return spec.view_rows(pos0 + t, pos_begin, n_pos); }
   // The same queries quantized to int8, required by views whose K is per-token quantized: q8 uses
   // the same indexing as q. q8_group == 0: one scale per head (quantize_q8_ref over head_dim),
   // q8_scale[t * q8_scale_stride_t + g]. q8_group == K's group (elements along head_dim): one
@@ -135,8 +171,8 @@ struct kv_quant_view {
   int head_dim = 0;
 };
 
-// Adds the dense view's contribution to states[t * n_group + g] (causal: only positions
-// <= pos0 + t). Scalar reference tier (float64-free, f32 accumulation in blocks of 64 keys).
+// Adds the dense view's contribution to states[t * n_group + g] (only the keys of
+// q.spec.key_range(pos0 + t)). Scalar reference tier (float64-free, f32 accumulation in blocks of 64 keys).
 void attn_dense_ref(const kv_dense_view& kv, const attn_query_view& q, attn_state* states);
 // Same contract; runtime-dispatched to the best tier (AVX2 when available).
 void attn_dense(const kv_dense_view& kv, const attn_query_view& q, attn_state* states);

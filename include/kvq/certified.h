@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "kvq/attention.h"
 #include "kvq/kv_cache.h"
 #include "kvq/quant.h"
 #include "kvq/rotation.h"
@@ -76,8 +77,10 @@ struct cert_kv_view {
 };
 
 // The queries of the GQA group of one kv head. Query (t, g) is at q + t * stride_t + g * head_dim,
-// sits at position pos0 + t and attends causally to positions [0, pos0 + t]. q_rot holds the same
-// queries rotated by the K rotation (same indexing); out uses the same indexing too.
+// sits at position pos0 + t and attends to spec.key_range(pos0 + t) (attention.h: scale, sliding
+// window, logit soft-cap). q_rot holds the same queries rotated by the K rotation (same indexing);
+// out uses the same indexing too. The soft-cap keeps the bound valid as it stands: c tanh(x / c) is
+// 1-Lipschitz, so a score error δ stays at most δ after it.
 struct cert_query_view {
   const float* q = nullptr;
   const float* q_rot = nullptr;
@@ -86,7 +89,7 @@ struct cert_query_view {
   int n_group = 0;
   int head_dim = 0;
   int pos0 = 0;
-  float scale = 1.0f;
+  attn_spec spec;
 };
 
 struct cert_options {

@@ -113,13 +113,17 @@ struct exact_window_view {
 
 struct decode_params {
   int n_head = 0;                     // query heads; n_head / n_kv_head in [1, 8]
-  float scale = 0.0f;                 // scores = scale * q·k (usually 1/sqrt(head_dim))
+  // Logits = spec.logit(spec.scale * q·k) (attention.h; scale usually 1/sqrt(head_dim)). A sliding
+  // window (spec.window > 0) applies to the paged body with the decode query at its last token
+  // (len - 1: it sees tokens [len - window, len)); refused together with an exact window, whose rows
+  // carry no positions.
+  attn_spec spec{0.0f};
   kv_elem q_elem = kv_elem::f16;      // f16 or bf16 queries [batch][n_head][head_dim]
   kv_elem out_elem = kv_elem::f32;    // f32 or f16 output  [batch][n_head][head_dim]
   int split_tokens = 0;               // tokens per split-KV work item (multiple of 16); 0 = auto
 };
 
-// Decode attention (one query token per sequence, attending to all its tokens), FlashInfer-style
+// Decode attention (one query token per sequence, attending to its tokens as params.spec says), FlashInfer-style
 // plan/run: the plan validates, reads the host copy of the page table's lengths, splits every
 // sequence into work items (split-KV) and owns the device workspace; run() launches two kernels
 // (fused attention per (item, kv head); merge of the items' attn_states with the exact window,

@@ -452,7 +452,7 @@ void kv_cache_certified_impl::attend(int il, int seq_id, int pos0, int n_tokens,
       qv.n_group = ng;
       qv.head_dim = hd;
       qv.pos0 = pos0 + ta;
-      qv.scale = scale;
+      qv.spec.scale = scale;
       steps.resize((size_t)(tb - ta) * ng);
       attn_certified_ref(kv, qv, opt, out + off, steps.data());
       for (int t = ta; t < tb; ++t)

@@ -106,7 +106,7 @@ class kv_cache_dense final : public kv_cache {
       qv.n_group = n_group;
       qv.head_dim = hd;
       qv.pos0 = pos0 + t;
-      qv.scale = scale;
+      qv.spec.scale = scale;
       attn_state st[64];
       float* o = out + ((int64_t)t * n_head + (int64_t)h * n_group) * hd;
       for (int g0 = 0; g0 < n_group; g0 += 64) {

@@ -640,7 +640,7 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
     qv.n_group = ng;
     qv.head_dim = hd;
     qv.pos0 = pos0 + ta;
-    qv.scale = scale;
+    qv.spec.scale = scale;
     if (k_int8) {
       if (q16) qv.q16 = &q16_[(qbase + (size_t)ta * n_head + (size_t)h * ng) * hd];
       else qv.q8 = &q8_[(qbase + (size_t)ta * n_head + (size_t)h * ng) * hd];

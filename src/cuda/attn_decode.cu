@@ -47,9 +47,15 @@ struct decode_args {
   int q_bf16;
   int n_head, n_kv_head, ng;
   float sm_scale_log2;  // scale * log2(e)
+  float softcap_log2;   // attn_spec::softcap * log2(e); 0 = none
+  const int* seq_lo;    // [batch] first visible token (attn_spec::key_range of the query), or nullptr
   int rot_block;
   float rot_scale;
 };
+
+// attn_spec::softcap in the kernels' log2 units: c log2(e) tanh(x / (c log2(e))) for x = scaled
+// score * log2(e) is c tanh(score / c) * log2(e).
+__device__ __forceinline__ float softcap_log2(float x, float c2) { return c2 > 0.0f ? c2 * tanhf(x / c2) : x; }
 
 template <dfmt F, int HD>
 struct cfg {
@@ -396,10 +402,20 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
         s[n][1] *= sfac;
       }
     }
+    if (a.softcap_log2 > 0.0f) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[k >> 1][k & 1] = softcap_log2(s[k >> 1][k & 1], a.softcap_log2);
+    }
     if (nvalid < kChunk) {
 #pragma unroll
       for (int k = 0; k < 4; ++k)
         if (rows[k] >= nvalid) s[k >> 1][k & 1] = -INFINITY;
+    }
+    if (a.seq_lo) {  // sliding window: rows before the first visible token of the sequence
+      const int skip = a.seq_lo[seq] - tok;
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (rows[k] < skip) s[k >> 1][k & 1] = -INFINITY;
     }
 
     // ---- online softmax (log2 domain), one row (head g) per 4 lanes ----
@@ -564,6 +580,7 @@ struct merge_args {
   int q_bf16, out_f16;
   int n_head, n_kv_head, ng;
   float sm_scale_log2;
+  float softcap_log2;  // as decode_args
   int rot_block;
   float rot_scale;
 };
@@ -609,7 +626,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(merge_args a) {
       float dot = 0.0f;
       for (int c = lane; c < HD; c += 32) dot = fmaf(qf[c], __half2float(kb[(int64_t)j * HD + c]), dot);
       dot = warp_sum(dot);
-      if (lane == 0) sc[j] = dot * a.sm_scale_log2;
+      if (lane == 0) sc[j] = softcap_log2(dot * a.sm_scale_log2, a.softcap_log2);
     }
     __syncthreads();
     float m = -INFINITY;
@@ -685,6 +702,7 @@ struct decode_plan::impl {
   int dec_smem = 0, merge_smem = 0, grid = 0;
   int4* items = nullptr;
   int* item_ptr = nullptr;
+  int* seq_lo = nullptr;  // [batch] (sliding window only)
   float* ws_o = nullptr;
   float2* ws_md = nullptr;
   size_t ws_bytes = 0;
@@ -692,6 +710,7 @@ struct decode_plan::impl {
   ~impl() {
     cudaFree(items);
     cudaFree(item_ptr);
+    cudaFree(seq_lo);
     cudaFree(ws_o);
     cudaFree(ws_md);
   }
@@ -708,7 +727,13 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
   if (p.n_head < f.n_kv_head || p.n_head % f.n_kv_head != 0 || p.n_head / f.n_kv_head > kMaxGroup)
     fail_unsupported("[cuda attn_decode] n_head " + std::to_string(p.n_head) + " must be a multiple of n_kv_head " +
                      std::to_string(f.n_kv_head) + " with at most " + std::to_string(kMaxGroup) + " query heads per kv head");
-  if (!std::isfinite(p.scale)) fail_input("[cuda attn_decode] scale must be finite");
+  if (!std::isfinite(p.spec.scale)) fail_input("[cuda attn_decode] scale must be finite");
+  if (p.spec.window < 0) fail_input("[cuda attn_decode] window must be >= 0, got " + std::to_string(p.spec.window));
+  if (!(p.spec.softcap >= 0.0f) || !std::isfinite(p.spec.softcap))
+    fail_input("[cuda attn_decode] softcap must be finite and >= 0, got " + std::to_string(p.spec.softcap));
+  if (p.spec.window > 0 && exact_cap > 0)
+    fail_unsupported("[cuda attn_decode] a sliding window (window " + std::to_string(p.spec.window) +
+                     ") with an exact window view: the exact rows carry no positions");
   if (p.q_elem == kv_elem::f32) fail_unsupported("[cuda attn_decode] queries must be f16 or bf16, got f32");
   if (p.out_elem == kv_elem::bf16) fail_unsupported("[cuda attn_decode] output must be f32 or f16, got bf16");
   if (p.split_tokens < 0 || p.split_tokens % 16 != 0)
@@ -744,7 +769,9 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
                      std::to_string(s.dec_smem) + " bytes)");
 
   // sequence lengths and the split-KV work list
-  std::vector<int64_t> len(batch);
+  std::vector<int64_t> len(batch);   // tokens of the paged body
+  std::vector<int32_t> lo(batch, 0);  // first token the decode query sees (attn_spec::key_range)
+  std::vector<int64_t> beg(batch, 0); // first token of the first item: lo rounded down to a chunk
   int64_t total = 0;
   for (int b = 0; b < batch; ++b) {
     const int32_t np = indptr_host[b + 1] - indptr_host[b];
@@ -754,6 +781,9 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
                  " must be in [1, page_size " + std::to_string(f.page_size) + "]");
     len[b] = np > 0 ? (int64_t)(np - 1) * f.page_size + last_page_len_host[b] : 0;
     if (len[b] > INT32_MAX - 64) fail_unsupported("[cuda attn_decode] sequence " + std::to_string(b) + " is too long");
+    if (len[b] > 0) lo[b] = p.spec.key_range((int)len[b] - 1).lo;  // the query sits at the last token
+    beg[b] = lo[b] / kChunk * kChunk;
+    len[b] -= beg[b];  // from here on: the tokens the items cover
     total += len[b];
   }
   // Split-KV: the grid is persistent (at most `slots` blocks looping over (item, kv head) work), so
@@ -796,7 +826,8 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
     const int64_t n = (len[b] + split - 1) / split;
     const int per = round16((len[b] + n - 1) / n);  // even items, multiples of 16 (chunks never straddle)
     for (int64_t t0 = 0; t0 < len[b]; t0 += per)
-      items.push_back(make_int4(b, (int)t0, (int)std::min<int64_t>(len[b], t0 + per), indptr_host[b]));
+      items.push_back(make_int4(b, (int)(beg[b] + t0), (int)(beg[b] + std::min<int64_t>(len[b], t0 + per)),
+                                indptr_host[b]));
   }
   item_ptr[batch] = (int)items.size();
   s.n_items = (int)items.size();
@@ -810,6 +841,11 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
   s.ws_bytes = n_states * (f.head_dim * sizeof(float) + sizeof(float2)) + items.size() * sizeof(int4) + (batch + 1) * sizeof(int);
   if (!items.empty()) copy_to_device(s.items, items.data(), items.size() * sizeof(int4));
   copy_to_device(s.item_ptr, item_ptr.data(), (batch + 1) * sizeof(int));
+  if (p.spec.window > 0 && batch > 0) {
+    check(cudaMalloc(&s.seq_lo, batch * sizeof(int)), "cudaMalloc(seq_lo)");
+    copy_to_device(s.seq_lo, lo.data(), batch * sizeof(int));
+    s.ws_bytes += batch * sizeof(int);
+  }
 }
 
 decode_plan::~decode_plan() = default;
@@ -851,7 +887,9 @@ void decode_plan::run(const paged_kv_view& kv, const void* q, void* out, const e
       a.n_head = s.p.n_head;
       a.n_kv_head = f.n_kv_head;
       a.ng = s.ng;
-      a.sm_scale_log2 = s.p.scale * l2e;
+      a.sm_scale_log2 = s.p.spec.scale * l2e;
+      a.softcap_log2 = s.p.spec.softcap * l2e;
+      a.seq_lo = s.seq_lo;
       a.rot_block = s.geo.rot_block;
       a.rot_scale = s.geo.rot_scale;
       decode_kernel<F, HD><<<(unsigned)s.grid, kThreads, s.dec_smem, st>>>(a);
@@ -873,7 +911,8 @@ void decode_plan::run(const paged_kv_view& kv, const void* q, void* out, const e
     m.n_head = s.p.n_head;
     m.n_kv_head = f.n_kv_head;
     m.ng = s.ng;
-    m.sm_scale_log2 = s.p.scale * l2e;
+    m.sm_scale_log2 = s.p.spec.scale * l2e;
+    m.softcap_log2 = s.p.spec.softcap * l2e;
     m.rot_block = s.geo.rot_block;
     m.rot_scale = s.geo.rot_scale;
     const int msmem = merge_smem_bytes<HD>(m.ecap);

@@ -117,7 +117,7 @@ struct query_ctx {
   const float* q;      // original basis
   const float* q_rot;  // K basis
   double qn;           // ||q||
-  int lim;             // keys [0, lim)
+  int lo, lim;         // keys [lo, lim) (attn_spec::key_range clamped to the stored rows)
 };
 
 // Thread-local scratch of one call (grows, never shrinks).
@@ -143,12 +143,16 @@ struct scratch {
 
 // Exact attention in f64 over the host tier (original basis): o[hd]. Returns its bound on
 // ||fl32(o) - o_true|| (rounding only) through *bound.
-void exact_attend(const cert_kv_view& kv, const query_ctx& qc, float scale, double* o, double* bound,
+// Absolute rounding of spec.logit in f64 beyond the score's own (0 without a soft-cap).
+double softcap_rounding(const attn_spec& spec) { return spec.softcap > 0 ? 8 * kU64 * spec.softcap : 0.0; }
+
+void exact_attend(const cert_kv_view& kv, const query_ctx& qc, const attn_spec& spec, double* o, double* bound,
                   std::vector<double>& s) {
   const int hd = kv.head_dim, n = qc.lim;
+  const double scale = spec.scale;
   s.resize(n);
   double m = -std::numeric_limits<double>::infinity(), kmax = 0;
-  for (int j = 0; j < n; ++j) {
+  for (int j = qc.lo; j < n; ++j) {
     const uint16_t* k = kv.host.k + (int64_t)j * kv.host.row_stride;
     double a = 0, kk = 0;
     for (int i = 0; i < hd; ++i) {
@@ -156,15 +160,15 @@ void exact_attend(const cert_kv_view& kv, const query_ctx& qc, float scale, doub
       a += (double)qc.q[i] * x;
       kk += x * x;
     }
-    s[j] = a * scale;
+    s[j] = spec.logit(a * scale);
     m = std::max(m, s[j]);
     kmax = std::max(kmax, kk);
   }
   double d = 0;
-  for (int j = 0; j < n; ++j) d += (s[j] = std::exp(s[j] - m));
+  for (int j = qc.lo; j < n; ++j) d += (s[j] = std::exp(s[j] - m));
   std::fill(o, o + hd, 0.0);
   double spv = 0;
-  for (int j = 0; j < n; ++j) {
+  for (int j = qc.lo; j < n; ++j) {
     const uint16_t* v = kv.host.v + (int64_t)j * kv.host.row_stride;
     const double p = s[j] / d;
     double vv = 0;
@@ -180,8 +184,9 @@ void exact_attend(const cert_kv_view& kv, const query_ctx& qc, float scale, doub
   on = std::sqrt(on);
   // score rounding (hd-term f64 dot): δ <= 1e-12 scale ||q|| ||k||, moving the output by at most
   // (e^{2δ} - 1) Σ p (||v|| + ||o||); f64 sums; the final rounding to f32.
-  const double dmax = 1e-12 * scale * qc.qn * std::sqrt(kmax);
-  const double rho_d = (8.0 * n + 64.0) * kU64 * spv;
+  // (the soft-cap is 1-Lipschitz; its own f64 rounding adds a few ulp of c)
+  const double dmax = 1e-12 * scale * qc.qn * std::sqrt(kmax) + softcap_rounding(spec);
+  const double rho_d = (8.0 * (n - qc.lo) + 64.0) * kU64 * spv;
   *bound = (std::expm1(2 * dmax) * (spv + on) + rho_d + kU32 * on) * (1 + kRel);
 }
 
@@ -215,7 +220,8 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   const int hd = kv.head_dim, ng = qv.n_group, nq = qv.n_tokens * ng;
   KVQ_ASSERT(hd <= 1024 && qv.pos0 + qv.n_tokens <= kv.n_pos && kv.k.n_segs > 0 && kv.v.n_segs > 0);
   const int n_max = std::min(kv.n_pos, qv.pos0 + qv.n_tokens);
-  const double scale = qv.scale;
+  const attn_spec& spec = qv.spec;
+  const double scale = spec.scale, cap_round = softcap_rounding(spec);
   // V basis of the outputs: rotated when any V row is; when every V row is dense (original basis,
   // e.g. a head upgraded to f16 after clear()), no rotation and no rotation allowance at all.
   const bool v_rot = any_rotated(kv.v);
@@ -252,10 +258,16 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
       double a = 0;
       for (int i = 0; i < hd; ++i) a += (double)c.q[i] * c.q[i];
       c.qn = std::sqrt(a);
-      c.lim = std::min(kv.n_pos, qv.pos0 + t + 1);
+      const key_span r = spec.key_range(qv.pos0 + t);
+      c.lo = std::max(0, r.lo);
+      c.lim = std::min(kv.n_pos, r.hi);
     }
+  int lo_min = n_max;
+  for (const query_ctx& c : qs) lo_min = std::min(lo_min, c.lo);
   // δ_j of a compressed row for query c: |s_j - ŝ_j| <= δ_j (docs/certified.md, "Score error").
-  auto delta_of = [&](const query_ctx& c, int j) { return scale * c.qn * err_at(kv.k.err, j) * (1 + 1e-6); };
+  auto delta_of = [&](const query_ctx& c, int j) {
+    return scale * c.qn * err_at(kv.k.err, j) * (1 + 1e-6) + cap_round;
+  };
   // p = softmax(s[0, n)), pe = p (e^δ - 1) and Z_lo / Z_hi for the score errors dl(j).
   auto softmax = [&](const double* s, double* p, double* pe, int n, auto&& dl) {
     double m = -std::numeric_limits<double>::infinity();
@@ -300,19 +312,19 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
 
   // ---- pass K: scores of every query against the dequantized keys -------------------------
   row_reader rk{&kv.k, hd}, rv{&kv.v, hd};
-  for (int r0 = 0; r0 < n_max; r0 += kBlock) {
+  for (int r0 = lo_min; r0 < n_max; r0 += kBlock) {
     const int nb = std::min(kBlock, n_max - r0);
     for (int j = 0; j < nb; ++j) w.kb_rot[j] = rk.load(r0 + j, &w.kb[(size_t)j * hd]);
     for (int qi = 0; qi < nq; ++qi) {
       const query_ctx& c = qs[qi];
       const int ne = std::min(nb, c.lim - r0);
       double* s = &w.s[(size_t)qi * n_max + r0];
-      for (int j = 0; j < ne; ++j) {
+      for (int j = std::max(0, c.lo - r0); j < ne; ++j) {
         const float* k = &w.kb[(size_t)j * hd];
         const float* qq = w.kb_rot[j] ? c.q_rot : c.q;  // original-basis rows: the exact query
         double a = 0;
         for (int i = 0; i < hd; ++i) a += (double)qq[i] * k[i];
-        s[j] = a * scale;
+        s[j] = spec.logit(a * scale);
       }
     }
   }
@@ -321,18 +333,18 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   zs.resize(nq);
   for (int qi = 0; qi < nq; ++qi) {
     const query_ctx& c = qs[qi];
-    zs[qi] = softmax(&w.s[(size_t)qi * n_max], &w.p[(size_t)qi * n_max], &w.pe[(size_t)qi * n_max], c.lim,
-                     [&](int j) { return delta_of(c, j); });
+    const size_t at = (size_t)qi * n_max + c.lo;  // keys [lo, lim)
+    zs[qi] = softmax(&w.s[at], &w.p[at], &w.pe[at], c.lim - c.lo, [&](int j) { return delta_of(c, c.lo + j); });
   }
   std::fill(w.o.begin(), w.o.end(), 0.0);
-  for (int r0 = 0; r0 < n_max; r0 += kBlock) {
+  for (int r0 = lo_min; r0 < n_max; r0 += kBlock) {
     const int nb = std::min(kBlock, n_max - r0);
     for (int j = 0; j < nb; ++j) rv.load_v(r0 + j, &w.vb[(size_t)j * hd], v_rot);
     for (int qi = 0; qi < nq; ++qi) {
       const int ne = std::min(nb, qs[qi].lim - r0);
       const double* p = &w.p[(size_t)qi * n_max + r0];
       double* o = &w.o[(size_t)qi * hd];
-      for (int j = 0; j < ne; ++j) {
+      for (int j = std::max(0, qs[qi].lo - r0); j < ne; ++j) {
         const float* v = &w.vb[(size_t)j * hd];
         for (int i = 0; i < hd; ++i) o[i] += p[j] * v[i];
       }
@@ -340,7 +352,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   }
   std::vector<bound_terms>& bt = w.bt;
   bt.assign(nq, bound_terms{});
-  for (int r0 = 0; r0 < n_max; r0 += kBlock) {
+  for (int r0 = lo_min; r0 < n_max; r0 += kBlock) {
     const int nb = std::min(kBlock, n_max - r0);
     for (int j = 0; j < nb; ++j) w.vb_rot[j] = rv.load_v(r0 + j, &w.vb[(size_t)j * hd], v_rot);
     for (int qi = 0; qi < nq; ++qi) {
@@ -350,7 +362,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
       const double* p = &w.p[(size_t)qi * n_max + r0];
       const double* pe = &w.pe[(size_t)qi * n_max + r0];
       float* cj = &w.c[(size_t)qi * n_max + r0];
-      for (int j = 0; j < ne; ++j) {
+      for (int j = std::max(0, c.lo - r0); j < ne; ++j) {
         double vn;
         const double dist = dist_norm(&w.vb[(size_t)j * hd], o, &vn);
         cj[j] = (float)add_token(bt[qi], zs[qi], p[j], pe[j], dist, v_err(r0 + j, w.vb_rot[j], vn), vn);
@@ -359,7 +371,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   }
   for (int qi = 0; qi < nq; ++qi) {
     bt[qi].onorm = onorm_of(&w.o[(size_t)qi * hd]);
-    finish_bound(bt[qi], zs[qi], qs[qi].lim, eta_v);
+    finish_bound(bt[qi], zs[qi], qs[qi].lim - qs[qi].lo, eta_v);
   }
 
   // ---- per query: decide, run the ladder, write the output ----------------------------------
@@ -372,10 +384,10 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
     for (int g = 0; g < ng; ++g) {
       const int qi = t * ng + g;
       const query_ctx& c = qs[qi];
-      const int n = c.lim;
+      const int lo = c.lo, n = c.lim, count = n - lo;  // keys [lo, n)
       cert_step& st = steps[qi];
       st = cert_step{};
-      st.n_keys = n;
+      st.n_keys = count;
       st.bound_fast = bt[qi].total;
       st.key_term = bt[qi].key;
       st.value_term = bt[qi].value;
@@ -383,7 +395,7 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
       st.norm_fast = bt[qi].onorm;
       float* dst = out + t * qv.stride_t + (int64_t)g * hd;
       double ex_bound = 0;
-      if (opt.measure) exact_attend(kv, c, qv.scale, w.ex.data(), &ex_bound, w.sx);
+      if (opt.measure) exact_attend(kv, c, spec, w.ex.data(), &ex_bound, w.sx);
       const double* o = &w.o[(size_t)qi * hd];
       const double target = opt.tol * bt[qi].onorm;
       if (always || bt[qi].total <= target) {
@@ -393,12 +405,12 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
       } else {
         bool done = false;
         // ---- stage 1: recompute the tokens carrying most of the bound ----------------------
-        const int budget = std::min(n, std::max(opt.stage1_min, (int)std::ceil(opt.stage1_fraction * n)));
+        const int budget = std::min(count, std::max(opt.stage1_min, (int)std::ceil(opt.stage1_fraction * count)));
         const double floor_ = (eta_v + 4 * 0x1p-24) * bt[qi].onorm;  // rounding alone exceeds the target
-        if (target > floor_ && budget < n) {
+        if (target > floor_ && budget < count) {
           const float* cj = &w.c[(size_t)qi * n_max];
-          w.order.resize(n);
-          std::iota(w.order.begin(), w.order.end(), 0);
+          w.order.resize(count);
+          std::iota(w.order.begin(), w.order.end(), lo);
           std::partial_sort(w.order.begin(), w.order.begin() + budget, w.order.end(), [&](int a, int b) {
             const float x = std::isnan(cj[a]) ? INFINITY : cj[a], y = std::isnan(cj[b]) ? INFINITY : cj[b];
             return x > y;
@@ -428,16 +440,19 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
                 a += (double)c.q[i] * kx;
                 kk += kx * kx;
               }
-              s[j] = a * scale;  // exact score, original basis (f64 dot of f32 x f16 values)
-              w.dx[x] = 1e-12 * scale * c.qn * std::sqrt(kk);
+              s[j] = spec.logit(a * scale);  // exact score, original basis (f64 dot of f32 x f16 values)
+              w.dx[x] = 1e-12 * scale * c.qn * std::sqrt(kk) + cap_round;
               float* vr = &w.vx[(size_t)x * hd];
               for (int i = 0; i < hd; ++i) vr[i] = f16_to_f32(vh[i]);
               const double vn = norm2(vr, hd);
               if (v_rot) kv.v.rot->forward(vr);  // into the basis of the compressed rows: error <= η ||v||
               w.ex_err[x] = (float)((eta_v + 1e-12) * vn * (1 + 1e-6));
             }
-            auto dl = [&](int j) { return w.slot[j] >= 0 ? w.dx[w.slot[j]] : delta_of(c, j); };
-            const softmax_z z = softmax(s, p, pe, n, dl);
+            auto dl = [&](int i) {
+              const int j = lo + i;
+              return w.slot[j] >= 0 ? w.dx[w.slot[j]] : delta_of(c, j);
+            };
+            const softmax_z z = softmax(s + lo, p + lo, pe + lo, count, dl);
             row_reader r1{&kv.v, hd};
             bool rotated_here = false;  // of the last row() that was read from the fast tier
             auto row = [&](int j) -> const float* {
@@ -446,19 +461,19 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
               return w.vb.data();
             };
             std::fill(w.o1.begin(), w.o1.end(), 0.0);
-            for (int j = 0; j < n; ++j) {
+            for (int j = lo; j < n; ++j) {
               const float* v = row(j);
               for (int i = 0; i < hd; ++i) w.o1[i] += p[j] * v[i];
             }
             bound_terms b1;
-            for (int j = 0; j < n; ++j) {
+            for (int j = lo; j < n; ++j) {
               double vn;
               const double dist = dist_norm(row(j), w.o1.data(), &vn);
               const double ev = w.slot[j] >= 0 ? (double)w.ex_err[w.slot[j]] : v_err(j, rotated_here, vn);
               add_token(b1, z, p[j], pe[j], dist, ev, vn);
             }
             b1.onorm = onorm_of(w.o1.data());
-            finish_bound(b1, z, n, eta_v);
+            finish_bound(b1, z, count, eta_v);
             for (int x = 0; x < chosen; ++x) w.slot[w.order[x]] = -1;
             if (b1.total <= opt.tol * b1.onorm) {
               st.stage = cert_stage::partial;
@@ -471,11 +486,11 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
         }
         // ---- stage 2: the whole head exactly from the host tier ----------------------------
         if (!done) {
-          if (!opt.measure) exact_attend(kv, c, qv.scale, w.ex.data(), &ex_bound, w.sx);
+          if (!opt.measure) exact_attend(kv, c, spec, w.ex.data(), &ex_bound, w.sx);
           for (int i = 0; i < hd; ++i) dst[i] = (float)w.ex[i];
           st.stage = cert_stage::exact;
           st.bound = ex_bound;
-          st.n_recomputed = n;
+          st.n_recomputed = count;
         }
       }
       st.norm = norm2(dst, hd);

@@ -26,33 +26,35 @@ constexpr int kBlock = 64;  // keys per online-softmax step
 
 void attn_dense_ref(const kv_dense_view& kv, const attn_query_view& qv, attn_state* states) {
   const int hd = kv.head_dim, ng = qv.n_group;
-  std::vector<int> limit(qv.n_tokens);
-  int max_limit = 0;
+  std::vector<key_span> span(qv.n_tokens);  // rows each query token may see (qv.spec)
+  int lo_min = kv.n_pos, max_limit = 0;
   for (int t = 0; t < qv.n_tokens; ++t) {
-    limit[t] = std::clamp(qv.pos0 + t - kv.pos_begin + 1, 0, kv.n_pos);  // causal: rows <= pos0 + t
-    max_limit = std::max(max_limit, limit[t]);
+    span[t] = qv.rows(t, kv.pos_begin, kv.n_pos);
+    if (span[t].empty()) continue;
+    lo_min = std::min(lo_min, span[t].lo);
+    max_limit = std::max(max_limit, span[t].hi);
   }
   std::vector<float> rows((size_t)kBlock * hd), s((size_t)qv.n_tokens * ng * kBlock);
-  for (int p0 = 0; p0 < max_limit; p0 += kBlock) {
+  for (int p0 = lo_min; p0 < max_limit; p0 += kBlock) {
     const int n = std::min(kBlock, max_limit - p0);
     for (int j = 0; j < n; ++j)
       for (int i = 0; i < hd; ++i) rows[(size_t)j * hd + i] = load_elem(kv.k, kv.type_k, (int64_t)(p0 + j) * kv.row_stride + i);
     for (int t = 0; t < qv.n_tokens; ++t) {
-      const int nt = std::clamp(limit[t] - p0, 0, n);
+      const int j0 = std::clamp(span[t].lo - p0, 0, n), nt = std::clamp(span[t].hi - p0, 0, n);
       for (int g = 0; g < ng; ++g) {
-        if (nt == 0) continue;
+        if (nt <= j0) continue;
         const float* q = qv.q + t * qv.stride_t + (int64_t)g * hd;
         float* sc = &s[(size_t)(t * ng + g) * kBlock];
         float mx = -INFINITY;
-        for (int j = 0; j < nt; ++j) {
+        for (int j = j0; j < nt; ++j) {
           float acc = 0.0f;
           for (int i = 0; i < hd; ++i) acc += q[i] * rows[(size_t)j * hd + i];
-          sc[j] = acc * qv.scale;
+          sc[j] = qv.spec.logit(acc * qv.spec.scale);
           mx = std::max(mx, sc[j]);
         }
         attn_state& st = states[t * ng + g];
         st.rescale_to(mx);
-        for (int j = 0; j < nt; ++j) {
+        for (int j = j0; j < nt; ++j) {
           sc[j] = std::exp(sc[j] - st.m);
           st.d += sc[j];
         }
@@ -61,11 +63,11 @@ void attn_dense_ref(const kv_dense_view& kv, const attn_query_view& qv, attn_sta
     for (int j = 0; j < n; ++j)
       for (int i = 0; i < hd; ++i) rows[(size_t)j * hd + i] = load_elem(kv.v, kv.type_v, (int64_t)(p0 + j) * kv.row_stride + i);
     for (int t = 0; t < qv.n_tokens; ++t) {
-      const int nt = std::clamp(limit[t] - p0, 0, n);
+      const int j0 = std::clamp(span[t].lo - p0, 0, n), nt = std::clamp(span[t].hi - p0, 0, n);
       for (int g = 0; g < ng; ++g) {
         float* o = states[t * ng + g].o;
         const float* sc = &s[(size_t)(t * ng + g) * kBlock];
-        for (int j = 0; j < nt; ++j)
+        for (int j = j0; j < nt; ++j)
           for (int i = 0; i < hd; ++i) o[i] += sc[j] * rows[(size_t)j * hd + i];
       }
     }

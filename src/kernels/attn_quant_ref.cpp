@@ -85,16 +85,19 @@ void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_sta
   const int hd = kv.head_dim, ng = qv.n_group, ntq = qv.n_tokens * ng;
   const auto& tk = kv_traits(kv.k.format);
   KVQ_ASSERT(hd <= 1024 && kv_traits(kv.v.format).layout != kv_layout::per_channel);
-  thread_local std::vector<int> limit;
+  thread_local std::vector<key_span> span;  // rows each query token may see (qv.spec)
   thread_local std::vector<float> sc, fold, row;
   thread_local std::vector<int32_t> qsum, dots;
-  limit.resize(qv.n_tokens);
-  int max_limit = 0;
+  span.resize(qv.n_tokens);
+  int lo_min = kv.n_pos, max_limit = 0;
   for (int t = 0; t < qv.n_tokens; ++t) {
-    limit[t] = std::clamp(qv.pos0 + t - kv.pos_begin + 1, 0, kv.n_pos);
-    max_limit = std::max(max_limit, limit[t]);
+    span[t] = qv.rows(t, kv.pos_begin, kv.n_pos);
+    if (span[t].empty()) continue;
+    lo_min = std::min(lo_min, span[t].lo);
+    max_limit = std::max(max_limit, span[t].hi);
   }
   if (max_limit == 0) return;
+  auto sees = [&](int t, int r) { return r >= span[t].lo && r < span[t].hi; };
   sc.resize((size_t)ntq * kBlock);
   row.resize(hd);
   const int ngk = tk.layout == kv_layout::per_token ? hd / kv.k.group : 0;
@@ -113,14 +116,14 @@ void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_sta
   if (tk.layout == kv_layout::per_channel) fold.resize((size_t)ntq * (hd + 1));
   int cur_group = -1;
   uint8_t u[1024];
-  for (int p0 = 0; p0 < max_limit; p0 += kBlock) {
+  for (int p0 = lo_min; p0 < max_limit; p0 += kBlock) {
     const int n = std::min(kBlock, max_limit - p0);
     for (int j = 0; j < n; ++j) {
       const int r = p0 + j;
       if (tk.layout == kv_layout::per_token) {
         const uint16_t* s = kv.k.scales + (int64_t)r * kv.k.scale_stride;
         for (int t = 0; t < qv.n_tokens; ++t) {
-          if (r >= limit[t]) continue;
+          if (!sees(t, r)) continue;
           for (int g = 0; g < ng; ++g) {
             const int64_t at = t * qv.stride_t + (int64_t)g * hd;
             if (qv.q16) qk_i32_ref(kv.k, r, 1, qv.q16 + at, hd, dots.data());
@@ -133,7 +136,7 @@ void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_sta
               acc += f16_to_f32(s[gr]) * (float)(dots[gr] - tk.code_offset * qs[gr]) * f;
               if (tk.asymmetric) acc += f16_to_f32(s[ngk + gr]) * (float)qs[gr] * f;
             }
-            sc[(size_t)(t * ng + g) * kBlock + j] = acc * qv.scale;
+            sc[(size_t)(t * ng + g) * kBlock + j] = qv.spec.logit(acc * qv.spec.scale);
           }
         }
       } else if (tk.layout == kv_layout::per_channel) {
@@ -156,38 +159,38 @@ void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_sta
         }
         unpack_codes(tk.bits, kv.k.codes + (int64_t)r * kv.k.code_stride, hd, u);
         for (int t = 0; t < qv.n_tokens; ++t) {
-          if (r >= limit[t]) continue;
+          if (!sees(t, r)) continue;
           for (int g = 0; g < ng; ++g) {
             const float* a = &fold[(size_t)(t * ng + g) * (hd + 1)];
             float acc = 0.0f;
             for (int c = 0; c < hd; ++c) acc += a[c] * (float)code_int(tk, u[c]);
-            sc[(size_t)(t * ng + g) * kBlock + j] = (acc + a[hd]) * qv.scale;
+            sc[(size_t)(t * ng + g) * kBlock + j] = qv.spec.logit((acc + a[hd]) * qv.spec.scale);
           }
         }
       } else {
         load_dense_row(kv.k, r, hd, row.data());
         for (int t = 0; t < qv.n_tokens; ++t) {
-          if (r >= limit[t]) continue;
+          if (!sees(t, r)) continue;
           for (int g = 0; g < ng; ++g) {
             const float* q = qv.q + t * qv.stride_t + (int64_t)g * hd;
             float acc = 0.0f;
             for (int i = 0; i < hd; ++i) acc += q[i] * row[i];
-            sc[(size_t)(t * ng + g) * kBlock + j] = acc * qv.scale;
+            sc[(size_t)(t * ng + g) * kBlock + j] = qv.spec.logit(acc * qv.spec.scale);
           }
         }
       }
     }
     // online softmax over the block
     for (int t = 0; t < qv.n_tokens; ++t) {
-      const int nt = std::clamp(limit[t] - p0, 0, n);
-      if (nt == 0) continue;
+      const int j0 = std::clamp(span[t].lo - p0, 0, n), nt = std::clamp(span[t].hi - p0, 0, n);
+      if (nt <= j0) continue;
       for (int g = 0; g < ng; ++g) {
         float* s = &sc[(size_t)(t * ng + g) * kBlock];
         attn_state& st = states[t * ng + g];
-        float mx = s[0];
-        for (int j = 1; j < nt; ++j) mx = std::max(mx, s[j]);
+        float mx = s[j0];
+        for (int j = j0 + 1; j < nt; ++j) mx = std::max(mx, s[j]);
         st.rescale_to(mx);
-        for (int j = 0; j < nt; ++j) {
+        for (int j = j0; j < nt; ++j) {
           s[j] = std::exp(s[j] - st.m);
           st.d += s[j];
         }
@@ -198,7 +201,7 @@ void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_sta
       const int r = p0 + j;
       load_v_row_ref(kv.v, r, hd, row.data());
       for (int t = 0; t < qv.n_tokens; ++t) {
-        if (r >= limit[t]) continue;
+        if (!sees(t, r)) continue;
         for (int g = 0; g < ng; ++g) {
           const float w = sc[(size_t)(t * ng + g) * kBlock + j];
           float* o = states[t * ng + g].o;

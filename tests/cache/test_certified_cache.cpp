@@ -134,7 +134,7 @@ struct ladder_case {
     qv.n_group = 1;
     qv.head_dim = hd;
     qv.pos0 = n - 1;
-    qv.scale = 0.25f;
+    qv.spec.scale = 0.25f;
     cert_options opt;
     opt.tol = tol;
     opt.measure = true;

@@ -30,8 +30,9 @@ struct exact_data {
 enum class query_quant { cache, per_head_int8 };
 
 // CPU oracle of decode_plan::run for every (sequence, query head): out [batch][n_head][hd].
-std::vector<float> decode_ref(const paged_cache& c, const std::vector<uint16_t>& q, kv_elem qe, int n_head, float scale,
-                              const exact_data& ex, query_quant qq = query_quant::cache) {
+// The decode query sits at the last paged token (spec.window counts back from there).
+std::vector<float> decode_ref(const paged_cache& c, const std::vector<uint16_t>& q, kv_elem qe, int n_head,
+                              const attn_spec& spec, const exact_data& ex, query_quant qq = query_quant::cache) {
   const int hd = c.f.head_dim, nkv = c.f.n_kv_head, ng = n_head / nkv, batch = c.batch();
   const rotation rot = rotation::make(c.f.rotation, hd, 0);
   const bool quant = c.f.format != kv_format::f16;
@@ -64,8 +65,8 @@ std::vector<float> decode_ref(const paged_cache& c, const std::vector<uint16_t>&
       qv.n_tokens = 1;
       qv.n_group = ng;
       qv.head_dim = hd;
-      qv.pos0 = 1 << 30;  // decode: every stored position is visible
-      qv.scale = scale;
+      qv.pos0 = L > 0 ? L - 1 : 0;  // decode: the query sits at the last paged token
+      qv.spec = spec;
       if (quant) {
         if (q16) qv.q16 = q16v.data();
         else qv.q8 = q8.data();
@@ -118,7 +119,8 @@ std::vector<float> decode_ref(const paged_cache& c, const std::vector<uint16_t>&
         dv.n_pos = ne;
         dv.head_dim = hd;
         attn_query_view qe32 = qv;
-        qe32.q = qr.data();  // the exact window always sees the f32 rotated queries
+        qe32.q = qr.data();    // the exact window always sees the f32 rotated queries
+        qe32.pos0 = 1 << 30;   // and all of its rows (no positions: refused with a sliding window)
         attn_dense_ref(dv, qe32, se.data());
         for (int gg = 0; gg < ng; ++gg) st[gg].merge(se[gg]);
       }
@@ -136,6 +138,8 @@ struct decode_case {
   int hd, ng, page_size, batch, first_len, n_kv_head, exact_cap;
   kv_elem qe = kv_elem::f16;
   int split = 0;
+  int window = 0;        // attn_spec::window
+  float softcap = 0.0f;  // attn_spec::softcap
 };
 // Printed in test names: without it gtest prints the struct's raw bytes (padding included),
 // which changes from run to run.
@@ -163,7 +167,10 @@ case_result run_case(const decode_case& p, int64_t page_base = 0) {
   paged_cache c;
   build_cache(c, f, len, rng, p.qe, page_base);
   const int n_head = p.ng * p.n_kv_head, hd = p.hd;
-  const float scale = 1.0f / std::sqrt((float)hd);
+  attn_spec spec;
+  spec.scale = 1.0f / std::sqrt((float)hd);
+  spec.window = p.window;
+  spec.softcap = p.softcap;
   const std::vector<uint16_t> q = random_halves(rng, (size_t)p.batch * n_head * hd, hd, p.qe);
   exact_data ex;
   ex.cap = p.exact_cap;
@@ -173,11 +180,11 @@ case_result run_case(const decode_case& p, int64_t page_base = 0) {
     ex.len.resize(p.batch);
     for (int b = 0; b < p.batch; ++b) ex.len[b] = (int)(rng() % (ex.cap + 1));
   }
-  const std::vector<float> ref = decode_ref(c, q, p.qe, n_head, scale, ex);
+  const std::vector<float> ref = decode_ref(c, q, p.qe, n_head, spec, ex);
 
   decode_params dp;
   dp.n_head = n_head;
-  dp.scale = scale;
+  dp.spec = spec;
   dp.q_elem = p.qe;
   dp.out_elem = kv_elem::f32;
   dp.split_tokens = p.split;
@@ -206,8 +213,9 @@ case_result run_case(const decode_case& p, int64_t page_base = 0) {
     EXPECT_EQ(bad, 0u) << "non-finite (unwritten?) outputs";
     r.err = std::max(r.err, rel_err(got, ref));
   }
-  if (p.format == kv_format::q8 || (p.format == kv_format::q4 && c.g.group < p.hd))  // else the same query
-    r.err_legacy = rel_err(got, decode_ref(c, q, p.qe, n_head, scale, ex, query_quant::per_head_int8));
+  // (else the same query; with a sliding window, too few keys to tell the two queries apart)
+  if (p.window == 0 && (p.format == kv_format::q8 || (p.format == kv_format::q4 && c.g.group < p.hd)))
+    r.err_legacy = rel_err(got, decode_ref(c, q, p.qe, n_head, spec, ex, query_quant::per_head_int8));
   r.info = "items " + std::to_string(plan.n_items()) + ", split " + std::to_string(plan.split_tokens());
   return r;
 }
@@ -234,7 +242,8 @@ std::string decode_name(const ::testing::TestParamInfo<decode_case>& i) {
   return std::string(kv_traits(p.format).name) + "_hd" + std::to_string(p.hd) + "_gqa" + std::to_string(p.ng) + "_p" +
          std::to_string(p.page_size) + "_b" + std::to_string(p.batch) + "_l" + std::to_string(kLengths[p.first_len]) +
          "_kv" + std::to_string(p.n_kv_head) + (p.exact_cap ? "_exact" + std::to_string(p.exact_cap) : "") +
-         (p.qe == kv_elem::bf16 ? "_bf16" : "") + (p.split ? "_split" + std::to_string(p.split) : "");
+         (p.qe == kv_elem::bf16 ? "_bf16" : "") + (p.split ? "_split" + std::to_string(p.split) : "") +
+         (p.window ? "_w" + std::to_string(p.window) : "") + (p.softcap > 0 ? "_cap" : "");
 }
 
 // Sampled matrix: every head_dim x format, GQA {1, 4, 7, 8}, batch {1, 3, 17} with ragged lengths
@@ -253,6 +262,23 @@ INSTANTIATE_TEST_SUITE_P(
         decode_case{kv_format::f16, 64, 7, 16, 1, 4, 1, 0}, decode_case{kv_format::f16, 80, 4, 64, 3, 1, 2, 0},
         decode_case{kv_format::f16, 96, 8, 16, 17, 2, 1, 8}, decode_case{kv_format::f16, 128, 1, 64, 3, 3, 2, 0},
         decode_case{kv_format::f16, 128, 4, 16, 1, 5, 8, 0}, decode_case{kv_format::f16, 256, 8, 16, 1, 4, 1, 0}),
+    decode_name);
+
+// Attention variants (attn_spec): sliding windows {1, 17, 97, full} counted back from the decode
+// query, and a logit soft-cap small enough to change the softmax (scores of unit-variance queries and
+// keys at scale 1/sqrt(head_dim) reach about 4), each format, ragged lengths from 1 to 32768.
+INSTANTIATE_TEST_SUITE_P(
+    Variants, CudaDecode,
+    ::testing::Values(
+        decode_case{kv_format::q4, 128, 4, 16, 17, 0, 2, 0, kv_elem::f16, 0, 1},
+        decode_case{kv_format::q4, 64, 7, 64, 3, 3, 1, 0, kv_elem::f16, 0, 17},
+        decode_case{kv_format::q4, 128, 8, 16, 3, 4, 2, 0, kv_elem::f16, 16, 97},
+        decode_case{kv_format::q8, 256, 4, 64, 17, 1, 1, 0, kv_elem::f16, 0, 17, 2.0f},
+        decode_case{kv_format::q8, 128, 1, 16, 3, 4, 2, 0, kv_elem::bf16, 0, 97},
+        decode_case{kv_format::f16, 128, 4, 16, 17, 0, 2, 0, kv_elem::f16, 0, 97},
+        decode_case{kv_format::f16, 80, 8, 64, 3, 2, 1, 0, kv_elem::f16, 0, 1, 1.5f},
+        decode_case{kv_format::q4, 96, 4, 64, 3, 5, 2, 32, kv_elem::f16, 0, 0, 1.5f},
+        decode_case{kv_format::f16, 64, 4, 16, 1, 5, 2, 16, kv_elem::f16, 0, 0, 2.0f}),
     decode_name);
 
 // A pool larger than 2^31 bytes whose used pages all lie past 2^31 bytes (sparse page table).
@@ -316,10 +342,12 @@ TEST(CudaDequant, DequantizeThenAttendMatchesCpu) {
   EXPECT_EQ(mismatched, 0u) << "dequantized values differ from dequantize_row_ref rounded to f16";
   const int n_head = 8;
   const std::vector<uint16_t> q = random_halves(rng, (size_t)c.batch() * n_head * f.head_dim, f.head_dim, kv_elem::f16);
-  const std::vector<float> ref = decode_ref(ch, q, kv_elem::f16, n_head, 0.125f, exact_data{});
+  attn_spec spec;
+  spec.scale = 0.125f;
+  const std::vector<float> ref = decode_ref(ch, q, kv_elem::f16, n_head, spec, exact_data{});
   decode_params dp;
   dp.n_head = n_head;
-  dp.scale = 0.125f;
+  dp.spec.scale = 0.125f;
   decode_plan plan(fd, dp, c.indptr.data(), c.last.data(), c.batch());
   dbuf dq = dbuf::from(q), dout(ref.size() * 4);
   device_fill(dout.p, 0xFF, dout.n);
@@ -334,7 +362,7 @@ TEST(CudaDecodeErrors, PlanValidates) {
   f.n_kv_head = 2;
   const int32_t indptr[2] = {0, 1}, last[1] = {5};
   decode_params dp;
-  dp.scale = 0.1f;
+  dp.spec.scale = 0.1f;
   dp.n_head = 3;
   EXPECT_THROW(decode_plan(f, dp, indptr, last, 1), kvq::error);
   dp.n_head = 32;  // 16 query heads per kv head
@@ -353,6 +381,21 @@ TEST(CudaDecodeErrors, PlanValidates) {
   EXPECT_THROW(decode_plan(f, dp, indptr, bad_last, 1), kvq::error);
   dp.split_tokens = 24;
   EXPECT_THROW(decode_plan(f, dp, indptr, last, 1), kvq::error);
+  dp.split_tokens = 0;
+  dp.spec.window = -1;
+  EXPECT_THROW(decode_plan(f, dp, indptr, last, 1), kvq::error);
+  dp.spec.window = 0;
+  dp.spec.softcap = -1.0f;
+  EXPECT_THROW(decode_plan(f, dp, indptr, last, 1), kvq::error);
+  dp.spec.softcap = 0.0f;
+  dp.spec.window = 64;  // with an exact window: refused (its rows have no positions)
+  try {
+    decode_plan plan(f, dp, indptr, last, 1, 32);
+    ADD_FAILURE() << "no error for a sliding window with an exact window";
+  } catch (const kvq::error& e) {
+    EXPECT_EQ(e.code(), errc::unsupported);
+    EXPECT_NE(std::string(e.what()).find("window 64"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
