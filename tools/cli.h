@@ -25,7 +25,7 @@ struct registrar {
   explicit registrar(command c) { registry().push_back(std::move(c)); }
 };
 
-// --cache-type-k (-ctk), --cache-type-v (-ctv), --kv-rot, --kv-group, --kv-sink, --kv-recent,
+// --cache-type-k (-ctk), --cache-type-v (-ctv), --kv-rot, --kv-group, --kv-sink, --kv-exact-recent,
 // --kv-kivi-group, --kv-residual, --kv-channel-scale, --kv-seed; certified attention: --kv-certify,
 // --kv-tol, --kv-host-dir, --kv-certify-measure, --kv-certify-no-adapt.
 void add_kv_flags(CLI::App* app, kv_cache_params& p);

@@ -38,6 +38,8 @@ int run_info(info_opts& o) {
   f16.type_k = f16.type_v = "f16";
   const double f16_bpt = kv_bytes_per_token(f16);
 
+  kv_layer_kind_bytes kinds;  // layer counts of each kind
+  for (int il = 0; il < base.n_layer; ++il) (kv_layer_window(base, il) > 0 ? kinds.n_windowed : kinds.n_global) += 1;
   nlohmann::json rows = nlohmann::json::array();
   for (const std::string& t : kv_type_names()) {
     kv_cache_params p = base;
@@ -48,6 +50,9 @@ int run_info(info_opts& o) {
       row["bytes_per_token"] = bpt;
       row["ratio_to_f16"] = f16_bpt / bpt;
       row["bytes_at_n_ctx"] = (int64_t)kv_bytes_at_ctx(p);  // allocated: exact windows included
+      const kv_layer_kind_bytes lk = kv_bytes_by_layer_kind(p);  // global vs sliding-window layers
+      row["bytes_global_layers"] = (int64_t)lk.global;
+      row["bytes_window_layers"] = (int64_t)lk.windowed;
     } catch (const kvq::error& e) {
       row["error"] = e.what();
     }
@@ -60,7 +65,8 @@ int run_info(info_opts& o) {
                      {"n_ctx_train", hp.n_ctx_train}, {"n_rot", hp.n_rot}, {"rope_freq_base", hp.rope_freq_base},
                      {"rope", hp.rope == rope_type::neox ? "neox" : "norm"}, {"rms_eps", hp.rms_eps},
                      {"attn_scale", hp.attn_scale}, {"tied_output", hp.tied_output}, {"n_params", hp.n_params},
-                     {"n_ctx", n_ctx}, {"kv_types", rows}};
+                     {"n_ctx", n_ctx}, {"n_global_layers", kinds.n_global}, {"n_window_layers", kinds.n_windowed},
+                     {"kv_types", rows}};
     std::printf("%s\n", json_text(j, 2).c_str());
     return 0;
   }
@@ -73,18 +79,30 @@ int run_info(info_opts& o) {
               hp.rope_freq_base, hp.rope_freq_scale);
   std::printf("rms_eps %g  attn_scale %g  output %s  n_ctx_train %d\n", hp.rms_eps, hp.attn_scale,
               hp.tied_output ? "tied" : "separate", hp.n_ctx_train);
-  std::printf("\nKV cache at n_ctx %d (K and V the same type; options: rot %s, group %d, sink %d, recent %d)\n", n_ctx,
-              base.rotation.c_str(), base.group_size, base.sink, base.recent);
+  std::printf("\nKV cache at n_ctx %d (K and V the same type; options: rot %s, group %d, exact sink %d, exact recent %d)\n",
+              n_ctx, base.rotation.c_str(), base.group_size, base.sink, base.exact_recent);
   // bytes/token is asymptotic (compressed rows); bytes at n_ctx is what a cache of n_ctx positions
   // allocates, exact f16 rows of the sink/recent windows and KIVI residual included
-  std::printf("%-10s %14s %10s %16s\n", "type", "bytes/token", "vs f16", "bytes at n_ctx");
+  // with sliding-window layers: bytes/token counts the global layers only (the windowed ones hold
+  // a fixed ring), and the bytes at n_ctx are split by layer kind
+  const bool split = kinds.n_windowed > 0;
+  if (split)
+    std::printf("%d global layers, %d sliding-window layers (a ring of window - 1 + n_ubatch positions each)\n",
+                kinds.n_global, kinds.n_windowed);
+  std::printf("%-10s %14s %10s %16s", "type", "bytes/token", "vs f16", "bytes at n_ctx");
+  if (split) std::printf(" %16s %16s", "global layers", "window layers");
+  std::printf("\n");
   for (const auto& r : rows) {
     if (r.contains("error")) {
       std::printf("%-10s %s\n", r["type"].get<std::string>().c_str(), r["error"].get<std::string>().c_str());
       continue;
     }
-    std::printf("%-10s %14.2f %9.2fx %16lld\n", r["type"].get<std::string>().c_str(), r["bytes_per_token"].get<double>(),
+    std::printf("%-10s %14.2f %9.2fx %16lld", r["type"].get<std::string>().c_str(), r["bytes_per_token"].get<double>(),
                 r["ratio_to_f16"].get<double>(), (long long)r["bytes_at_n_ctx"].get<int64_t>());
+    if (split)
+      std::printf(" %16lld %16lld", (long long)r["bytes_global_layers"].get<int64_t>(),
+                  (long long)r["bytes_window_layers"].get<int64_t>());
+    std::printf("\n");
   }
   return 0;
 }
@@ -97,7 +115,8 @@ const registrar reg{{"info", "print the model's architecture, shapes and KV byte
   app->add_option("--kv-rot", o->kv.rotation, "rotation (affects nothing in size)");
   app->add_option("--kv-group", o->kv.group_size, "group size along head_dim (0 = default)");
   app->add_option("--kv-sink", o->kv.sink, "exact sink tokens");
-  app->add_option("--kv-recent", o->kv.recent, "exact recent tokens");
+  app->add_option("--kv-exact-recent", o->kv.exact_recent, "exact recent tokens");
+  app->add_option("--kv-recent", o->kv.exact_recent, "deprecated alias of --kv-exact-recent")->group("");
   return [o] { return run_info(*o); };
 }}};
 

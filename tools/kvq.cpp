@@ -26,7 +26,10 @@ void add_kv_flags(CLI::App* app, kv_cache_params& p) {
   app->add_option("--kv-rot", p.rotation, "rotation before quantizing: none|hadamard|srht|srft|auto")->capture_default_str();
   app->add_option("--kv-group", p.group_size, "elements per scale along head_dim (0 = default: 32 or head_dim)")->capture_default_str();
   app->add_option("--kv-sink", p.sink, "first N tokens kept exact (f16)")->capture_default_str();
-  app->add_option("--kv-recent", p.recent, "last N tokens kept exact (f16)")->capture_default_str();
+  app->add_option("--kv-exact-recent", p.exact_recent,
+                  "last N tokens kept exact (f16) beside the compressed body (storage; not sliding-window attention)")
+      ->capture_default_str();
+  app->add_option("--kv-recent", p.exact_recent, "deprecated alias of --kv-exact-recent")->group("");
   app->add_option("--kv-kivi-group", p.kivi_group, "KIVI: tokens per per-channel K group")->capture_default_str();
   app->add_option("--kv-residual", p.kivi_residual, "KIVI: exact recent tokens kept before quantizing a group")->capture_default_str();
   app->add_flag("--kv-channel-scale", p.channel_scale, "calibrate a per-channel scale on the prompt before quantizing");

@@ -14,19 +14,39 @@
 
 namespace kvq {
 
+// The attention geometry of one layer (kv_cache_params::layers).
+struct kv_layer_geometry {
+  // Sliding-window attention: a query at position p of this layer sees keys [p - window + 1, p]
+  // (attn_spec::window; Gemma 2/3, Mistral); 0 = global (causal only). The cache applies it in
+  // attend, and a windowed layer keeps a ring of window - 1 + n_ubatch positions only (docs/formats.md,
+  // "Sliding-window layers"), so its memory does not grow with n_ctx.
+  int window = 0;
+  int n_kv_head = 0;  // 0 = the cache-wide value (other values: unsupported for now)
+  int head_dim = 0;   // 0 = the cache-wide value (other values: unsupported for now)
+};
+
 struct kv_cache_params {
+  using kv_layer_geometry = kvq::kv_layer_geometry;
   int n_layer = 0;
   int n_kv_head = 0;
   int head_dim = 0;
   int n_ctx = 0;  // positions per sequence (tokens); append past it is an error
   int n_seq = 1;  // independent sequences (seq_id in [0, n_seq))
+  std::vector<kv_layer_geometry> layers;  // empty, or [n_layer]
+  // Most tokens one append may bring to a sliding-window layer: its ring holds window - 1 + n_ubatch
+  // positions (llama.cpp sizes its SWA cache the same way); a larger append to such a layer is
+  // refused. Unused without windowed layers.
+  int n_ubatch = 512;
+  float attn_softcap = 0.0f;  // logit soft-cap of every layer (attn_spec::softcap; Gemma 2); 0 = none
   std::string type_k = "f16";  // see kv_type_names()
   std::string type_v = "f16";
   // Options of the compressed formats (ignored by f32/f16/bf16):
   int group_size = 0;               // elements per scale along head_dim; 0 = default (32 or head_dim)
   std::string rotation = "auto";    // none|hadamard|srht|srft|auto (auto: hadamard for <= 4 bits)
-  int sink = 0;                     // first `sink` tokens kept exact (f16)
-  int recent = 0;                   // last `recent` tokens kept exact (f16)
+  // Exact windows (kept in f16 beside the compressed body; storage only, unrelated to the
+  // sliding-window attention of kv_layer_geometry::window):
+  int sink = 0;                     // first `sink` tokens kept exact
+  int exact_recent = 0;             // last `exact_recent` tokens kept exact (the CLI's --kv-exact-recent)
   int kivi_group = 32;              // KIVI: tokens per per-channel K group
   int kivi_residual = 32;           // KIVI: max exact recent tokens before a group is quantized
   bool channel_scale = false;       // per-channel scale λ calibrated on the prompt
@@ -47,7 +67,7 @@ struct kv_cache_params {
 // kv_cache::attend.
 struct attend_seq {
   int seq_id = 0;            // in [0, n_seq), at most once per batch
-  int pos0 = 0;              // position (tokens) of the first query; query t attends [0, pos0 + t]
+  int pos0 = 0;              // position (tokens) of the first query; query t attends [0, pos0 + t] (or its window)
   int n_tokens = 0;          // queries (tokens), >= 1
   const float* q = nullptr;  // [n_tokens, n_head, head_dim] f32 after RoPE
   float* out = nullptr;      // [n_tokens, n_head, head_dim]; must not overlap another sequence's q or out
@@ -71,7 +91,10 @@ class kv_cache {
   virtual void append(int il, int seq_id, int n_tokens, const float* k, const float* v) = 0;
 
   // Causal attention for layer il: query t (t < n_tokens) sits at position pos0 + t and attends
-  // to cache positions [0, pos0 + t] of seq_id (which must already be appended).
+  // to cache positions [0, pos0 + t] of seq_id (which must already be appended), or with a sliding
+  // window W (params().layers[il].window) to [pos0 + t - W + 1, pos0 + t]; logits soft-capped when
+  // params().attn_softcap > 0. Throws invalid_input when a windowed layer no longer holds a
+  // position the queries need (truncated further back than its ring reaches).
   // q: [n_tokens, n_head, head_dim] f32 after RoPE; GQA: query head h uses kv head
   // h / (n_head / n_kv_head). scale: usually 1/sqrt(head_dim). out: [n_tokens, n_head, head_dim].
   virtual void attend(int il, int seq_id, int pos0, int n_tokens, int n_head, const float* q,
@@ -105,8 +128,22 @@ std::unique_ptr<kv_cache> make_kv_cache(const kv_cache_params& p);
 std::vector<std::string> kv_type_names();
 
 // Asymptotic storage per token of the whole model (all layers, K and V) in bytes, for a cache
-// with these params (exact, as allocated per token away from group/page boundaries).
+// with these params (exact, as allocated per token away from group/page boundaries). Only global
+// layers grow with the context: sliding-window layers (a fixed ring) count 0 here and are in
+// kv_bytes_at_ctx / kv_bytes_by_layer_kind.
 double kv_bytes_per_token(const kv_cache_params& p);
+
+// The attention window of layer il (0: global); validates il.
+int kv_layer_window(const kv_cache_params& p, int il);
+
+// kv_bytes_at_ctx split by layer kind: global layers, and sliding-window layers (each of those
+// holds min(n_ctx, ring) positions, independent of n_ctx beyond the ring). Sums to kv_bytes_at_ctx
+// except the few bytes not owned by a layer (certified caches: all in `global`).
+struct kv_layer_kind_bytes {
+  int n_global = 0, n_windowed = 0;  // layers of each kind
+  size_t global = 0, windowed = 0;   // bytes at p.n_ctx, all layers of the kind, K and V
+};
+kv_layer_kind_bytes kv_bytes_by_layer_kind(const kv_cache_params& p);
 
 // Bytes that make_kv_cache(p) allocates (its bytes() before any append), computed without
 // allocating: every layer, sequence and kv head at p.n_ctx positions, K and V, including what

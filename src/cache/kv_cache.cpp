@@ -44,6 +44,24 @@ void validate_cache_shape(const kv_cache_params& p) {
   need(p.head_dim, "head_dim");
   need(p.n_ctx, "n_ctx");
   need(p.n_seq, "n_seq");
+  if (!p.layers.empty() && (int)p.layers.size() != p.n_layer)
+    fail_input("[kv_cache] layers must be empty or hold n_layer " + std::to_string(p.n_layer) + " entries, got " +
+               std::to_string(p.layers.size()));
+  for (size_t il = 0; il < p.layers.size(); ++il) {
+    const kv_layer_geometry& g = p.layers[il];
+    const std::string at = "[kv_cache] layers[" + std::to_string(il) + "].";
+    if (g.window < 0) fail_input(at + "window must be >= 0 (0 = global), got " + std::to_string(g.window));
+    if (g.n_kv_head < 0 || g.head_dim < 0)
+      fail_input(at + "n_kv_head and head_dim must be >= 0 (0 = the cache-wide value), got " +
+                 std::to_string(g.n_kv_head) + " and " + std::to_string(g.head_dim));
+    if ((g.n_kv_head && g.n_kv_head != p.n_kv_head) || (g.head_dim && g.head_dim != p.head_dim))
+      fail_unsupported(at + "n_kv_head " + std::to_string(g.n_kv_head) + " / head_dim " + std::to_string(g.head_dim) +
+                       " differ from the cache-wide " + std::to_string(p.n_kv_head) + " / " +
+                       std::to_string(p.head_dim) + ": per-layer head shapes are not supported yet");
+  }
+  if (p.n_ubatch < 1) fail_input("[kv_cache] n_ubatch must be >= 1, got " + std::to_string(p.n_ubatch));
+  if (!(p.attn_softcap >= 0.0f) || !std::isfinite(p.attn_softcap))
+    fail_input("[kv_cache] attn_softcap must be finite and >= 0 (0 = none), got " + std::to_string(p.attn_softcap));
   if (p.rotation != "auto") parse_rotation(p.rotation);  // rejects unknown names for every type
   for (const auto* side : {&p.type_k, &p.type_v}) {
     bool known = false;
@@ -77,6 +95,46 @@ cache_impl impl_of(const kv_cache_params& p) {
 }
 
 }  // namespace
+
+int kv_layer_window(const kv_cache_params& p, int il) {
+  if (il < 0 || il >= p.n_layer)
+    fail_input("[kv_cache] layer " + std::to_string(il) + " out of range [0, " + std::to_string(p.n_layer) + ")");
+  return p.layers.empty() ? 0 : p.layers[il].window;
+}
+
+int kv_ring_positions(const kv_cache_params& p, int il) {
+  const int w = kv_layer_window(p, il);
+  return w > 0 ? (int)std::min<int64_t>(p.n_ctx, (int64_t)w - 1 + p.n_ubatch) : p.n_ctx;
+}
+
+void check_ring_append(const kv_cache_params& p, int il, int n_tokens) {
+  if (n_tokens <= p.n_ubatch || kv_ring_positions(p, il) >= p.n_ctx) return;
+  fail_input("[kv_cache] append: " + std::to_string(n_tokens) + " tokens at once to layer " + std::to_string(il) +
+             " (sliding window " + std::to_string(kv_layer_window(p, il)) + "), more than n_ubatch " +
+             std::to_string(p.n_ubatch) + ", which sizes its ring; append in batches of at most n_ubatch or raise it");
+}
+
+void check_ring_holds(const kv_cache_params& p, const char* op, int il, int seq_id, int lo, int first) {
+  if (lo >= first) return;
+  fail_input(std::string("[kv_cache] ") + op + ": layer " + std::to_string(il) + " (sliding window " +
+             std::to_string(kv_layer_window(p, il)) + ") of seq " + std::to_string(seq_id) +
+             " no longer holds position " + std::to_string(lo) + " (its ring holds positions from " +
+             std::to_string(first) + "; the sequence was truncated further back than the ring reaches)");
+}
+
+kv_layer_kind_bytes kv_bytes_by_layer_kind(const kv_cache_params& p) {
+  const cache_impl impl = impl_of(p);  // validates
+  kv_layer_kind_bytes r;
+  for (int il = 0; il < p.n_layer; ++il) {
+    const bool win = kv_layer_window(p, il) > 0;
+    (win ? r.n_windowed : r.n_global) += 1;
+    if (impl == cache_impl::certified) continue;
+    const size_t b = impl == cache_impl::dense ? kv_layer_bytes_dense(p, il) : kv_layer_bytes_quant(p, il);
+    (win ? r.windowed : r.global) += b;
+  }
+  if (impl == cache_impl::certified) r.global = kv_bytes_at_ctx(p);
+  return r;
+}
 
 void kv_cache::attend_batch(int il, const attend_seq* seqs, int n_seqs, int n_head, float scale, thread_pool& pool) {
   check_attend_batch("attend_batch", seqs, n_seqs, params().n_seq);

@@ -193,8 +193,8 @@ kv_cache_certified_impl::kv_cache_certified_impl(const kv_cache_params& p) : p_(
   const int hd = p.head_dim;
   if (!(p.certify_tol >= 0))
     fail_input("[kv_cache] certify_tol (--kv-tol) must be >= 0, got " + std::to_string(p.certify_tol));
-  if (p.sink != 0 || p.recent != 0 || p.channel_scale)
-    fail_unsupported("[kv_cache] certified cache: sink/recent windows and channel_scale are not supported "
+  if (p.sink != 0 || p.exact_recent != 0 || p.channel_scale)
+    fail_unsupported("[kv_cache] certified cache: exact sink/recent windows and channel_scale are not supported "
                      "(every token is exact in the host tier already)");
   if (hd > 1024) fail_unsupported("[kv_cache] certified cache: head_dim " + std::to_string(hd) + " > 1024");
   const bool compressed = kv_traits(fk_).layout != kv_layout::dense || kv_traits(fv_).layout != kv_layout::dense;
@@ -453,6 +453,8 @@ void kv_cache_certified_impl::attend(int il, int seq_id, int pos0, int n_tokens,
       qv.head_dim = hd;
       qv.pos0 = pos0 + ta;
       qv.spec.scale = scale;
+      qv.spec.window = kv_layer_window(p_, il);  // honoured; the tiers still keep every position (no ring)
+      qv.spec.softcap = p_.attn_softcap;
       steps.resize((size_t)(tb - ta) * ng);
       attn_certified_ref(kv, qv, opt, out + off, steps.data());
       for (int t = ta; t < tb; ++t)

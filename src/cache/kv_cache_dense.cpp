@@ -1,4 +1,6 @@
-// Dense f32/f16/bf16 KV cache: contiguous, allocated up front, bytes() exact.
+// Dense f32/f16/bf16 KV cache: contiguous, allocated up front, bytes() exact. A sliding-window
+// layer holds a ring of kv_ring_positions() positions per (sequence, kv head): position p in slot
+// p % ring.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -35,17 +37,29 @@ void store_row(void* dst, kv_elem e, const float* src, int n) {
   }
 }
 
-// Rows of one side: every layer, sequence and kv head at n_ctx positions.
-size_t dense_rows(const kv_cache_params& p) { return (size_t)p.n_layer * p.n_seq * p.n_kv_head * p.n_ctx; }
+// Rows of one side of layer il: every sequence and kv head at its ring's positions.
+size_t dense_rows(const kv_cache_params& p, int il) { return (size_t)p.n_seq * p.n_kv_head * kv_ring_positions(p, il); }
+size_t dense_rows(const kv_cache_params& p) {
+  size_t r = 0;
+  for (int il = 0; il < p.n_layer; ++il) r += dense_rows(p, il);
+  return r;
+}
 
 class kv_cache_dense final : public kv_cache {
  public:
   explicit kv_cache_dense(const kv_cache_params& p)
       : p_(p), ek_(dense_elem_of(p.type_k)), ev_(dense_elem_of(p.type_v)) {
-    const size_t rows = dense_rows(p);
+    row0_.assign(p.n_layer + 1, 0);
+    for (int il = 0; il < p.n_layer; ++il) {
+      ring_.push_back(kv_ring_positions(p, il));
+      window_.push_back(kv_layer_window(p, il));
+      row0_[il + 1] = row0_[il] + dense_rows(p, il);
+    }
+    const size_t rows = row0_[p.n_layer];
     k_.assign(rows * p.head_dim * kv_elem_bytes(ek_), 0);
     v_.assign(rows * p.head_dim * kv_elem_bytes(ev_), 0);
     pos_.assign((size_t)p.n_layer * p.n_seq, 0);
+    first_.assign((size_t)p.n_layer * p.n_seq, 0);
   }
 
   const kv_cache_params& params() const override { return p_; }
@@ -62,6 +76,7 @@ class kv_cache_dense final : public kv_cache {
     if ((int64_t)pos + n_tokens > p_.n_ctx)
       fail_input("[kv_cache] append: seq " + std::to_string(seq_id) + " would hold " +
                  std::to_string((int64_t)pos + n_tokens) + " positions, n_ctx is " + std::to_string(p_.n_ctx));
+    check_ring_append(p_, il, n_tokens);
     const int hd = p_.head_dim;
     for (int t = 0; t < n_tokens; ++t)
       for (int h = 0; h < p_.n_kv_head; ++h) {
@@ -72,6 +87,8 @@ class kv_cache_dense final : public kv_cache {
         store_row(v_.data() + r * hd * kv_elem_bytes(ev_), ev_, vs, hd);
       }
     pos += n_tokens;
+    int& first = first_[(size_t)il * p_.n_seq + seq_id];
+    first = std::max(first, pos - ring_[il]);
   }
 
   void attend(int il, int seq_id, int pos0, int n_tokens, int n_head, const float* q, float scale,
@@ -85,19 +102,21 @@ class kv_cache_dense final : public kv_cache {
     if (n_head < p_.n_kv_head || n_head % p_.n_kv_head != 0)
       fail_input("[kv_cache] attend: n_head " + std::to_string(n_head) + " is not a multiple of n_kv_head " +
                  std::to_string(p_.n_kv_head));
-    const int hd = p_.head_dim, n_group = n_head / p_.n_kv_head;
+    attn_spec spec;
+    spec.scale = scale;
+    spec.window = window_[il];
+    spec.softcap = p_.attn_softcap;
+    check_ring_holds(p_, "attend", il, seq_id, spec.key_range(pos0).lo, first_[(size_t)il * p_.n_seq + seq_id]);
+    const int hd = p_.head_dim, n_group = n_head / p_.n_kv_head, ring = ring_[il];
     const int64_t n_items = (int64_t)p_.n_kv_head * n_tokens;
-    const int64_t work = n_items * ((int64_t)pos0 + n_tokens) * hd * n_group * 2;  // multiply-adds
+    const int64_t keys = spec.window > 0 ? std::min<int64_t>(spec.window, (int64_t)pos0 + n_tokens) : (int64_t)pos0 + n_tokens;
+    const int64_t work = n_items * keys * hd * n_group * 2;  // multiply-adds
     pool.parallel_for(n_items, work, [&](int64_t item, int) {
       const int h = (int)(item / n_tokens), t = (int)(item % n_tokens);
       kv_dense_view kv;
-      kv.k = k_.data() + row_index(il, seq_id, h, 0) * hd * kv_elem_bytes(ek_);
-      kv.v = v_.data() + row_index(il, seq_id, h, 0) * hd * kv_elem_bytes(ev_);
       kv.type_k = ek_;
       kv.type_v = ev_;
       kv.row_stride = hd;
-      kv.pos_begin = 0;
-      kv.n_pos = pos0 + t + 1;
       kv.head_dim = hd;
       attn_query_view qv;
       qv.q = q + ((int64_t)t * n_head + (int64_t)h * n_group) * hd;
@@ -106,7 +125,7 @@ class kv_cache_dense final : public kv_cache {
       qv.n_group = n_group;
       qv.head_dim = hd;
       qv.pos0 = pos0 + t;
-      qv.spec.scale = scale;
+      qv.spec = spec;
       attn_state st[64];
       float* o = out + ((int64_t)t * n_head + (int64_t)h * n_group) * hd;
       for (int g0 = 0; g0 < n_group; g0 += 64) {
@@ -115,7 +134,17 @@ class kv_cache_dense final : public kv_cache {
         attn_query_view qg = qv;
         qg.q += (int64_t)g0 * hd;
         qg.n_group = ng;
-        attn_dense(kv, qg, st);
+        // the keys of the query, in at most two contiguous pieces of the ring
+        const key_span span = spec.key_range(pos0 + t);
+        for (int a = span.lo; a < span.hi;) {
+          const int slot = a % ring, b = std::min(span.hi, a + ring - slot);
+          kv.k = k_.data() + row_index(il, seq_id, h, a) * hd * kv_elem_bytes(ek_);
+          kv.v = v_.data() + row_index(il, seq_id, h, a) * hd * kv_elem_bytes(ev_);
+          kv.pos_begin = a;
+          kv.n_pos = b - a;
+          attn_dense(kv, qg, st);
+          a = b;
+        }
         for (int g = 0; g < ng; ++g) st[g].finalize(st[g].o);
       }
     });
@@ -132,12 +161,15 @@ class kv_cache_dense final : public kv_cache {
     for (int il = 0; il < p_.n_layer; ++il) {
       int& pos = pos_[(size_t)il * p_.n_seq + seq_id];
       pos = std::min(pos, n);
+      int& first = first_[(size_t)il * p_.n_seq + seq_id];
+      first = std::min(first, pos);  // (first > pos: nothing below pos is held any more)
     }
   }
   size_t bytes() const override { return k_.size() + v_.size(); }
   size_t bytes_used() const override {
     size_t rows = 0;
-    for (int p : pos_) rows += (size_t)p;
+    for (int il = 0; il < p_.n_layer; ++il)
+      for (int s = 0; s < p_.n_seq; ++s) rows += (size_t)std::min(pos_[(size_t)il * p_.n_seq + s], ring_[il]);
     return rows * p_.n_kv_head * p_.head_dim * (size_t)(kv_elem_bytes(ek_) + kv_elem_bytes(ev_));
   }
   std::string describe() const override {
@@ -153,16 +185,20 @@ class kv_cache_dense final : public kv_cache {
       fail_input(std::string("[kv_cache] ") + op + ": seq_id " + std::to_string(seq_id) + " out of range [0, " +
                  std::to_string(p_.n_seq) + ")");
   }
-  // [n_layer, n_seq, n_kv_head, n_ctx] row index
+  // Row of position pos: layer il's rows start at row0_[il], then [n_seq, n_kv_head, ring]
   int64_t row_index(int il, int seq, int h, int pos) const {
-    return (((int64_t)il * p_.n_seq + seq) * p_.n_kv_head + h) * p_.n_ctx + pos;
+    return (int64_t)row0_[il] + ((int64_t)seq * p_.n_kv_head + h) * ring_[il] + pos % ring_[il];
   }
 
   kv_cache_params p_;
   kv_elem ek_, ev_;
-  std::vector<uint8_t> k_;  // [n_layer, n_seq, n_kv_head, n_ctx, head_dim] of ek_
-  std::vector<uint8_t> v_;  // [n_layer, n_seq, n_kv_head, n_ctx, head_dim] of ev_
-  std::vector<int> pos_;    // [n_layer, n_seq] positions stored per layer
+  std::vector<int> ring_;       // [n_layer] positions held per (seq, kv head): n_ctx, or a window's ring
+  std::vector<int> window_;     // [n_layer] attn_spec::window
+  std::vector<size_t> row0_;    // [n_layer + 1] first row of each layer
+  std::vector<uint8_t> k_;      // per layer [n_seq, n_kv_head, ring, head_dim] of ek_
+  std::vector<uint8_t> v_;      // per layer [n_seq, n_kv_head, ring, head_dim] of ev_
+  std::vector<int> pos_;        // [n_layer, n_seq] positions stored per layer
+  std::vector<int> first_;      // [n_layer, n_seq] oldest position still held (ring layers)
 };
 
 }  // namespace
@@ -176,8 +212,14 @@ size_t kv_bytes_at_ctx_dense(const kv_cache_params& p) {
 }
 
 double kv_bytes_per_token_dense(const kv_cache_params& p) {
-  return (double)p.n_layer * p.n_kv_head * p.head_dim *
+  int n_global = 0;
+  for (int il = 0; il < p.n_layer; ++il) n_global += kv_layer_window(p, il) == 0;
+  return (double)n_global * p.n_kv_head * p.head_dim *
          (kv_elem_bytes(dense_elem_of(p.type_k)) + kv_elem_bytes(dense_elem_of(p.type_v)));
+}
+
+size_t kv_layer_bytes_dense(const kv_cache_params& p, int il) {
+  return dense_rows(p, il) * p.head_dim * (kv_elem_bytes(dense_elem_of(p.type_k)) + kv_elem_bytes(dense_elem_of(p.type_v)));
 }
 
 }  // namespace kvq

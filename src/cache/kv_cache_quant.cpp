@@ -9,6 +9,9 @@
 // with n_comp = U * floor(max(0, n - sink - min_tail) / U), never decreasing on append. A unit is
 // quantized from the f16-rounded transformed values only, so the stored codes do not depend on how
 // the tokens arrived. See docs/formats.md ("Exact windows").
+// The body of a sliding-window layer is a ring of whole units (ring_[il] rows, a multiple of U,
+// at least window - 1 + n_ubatch): body row r lives in slot r % ring, and rows [body_lo, n_comp)
+// are held (docs/formats.md, "Sliding-window layers").
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -76,9 +79,9 @@ struct side_store {
   int group = 0;                      // per_token: elements per scale; per_channel: tokens per group
   size_t code_row = 0;                // bytes of one body row
   int64_t scale_stride = 0;           // f16 per row (per_token) or per group (per_channel)
-  size_t body_cap = 0, unit_cap = 0;  // rows / scale units per (layer, seq, kv head)
-  std::vector<uint8_t> codes;         // [n_layer, n_seq, n_kv_head, body_cap, code_row]
-  std::vector<uint16_t> scales;       // [n_layer, n_seq, n_kv_head, unit_cap, scale_stride]
+  std::vector<size_t> row0, unit0;    // [n_layer + 1] first body row / scale unit of each layer
+  std::vector<uint8_t> codes;         // per layer [n_seq, n_kv_head, ring_[il], code_row]
+  std::vector<uint16_t> scales;       // per layer [n_seq, n_kv_head, scale_units(ring_[il]), scale_stride]
   std::vector<uint8_t> exact;         // [n_layer, n_seq, n_kv_head, exact_cap, head_dim] exact_elem
   std::vector<float> lambda, mu;      // [n_layer, n_kv_head, head_dim] (channel_scale), else empty
   size_t planned = 0;                 // bytes of the four arrays above, set before any allocation
@@ -101,9 +104,9 @@ class kv_cache_quant final : public kv_cache {
   // allocate == false: validates and sizes the cache (planned_bytes()) without allocating it.
   explicit kv_cache_quant(const kv_cache_params& p, bool allocate = true) : p_(p), allocate_(allocate) {
     const int hd = p.head_dim;
-    if (p.sink < 0 || p.recent < 0)
-      fail_input("[kv_cache] sink and recent must be >= 0, got sink " + std::to_string(p.sink) + ", recent " +
-                 std::to_string(p.recent));
+    if (p.sink < 0 || p.exact_recent < 0)
+      fail_input("[kv_cache] sink and exact_recent must be >= 0, got sink " + std::to_string(p.sink) +
+                 ", exact_recent " + std::to_string(p.exact_recent));
     if (p.attn_impl != "fused" && p.attn_impl != "dequant")
       fail_input("[kv_cache] unknown attn_impl '" + p.attn_impl + "' (supported: fused, dequant)");
     kv_format fk, fv;
@@ -120,12 +123,23 @@ class kv_cache_quant final : public kv_cache {
     const int body_room = std::max(0, p.n_ctx - p.sink);  // positions after the sink
     // the tail keeps at least min_tail_ exact rows (clamped to the room: a longer window keeps every
     // post-sink token exact), so at most body_room - min_tail_ rows, in whole units, are compressed
-    min_tail_ = std::min(kivi_ ? std::max(p.recent, p.kivi_residual - p.kivi_group + 1) : p.recent, body_room);
+    min_tail_ = std::min(kivi_ ? std::max(p.exact_recent, p.kivi_residual - p.kivi_group + 1) : p.exact_recent,
+                         body_room);
     tail_cap_ = (int)std::min<int64_t>((int64_t)min_tail_ + unit_ - 1, body_room);
     exact_cap_ = std::min(p.sink, p.n_ctx) + tail_cap_;
     const size_t heads = (size_t)p.n_layer * p.n_seq * p.n_kv_head;
-    init_side(k_, "K", fk, /*is_v=*/false, heads, body_room - min_tail_);
-    init_side(v_, "V", fv, /*is_v=*/true, heads, body_room - min_tail_);
+    // body rows per (layer, seq, kv head): every position that can leave the exact windows, in whole
+    // units; a sliding-window layer's ring holds the rows its queries can see plus one batch
+    const int body_cap = (body_room - min_tail_) / unit_ * unit_;
+    for (int il = 0; il < p.n_layer; ++il) {
+      const int w = kv_layer_window(p, il);
+      window_.push_back(w);
+      int ring = body_cap;
+      if (w > 0) ring = (int)std::min<int64_t>(body_cap, ((int64_t)w + p.n_ubatch - 1 + unit_ - 1) / unit_ * unit_);
+      ring_.push_back(ring);
+    }
+    init_side(k_, "K", fk, /*is_v=*/false, heads);
+    init_side(v_, "V", fv, /*is_v=*/true, heads);
     state_.assign((size_t)p.n_layer * p.n_seq, {});
     lambda_set_.assign(p.n_layer, 0);
     (void)hd;
@@ -159,15 +173,19 @@ class kv_cache_quant final : public kv_cache {
       for (const auto& q : state_) {
         const size_t exact_rows = (size_t)std::min(q.n, p_.sink) + (size_t)tail_len(q);
         b += exact_rows * p_.head_dim * kv_elem_bytes(s->exact_elem) * p_.n_kv_head;
-        b += (size_t)q.n_comp * s->code_row * p_.n_kv_head;
-        b += s->scale_units((size_t)q.n_comp) * s->scale_stride * 2 * p_.n_kv_head;
+        b += (size_t)(q.n_comp - q.body_lo) * s->code_row * p_.n_kv_head;
+        b += (s->scale_units((size_t)q.n_comp) - s->scale_units((size_t)q.body_lo)) * s->scale_stride * 2 * p_.n_kv_head;
       }
     for (const auto* s : {&k_, &v_}) b += (s->lambda.size() + s->mu.size()) * sizeof(float);
     return b;
   }
   std::string describe() const override {
     std::string d = "K " + side_desc(k_) + " / V " + side_desc(v_);
-    if (p_.sink || p_.recent) d += "; exact sink " + std::to_string(p_.sink) + ", recent " + std::to_string(p_.recent);
+    if (p_.sink || p_.exact_recent)
+      d += "; exact sink " + std::to_string(p_.sink) + ", exact recent " + std::to_string(p_.exact_recent);
+    int n_win = 0;
+    for (int w : window_) n_win += w > 0;
+    if (n_win) d += "; " + std::to_string(n_win) + " sliding-window layers";
     if (kivi_) d += "; KIVI residual " + std::to_string(p_.kivi_residual);
     if (p_.channel_scale) d += "; channel scale";
     return d;
@@ -183,6 +201,7 @@ class kv_cache_quant final : public kv_cache {
     };
     put(&q.n, sizeof q.n);
     put(&q.n_comp, sizeof q.n_comp);
+    put(&q.body_lo, sizeof q.body_lo);
     auto& self = const_cast<kv_cache_quant&>(*this);
     for (int h = 0; h < p_.n_kv_head; ++h) {
       const size_t hi = head_index(il, seq_id, h);
@@ -190,22 +209,38 @@ class kv_cache_quant final : public kv_cache {
         const size_t eb = (size_t)p_.head_dim * kv_elem_bytes(s->exact_elem);
         put(self.exact_row(*s, hi, 0), (size_t)std::min(q.n, p_.sink) * eb);
         put(self.exact_row(*s, hi, p_.sink), (size_t)tail_len(q) * eb);
-        put(self.body_codes(*s, hi, 0), (size_t)q.n_comp * s->code_row);
-        if (s->scale_stride) put(self.body_scales(*s, hi, 0), s->scale_units(q.n_comp) * s->scale_stride * 2);
+        for (int r = q.body_lo; r < q.n_comp; ++r) put(self.body_codes(*s, hi, r), s->code_row);  // held rows
+        if (s->scale_stride)
+          for (size_t u = s->scale_units(q.body_lo); u < s->scale_units(q.n_comp); ++u)
+            put(self.body_scales(*s, hi, u), s->scale_stride * 2);
       }
     }
     return b;
   }
 
+  // Global layers only: a sliding-window layer's ring does not grow with the context.
   double bytes_per_token() const {
-    return (double)p_.n_layer * p_.n_kv_head *
-           (side_row_bytes(k_) + side_row_bytes(v_));
+    int n_global = 0;
+    for (int w : window_) n_global += w == 0;
+    return (double)n_global * p_.n_kv_head * (side_row_bytes(k_) + side_row_bytes(v_));
+  }
+  // Bytes of layer il as allocated (both sides: body ring or body, exact rows, λ / μ).
+  size_t layer_bytes(int il) const {
+    size_t b = 0;
+    const size_t heads = (size_t)p_.n_seq * p_.n_kv_head, ring = (size_t)ring_[il];
+    for (const auto* s : {&k_, &v_}) {
+      b += heads * (ring * s->code_row + s->scale_units(ring) * s->scale_stride * 2 +
+                    (size_t)exact_cap_ * p_.head_dim * kv_elem_bytes(s->exact_elem));
+      if (p_.channel_scale && s->compressed) b += 2 * (size_t)p_.n_kv_head * p_.head_dim * sizeof(float);
+    }
+    return b;
   }
 
  private:
   struct seq_state {
-    int n = 0;       // positions stored
-    int n_comp = 0;  // body rows (positions [sink, sink + n_comp))
+    int n = 0;        // positions stored
+    int n_comp = 0;   // body rows (positions [sink, sink + n_comp))
+    int body_lo = 0;  // oldest body row still held (> 0 only once a sliding-window layer's ring wraps)
   };
 
   double side_row_bytes(const side_store& s) const {
@@ -222,19 +257,29 @@ class kv_cache_quant final : public kv_cache {
     return d + ")";
   }
 
-  void init_side(side_store& s, const char* name, kv_format type, bool is_v, size_t heads, int body_rows);
+  void init_side(side_store& s, const char* name, kv_format type, bool is_v, size_t heads);
   seq_state& st(int il, int seq) { return state_[(size_t)il * p_.n_seq + seq]; }
   const seq_state& st(int il, int seq) const { return state_[(size_t)il * p_.n_seq + seq]; }
   int tail_len(const seq_state& q) const { return std::max(0, q.n - p_.sink - q.n_comp); }
+  attn_spec spec_of(int il, float scale) const {
+    attn_spec a;
+    a.scale = scale;
+    a.window = window_[il];
+    a.softcap = p_.attn_softcap;
+    return a;
+  }
   size_t head_index(int il, int seq, int h) const { return ((size_t)il * p_.n_seq + seq) * p_.n_kv_head + h; }
   uint8_t* exact_row(side_store& s, size_t hi, int row) {
     return s.exact.data() + (hi * exact_cap_ + row) * p_.head_dim * kv_elem_bytes(s.exact_elem);
   }
+  // Body row `row` / scale unit `unit` of head hi = head_index(il, seq, h): slot row % ring of layer il.
   uint8_t* body_codes(side_store& s, size_t hi, size_t row) {
-    return s.codes.data() + (hi * s.body_cap + row) * s.code_row;
+    const size_t per_layer = (size_t)p_.n_seq * p_.n_kv_head, il = hi / per_layer, ring = ring_[il];
+    return s.codes.data() + (s.row0[il] + hi % per_layer * ring + (ring ? row % ring : row)) * s.code_row;
   }
   uint16_t* body_scales(side_store& s, size_t hi, size_t unit) {
-    return s.scales.data() + (hi * s.unit_cap + unit) * s.scale_stride;
+    const size_t per_layer = (size_t)p_.n_seq * p_.n_kv_head, il = hi / per_layer, units = s.scale_units(ring_[il]);
+    return s.scales.data() + (s.unit0[il] + hi % per_layer * units + (units ? unit % units : unit)) * s.scale_stride;
   }
   void check_layer_seq(const char* op, int il, int seq_id) const {
     if (il < 0 || il >= p_.n_layer)
@@ -255,6 +300,8 @@ class kv_cache_quant final : public kv_cache {
   bool allocate_ = true;  // false: sized only (kv_bytes_at_ctx)
   bool kivi_ = false;
   int unit_ = 1, min_tail_ = 0, tail_cap_ = 0, exact_cap_ = 0;
+  std::vector<int> window_;  // [n_layer] attn_spec::window (0: global)
+  std::vector<int> ring_;    // [n_layer] body rows held per (seq, kv head): all, or a windowed layer's ring
   side_store k_, v_;
   std::vector<seq_state> state_;     // [n_layer, n_seq]
   std::vector<uint8_t> lambda_set_;  // [n_layer]
@@ -266,14 +313,14 @@ class kv_cache_quant final : public kv_cache {
   std::vector<attn_state> states_;
   struct seq_plan {  // attend_batch: one sequence's work items and state rows
     int tile = 1, n_tiles = 1, n_chunks = 1, chunk_rows = 0;
+    int body0 = 0;  // first body row any query of the sequence sees, rounded down to a unit
     int64_t item0 = 0, state0 = 0, ows0 = 0;
   };
   std::vector<seq_plan> plan_;
   std::vector<int> tok0_;  // attend_batch: first batch token of each sequence, [n_seqs + 1]
 };
 
-void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, bool is_v, size_t heads,
-                               int body_rows) {
+void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, bool is_v, size_t heads) {
   const int hd = p_.head_dim;
   s.name = name;
   s.type = type;
@@ -304,9 +351,14 @@ void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, 
     else rk = parse_rotation(p_.rotation);
     s.rot = rotation::make(rk, hd, p_.seed);
   }
-  s.body_cap = (size_t)(body_rows / unit_) * unit_;
-  s.unit_cap = s.scale_units(s.body_cap);
-  const size_t n_codes = heads * s.body_cap * s.code_row, n_scales = heads * s.unit_cap * s.scale_stride;
+  const size_t per_layer = (size_t)p_.n_seq * p_.n_kv_head;
+  s.row0.assign(p_.n_layer + 1, 0);
+  s.unit0.assign(p_.n_layer + 1, 0);
+  for (int il = 0; il < p_.n_layer; ++il) {
+    s.row0[il + 1] = s.row0[il] + per_layer * ring_[il];
+    s.unit0[il + 1] = s.unit0[il] + per_layer * s.scale_units(ring_[il]);
+  }
+  const size_t n_codes = s.row0[p_.n_layer] * s.code_row, n_scales = s.unit0[p_.n_layer] * s.scale_stride;
   const size_t n_exact = heads * exact_cap_ * hd * kv_elem_bytes(s.exact_elem);
   const size_t n_lambda = p_.channel_scale && s.compressed ? (size_t)p_.n_layer * p_.n_kv_head * hd : 0;
   s.planned = n_codes + n_scales * 2 + n_exact + 2 * n_lambda * sizeof(float);
@@ -444,6 +496,7 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
   if ((int64_t)q.n + n_tokens > p_.n_ctx)
     fail_input("[kv_cache] append: seq " + std::to_string(seq_id) + " would hold " +
                std::to_string((int64_t)q.n + n_tokens) + " positions, n_ctx is " + std::to_string(p_.n_ctx));
+  check_ring_append(p_, il, n_tokens);
   if (n_tokens == 0) return;
   const int hd = p_.head_dim, nh = p_.n_kv_head;
   const size_t n = (size_t)n_tokens * nh * hd;
@@ -484,12 +537,24 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
   }
   q.n = n_new;
   q.n_comp = n_comp_new;
+  q.body_lo = std::max(q.body_lo, n_comp_new - ring_[il]);  // the rows the ring overwrote
 }
 
 void kv_cache_quant::truncate(int seq_id, int n_keep) {
   check_layer_seq("truncate", 0, seq_id);
   if (n_keep < 0) fail_input("[kv_cache] truncate: n_pos must be >= 0, got " + std::to_string(n_keep));
   const int hd = p_.head_dim;
+  // a sliding-window layer must still hold the rows of a partial unit that go back to the exact tail
+  for (int il = 0; il < p_.n_layer; ++il) {
+    const seq_state& q = st(il, seq_id);
+    if (n_keep >= q.n || n_keep >= p_.sink + q.n_comp) continue;
+    const int body_keep = std::max(0, n_keep - p_.sink), n_comp_new = unit_ * (body_keep / unit_);
+    if (body_keep > n_comp_new && n_comp_new < q.body_lo)
+      fail_input("[kv_cache] truncate: layer " + std::to_string(il) + " (sliding window " +
+                 std::to_string(window_[il]) + ") of seq " + std::to_string(seq_id) + " no longer holds position " +
+                 std::to_string(p_.sink + n_comp_new) + ", which keeping " + std::to_string(n_keep) +
+                 " positions needs (its ring holds positions from " + std::to_string(p_.sink + q.body_lo) + ")");
+  }
   for (int il = 0; il < p_.n_layer; ++il) {
     seq_state& q = st(il, seq_id);
     if (n_keep >= q.n) continue;
@@ -497,6 +562,7 @@ void kv_cache_quant::truncate(int seq_id, int n_keep) {
     if (q.n >= p_.sink + q.n_comp) continue;  // only the tail shrinks
     const int body_keep = std::max(0, q.n - p_.sink);
     const int n_comp_new = unit_ * (body_keep / unit_);
+    q.body_lo = std::min(q.body_lo, n_comp_new);  // (above n_comp_new: nothing below it is held any more)
     const int moved = body_keep - n_comp_new;  // rows of a partial unit -> back to the exact tail
     if (moved > 0) {
       std::vector<float> y((size_t)moved * hd);
@@ -535,6 +601,9 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
       fail_input(tag + "queries at positions [" + std::to_string(a.pos0) + ", " +
                  std::to_string((int64_t)a.pos0 + a.n_tokens) + ") need appended positions, layer " +
                  std::to_string(il) + " of seq " + std::to_string(a.seq_id) + " holds " + std::to_string(sq.n));
+    // the body rows the first query needs (later queries need later rows) must still be in the ring
+    const int need = spec_of(il, 1.0f).key_range(a.pos0).lo - p_.sink;
+    if (need < sq.n_comp) check_ring_holds(p_, op, il, a.seq_id, p_.sink + std::max(0, need), p_.sink + sq.body_lo);
   }
   if (n_head < p_.n_kv_head || n_head % p_.n_kv_head != 0)
     fail_input(tag + "n_head " + std::to_string(n_head) + " is not a multiple of n_kv_head " +
@@ -586,19 +655,25 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
   // `want` items, so one long sequence among short ones is split too (never below 1024 rows).
   // `work` (multiply-adds of the batch) decides whether threads pay at all.
   int64_t body_work = 0, work = 0;
+  const attn_spec spec = spec_of(il, scale);
   for (int b = 0; b < n_seqs; ++b) {
     const int nt = seqs[b].n_tokens, tile = nt <= 16 ? nt : 16;
     const seq_state& sq = st(il, seqs[b].seq_id);
     plan_[b].tile = tile;
     plan_[b].n_tiles = (nt + tile - 1) / tile;
-    body_work += (int64_t)nh * plan_[b].n_tiles * sq.n_comp;
-    work += (int64_t)nt * n_head * sq.n * hd * 2;
+    // body rows [body0, n_comp) are what the sequence's queries can see (all of them: global layers)
+    const int lo = std::max(0, spec.key_range(seqs[b].pos0).lo - p_.sink);
+    plan_[b].body0 = std::min(lo, sq.n_comp) / unit_ * unit_;
+    const int body_len = sq.n_comp - plan_[b].body0;
+    body_work += (int64_t)nh * plan_[b].n_tiles * body_len;
+    const int64_t keys = spec.window > 0 ? std::min<int64_t>(spec.window, sq.n) : sq.n;
+    work += (int64_t)nt * n_head * keys * hd * 2;
   }
   const int64_t target = std::max<int64_t>(1024, body_work / want);
   int64_t n_items = 0, state_rows = 0, ows_rows = 0;
   for (int b = 0; b < n_seqs; ++b) {
     seq_plan& pl = plan_[b];
-    const int n_comp = st(il, seqs[b].seq_id).n_comp;
+    const int n_comp = st(il, seqs[b].seq_id).n_comp - pl.body0;  // body rows the chunks cover
     int n_chunks = 1;
     if (n_comp >= 2 * 1024) n_chunks = (int)std::min<int64_t>((n_comp + target - 1) / target, n_comp / 1024);
     pl.chunk_rows = n_comp;
@@ -640,7 +715,7 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
     qv.n_group = ng;
     qv.head_dim = hd;
     qv.pos0 = pos0 + ta;
-    qv.spec.scale = scale;
+    qv.spec = spec;
     if (k_int8) {
       if (q16) qv.q16 = &q16_[(qbase + (size_t)ta * n_head + (size_t)h * ng) * hd];
       else qv.q8 = &q8_[(qbase + (size_t)ta * n_head + (size_t)h * ng) * hd];
@@ -670,22 +745,31 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
         for (int g = 0; g < ng; ++g) dst_base[(size_t)t * n_head + (size_t)h * ng + g].merge(local[(t - ta) * ng + g]);
     };
     const int n_sink = std::min(sq.n, p_.sink), n_tail = tail_len(sq);
-    // compressed body chunk c
-    const int r0 = c * chunk_rows, r1 = std::min(sq.n_comp, r0 + chunk_rows);
+    // compressed body chunk c, from the first unit this tile's queries see, in at most two pieces
+    // of a sliding-window layer's ring (pieces start on unit boundaries: the ring is whole units)
+    const int tile_lo = std::max(0, spec.key_range(pos0 + ta).lo - p_.sink) / unit_ * unit_;
+    const int r0 = std::max(pl.body0 + c * chunk_rows, tile_lo);
+    const int r1 = std::min(sq.n_comp, pl.body0 + (c + 1) * chunk_rows);
     if (r1 > r0 && p_.sink + r0 <= pos0 + tb - 1) {
-      kv_quant_view kv;
-      for (auto [side, s] : {std::pair{&kv.k, &k_}, std::pair{&kv.v, &v_}}) {
-        side->format = s->format;
-        side->codes = body_codes(*s, hi, r0);
-        side->code_stride = (int64_t)s->code_row;
-        side->scales = s->scale_stride ? body_scales(*s, hi, s->unit_of_row(r0)) : nullptr;
-        side->scale_stride = s->scale_stride;
-        side->group = s->group;
-      }
-      kv.pos_begin = p_.sink + r0;
-      kv.n_pos = r1 - r0;
-      kv.head_dim = hd;
-      run_into_local([&](attn_state* ls) { dequant ? attn_dequant_ref(kv, qv, ls) : attn_quant(kv, qv, ls); });
+      run_into_local([&](attn_state* ls) {
+        for (int a0 = r0; a0 < r1;) {
+          const int ring = ring_[il], a1 = std::min(r1, a0 + ring - a0 % ring);
+          kv_quant_view kv;
+          for (auto [side, s] : {std::pair{&kv.k, &k_}, std::pair{&kv.v, &v_}}) {
+            side->format = s->format;
+            side->codes = body_codes(*s, hi, a0);
+            side->code_stride = (int64_t)s->code_row;
+            side->scales = s->scale_stride ? body_scales(*s, hi, s->unit_of_row(a0)) : nullptr;
+            side->scale_stride = s->scale_stride;
+            side->group = s->group;
+          }
+          kv.pos_begin = p_.sink + a0;
+          kv.n_pos = a1 - a0;
+          kv.head_dim = hd;
+          dequant ? attn_dequant_ref(kv, qv, ls) : attn_quant(kv, qv, ls);
+          a0 = a1;
+        }
+      });
       merge_local(sts);
     }
     // the exact windows (sink and tail), merged into chunk 0
@@ -748,6 +832,8 @@ std::vector<uint8_t> kv_cache_stored_bytes(const kv_cache& c, int il, int seq_id
 }
 
 double kv_bytes_per_token_quant(const kv_cache_params& p) { return kv_cache_quant(p, false).bytes_per_token(); }
+
+size_t kv_layer_bytes_quant(const kv_cache_params& p, int il) { return kv_cache_quant(p, false).layer_bytes(il); }
 
 size_t kv_bytes_at_ctx_quant(const kv_cache_params& p) { return kv_cache_quant(p, false).planned_bytes(); }
 

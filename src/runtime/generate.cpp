@@ -27,7 +27,8 @@ generate_result generate(model& m, const tokenizer& tok, const generate_params& 
   if (p.n_batch <= 0) fail_input("[generate] batch size " + std::to_string(p.n_batch) + " must be > 0");
   r.n_ctx = resolve_n_ctx(m, p.n_ctx);
 
-  const kv_cache_params cp = m.cache_params(r.n_ctx, p.cache);
+  kv_cache_params cp = m.cache_params(r.n_ctx, p.cache);
+  cp.n_ubatch = std::max(cp.n_ubatch, p.n_batch);  // sliding-window layers' rings hold one prompt batch
   std::unique_ptr<kv_cache> cache = make_kv_cache(cp);  // validates types before any work
 
   r.prompt_ids = tok.encode(p.prompt, p.add_bos && tok.add_bos_default(), /*parse_special=*/true);

@@ -246,7 +246,8 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
   const int n_scored = p.n_ctx - 1 - first;
   r.n_scored_per_chunk = n_scored;
 
-  const kv_cache_params cp = m.cache_params(p.n_ctx, p.cache);
+  kv_cache_params cp = m.cache_params(p.n_ctx, p.cache);
+  cp.n_ubatch = std::max(cp.n_ubatch, r.n_batch);  // sliding-window layers' rings hold one batch
   std::unique_ptr<kv_cache> cache = make_kv_cache(cp);
   std::unique_ptr<kv_cache> ref_cache;
   if (!p.compare_type.empty()) {

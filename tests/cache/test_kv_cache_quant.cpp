@@ -132,7 +132,7 @@ TEST(kv_cache_quant, fused_equals_dequantize_then_attend) {
         auto p = base_params(tk, tv, hd, nh, len + 8);
         if (windows) {  // short lengths keep a compressed body between the windows
           p.sink = std::min(4, len / 8);
-          p.recent = std::min(16, len / 4);
+          p.exact_recent = std::min(16, len / 4);
         }
         // per-token group size and rotation rotate through the matrix (G must divide head_dim)
         const int groups[] = {0, 64, 128, hd};
@@ -234,11 +234,11 @@ TEST(kv_cache_quant, windows_are_exact) {
     const bool kivi = std::string(t).rfind("kivi", 0) == 0;
     auto p = base_params(t, t, hd, nh, 400);
     p.sink = 4;
-    p.recent = 16;
+    p.exact_recent = 16;
     p.kivi_group = 16;
     p.kivi_residual = 24;
     auto none = p;
-    none.sink = none.recent = 0;
+    none.sink = none.exact_recent = 0;
     none.kivi_residual = 0;
     auto w = fill(p, {20}, 31);
     auto c = fill(none, {20}, 31);
@@ -254,9 +254,9 @@ TEST(kv_cache_quant, windows_are_exact) {
     // (recent 0) the KIVI tail is at most its residual R
     for (int recent : {16, 0}) {
       auto pr = p;
-      pr.recent = recent;
+      pr.exact_recent = recent;
       const int unit = kivi ? pr.kivi_group : 1;
-      const int min_tail = kivi ? std::max(pr.recent, pr.kivi_residual - pr.kivi_group + 1) : pr.recent;
+      const int min_tail = kivi ? std::max(pr.exact_recent, pr.kivi_residual - pr.kivi_group + 1) : pr.exact_recent;
       auto g = make_kv_cache(pr);
       std::mt19937 rng(8);
       const auto k = kv_data(rng, 300, nh, hd, true), v = kv_data(rng, 300, nh, hd, false);
@@ -271,7 +271,7 @@ TEST(kv_cache_quant, windows_are_exact) {
         ASSERT_EQ(n_pos, n);
         ASSERT_EQ(n_comp, unit * (std::max(0, n - pr.sink - min_tail) / unit)) << "n " << n << " recent " << recent;
         ASSERT_GE(n_comp, last);
-        ASSERT_GE(tail, std::min(n - std::min(n, pr.sink), pr.recent)) << "n " << n;  // the recent window is exact
+        ASSERT_GE(tail, std::min(n - std::min(n, pr.sink), pr.exact_recent)) << "n " << n;  // the recent window is exact
         ASSERT_LE(tail, min_tail + unit - 1) << "n " << n << " recent " << recent;
         if (kivi && recent == 0) {
           ASSERT_LE(tail, pr.kivi_residual) << "n " << n;
@@ -370,7 +370,7 @@ TEST(kv_cache_quant, arrival_order_invariance) {
     auto p = base_params(c.tk, c.tv, 64, 2, 256);
     p.n_layer = 2;
     p.sink = c.sink;
-    p.recent = c.recent;
+    p.exact_recent = c.recent;
     p.kivi_group = 16;
     p.kivi_residual = 24;
     auto one = fill(p, {200}, 3);
@@ -395,7 +395,7 @@ TEST(kv_cache_quant, windows_fill_to_capacity_after_truncate) {
     SCOPED_TRACE(t);
     auto p = base_params(t, t, 64, 2, 200);
     p.sink = 4;
-    p.recent = 16;
+    p.exact_recent = 16;
     p.kivi_group = 32;
     p.kivi_residual = 32;
     auto f = fill(p, {200}, 21, 0.0f, 310);
@@ -516,7 +516,7 @@ TEST(kv_cache_quant, bytes_are_exact) {
   // body only for the positions that can leave them (100 - 4 - 8)
   auto pw = base_params("q8", "q8", 64, 1, 100);
   pw.sink = 4;
-  pw.recent = 8;
+  pw.exact_recent = 8;
   auto w = make_kv_cache(pw);
   const size_t row = 64 + 2 * 2;  // q8 g32: 64 codes + 2 scales
   EXPECT_EQ(w->bytes(), 2 * ((size_t)88 * row + (size_t)(4 + 8) * 64 * 2));
@@ -526,7 +526,7 @@ TEST(kv_cache_quant, bytes_are_exact) {
   // a window longer than the context keeps everything exact: no overflow, no body
   for (const char* t : {"q4", "kivi4"}) {
     auto pl = base_params(t, t, 64, 1, 64);
-    pl.recent = std::numeric_limits<int>::max();
+    pl.exact_recent = std::numeric_limits<int>::max();
     auto l = make_kv_cache(pl);
     EXPECT_EQ(l->bytes(), (size_t)2 * 64 * 64 * 2) << t;  // 64 exact f16 rows per side
     EXPECT_EQ(kv_bytes_at_ctx(pl), l->bytes()) << t;
@@ -549,7 +549,7 @@ TEST(kv_cache_quant, bytes_at_ctx_equal_the_allocation) {
       p.n_seq = 2;
       if (variant >= 1) {
         p.sink = 4;
-        p.recent = 24;
+        p.exact_recent = 24;
       }
       p.channel_scale = variant == 2 && t != "f32" && t != "f16" && t != "bf16";
       p.kivi_residual = variant == 1 ? 40 : p.kivi_residual;
@@ -573,7 +573,7 @@ TEST(kv_cache_quant, attend_batch_equals_one_sequence_at_a_time) {
     auto p = base_params(t, t, hd, nh, 4200);
     p.n_seq = 4;
     p.sink = 4;
-    p.recent = 16;
+    p.exact_recent = 16;
     auto c = make_kv_cache(p);
     const int lens[4] = {4097, 1, 300, 37};
     const int nq[4] = {1, 1, 5, 37};  // decode, decode, a prefill chunk, a whole prefill

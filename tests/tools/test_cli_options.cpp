@@ -72,20 +72,27 @@ TEST(CliOptions, InfoRefusesBadKvOptionsAndNamesItself) {
     EXPECT_TRUE(r["bytes_at_n_ctx"].is_number_integer()) << r.dump();
   }
   // with exact windows, bytes at n_ctx is the allocation: tinylit (6 layers x 2 kv heads, head_dim
-  // 64), q4 g32 rows of 32 code bytes + 2 f16 scales, sink 4 + recent 128 rows of f16 (128 bytes),
-  // compressed body 1024 - 4 - 128 rows; K and V
-  const auto w = run_cmd({test::kvq_bin(), "info", "-m", model, "--json", "-c", "1024", "--kv-sink", "4",
-                          "--kv-recent", "128"});
-  ASSERT_EQ(w.rc, 0) << w.err;
-  bool seen = false;
-  const auto wj = nlohmann::json::parse(w.out);
-  for (const auto& r : wj["kv_types"])
-    if (r["type"] == "q4") {
-      seen = true;
-      EXPECT_EQ(r["bytes_at_n_ctx"].get<int64_t>(), (int64_t)2 * 6 * 2 * (892 * (32 + 4) + 132 * 128)) << r.dump();
-      EXPECT_DOUBLE_EQ(r["bytes_per_token"].get<double>(), 2.0 * 6 * 2 * (32 + 4));
-    }
-  EXPECT_TRUE(seen);
+  // 64), q4 g32 rows of 32 code bytes + 2 f16 scales, sink 4 + exact recent 128 rows of f16 (128
+  // bytes), compressed body 1024 - 4 - 128 rows; K and V. Every layer is global: all of it is in
+  // bytes_global_layers. The deprecated --kv-recent is the same option.
+  for (const char* flag : {"--kv-exact-recent", "--kv-recent"}) {
+    const auto w = run_cmd({test::kvq_bin(), "info", "-m", model, "--json", "-c", "1024", "--kv-sink", "4", flag, "128"});
+    ASSERT_EQ(w.rc, 0) << w.err;
+    bool seen = false;
+    const auto wj = nlohmann::json::parse(w.out);
+    EXPECT_EQ(wj["n_global_layers"].get<int>(), 6);
+    EXPECT_EQ(wj["n_window_layers"].get<int>(), 0);
+    for (const auto& r : wj["kv_types"])
+      if (r["type"] == "q4") {
+        seen = true;
+        const int64_t total = (int64_t)2 * 6 * 2 * (892 * (32 + 4) + 132 * 128);
+        EXPECT_EQ(r["bytes_at_n_ctx"].get<int64_t>(), total) << flag << " " << r.dump();
+        EXPECT_EQ(r["bytes_global_layers"].get<int64_t>(), total) << r.dump();
+        EXPECT_EQ(r["bytes_window_layers"].get<int64_t>(), 0) << r.dump();
+        EXPECT_DOUBLE_EQ(r["bytes_per_token"].get<double>(), 2.0 * 6 * 2 * (32 + 4));
+      }
+    EXPECT_TRUE(seen) << flag;
+  }
 }
 
 }  // namespace
