@@ -63,6 +63,11 @@ kv_cache_params model::cache_params(int n_ctx, const kv_cache_params& options, i
   p.head_dim = hp_.head_dim;
   p.n_ctx = n_ctx;
   p.n_seq = n_seq;
+  // the layers' sliding windows (the cache applies them and keeps a ring for each windowed layer)
+  p.layers.clear();
+  for (const layer_hparams& l : hp_.layers)
+    if (l.window > 0) p.layers.resize(hp_.n_layer);
+  for (size_t il = 0; il < p.layers.size(); ++il) p.layers[il].window = hp_.layers[il].window;
   return p;
 }
 
@@ -108,16 +113,15 @@ int model::forward(const model_batch& b, kv_cache& cache, thread_pool& pool, flo
     if ((int64_t)r.pos0 + r.n > cp.n_ctx)
       fail_input("[model] sequence " + std::to_string(r.seq_id) + " would hold " + std::to_string((int64_t)r.pos0 + r.n) +
                  " positions, more than the cache's n_ctx " + std::to_string(cp.n_ctx));
-    // Until the cache applies sliding windows (kv_cache_params per-layer geometry), a windowed layer
-    // is exact only while no query is `window` or more positions past a key.
-    for (int il = 0; il < hp.n_layer; ++il) {
-      const int w = hp.layers[il].window;
-      if (w > 0 && r.pos0 + r.n - 1 >= w)
-        fail_unsupported("[model] layer " + std::to_string(il) + " of " + hp.arch + " attends over a sliding window of " +
-                         std::to_string(w) + " tokens, which the KV cache does not apply yet: sequence " +
-                         std::to_string(r.seq_id) + " reaches position " + std::to_string(r.pos0 + r.n - 1) +
-                         " (at most " + std::to_string(w - 1) + " supported)");
-    }
+  }
+  // The cache applies the sliding windows (kv_cache_params::layers, set by cache_params): one made
+  // without them would attend globally where the model attends over a window.
+  for (int il = 0; il < hp.n_layer; ++il) {
+    const int w = hp.layers[il].window, cw = cp.layers.empty() ? 0 : cp.layers[il].window;
+    if (w != cw)
+      fail_input("[model] layer " + std::to_string(il) + " of " + hp.arch + " attends over a sliding window of " +
+                 std::to_string(w) + " tokens but the KV cache's layer has window " + std::to_string(cw) +
+                 " (make the cache's params with model::cache_params)");
   }
   s.out_rows.clear();
   if (b.output.empty()) {

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <map>
 #include <random>
@@ -217,29 +218,67 @@ TEST(Gemma3, ForwardMatchesFloat64Reference) {
   std::filesystem::remove(path);
 }
 
-// Until the cache applies sliding windows (per-layer cache geometry), a query `window` or more
-// positions past a key of a windowed layer is refused instead of attending globally.
-TEST(Gemma3, PositionsPastTheWindowAreRefusedUntilTheCacheAppliesIt) {
+// Past the window: the cache applies each layer's sliding window (model::cache_params sets
+// kv_cache_params::layers) and keeps a ring for the windowed layers, so every token's logits still
+// match the float64 reference that attends over [p - window + 1, p] on windowed layers: window 4,
+// 13 tokens (prefill 5, then decode), ring of window - 1 + n_ubatch = 8 positions, f32 and f16
+// caches. A cache made without the windows is refused instead of attending globally.
+TEST(Gemma3, PastTheWindowMatchesFloat64WithARingCache) {
   gemma_cfg c;
   c.window = 4;
   const std::string path = tmp_path("window");
-  write_gemma(c, path);
+  const weights w = write_gemma(c, path);
   auto m = model::load(path);
-  kv_cache_params cp = m->cache_params(16);
-  cp.type_k = cp.type_v = "f32";
-  auto cache = make_kv_cache(cp);
+  const std::vector<int32_t> toks = {1, 2, 3, 4, 5, 17, 9, 40, 33, 2, 7, 41, 12};
+  const auto ref = reference(c, w, toks);
+  gemma_cfg cg = c;
+  cg.window = 1 << 20;  // the same model attending globally: far from ref, or this test shows nothing
+  const auto ref_global = reference(cg, w, toks);
+  double windowed_vs_global = 0;
+  for (size_t i = 0; i < ref.size(); ++i) windowed_vs_global = std::max(windowed_vs_global, std::fabs(ref[i] - ref_global[i]));
   thread_pool pool(1);
+  for (const char* type : {"f32", "f16"}) {
+    kv_cache_params cp = m->cache_params(32);
+    ASSERT_EQ(cp.layers.size(), (size_t)c.n_layer);
+    EXPECT_EQ(cp.layers[0].window, 4);
+    EXPECT_EQ(cp.layers[1].window, 0);
+    cp.type_k = cp.type_v = type;
+    cp.n_ubatch = 5;
+    auto cache = make_kv_cache(cp);
+    const kv_layer_kind_bytes kinds = kv_bytes_by_layer_kind(cp);
+    EXPECT_EQ(kinds.n_windowed, 2);
+    EXPECT_LT(kinds.windowed, kinds.global / 3);  // rings of 8 positions against 32
+    std::vector<float> logits(toks.size() * c.n_vocab);
+    m->forward(std::span<const int32_t>(toks.data(), 5), 0, 0, *cache, pool, logits.data(), true);
+    for (size_t t = 5; t < toks.size(); ++t)
+      m->forward(std::span<const int32_t>(&toks[t], 1), (int)t, 0, *cache, pool, &logits[t * c.n_vocab], false);
+    double max_err = 0, max_ref = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      max_err = std::max(max_err, std::fabs(ref[i] - logits[i]));
+      max_ref = std::max(max_ref, std::fabs(ref[i]));
+    }
+    const double tol = std::string(type) == "f32" ? 2e-4 : 5e-3;
+    EXPECT_LT(max_err, tol * std::max(1.0, max_ref)) << type << ": max |dlogit| " << max_err;
+    EXPECT_GT(windowed_vs_global, 10 * max_err) << type;
+    std::printf("[gemma3 window] %s cache: max |dlogit| %.3g vs float64 (windowed vs global attention %.3g)\n", type,
+                max_err, windowed_vs_global);
+  }
+  // the same model on a cache whose layers attend globally: refused, nothing appended
+  kv_cache_params global = m->cache_params(32);
+  global.layers.clear();
+  global.type_k = global.type_v = "f32";
+  auto cache = make_kv_cache(global);
   std::vector<float> logits(c.n_vocab);
-  const std::vector<int32_t> toks = {1, 2, 3, 4, 5};
-  m->forward(std::span<const int32_t>(toks.data(), 4), 0, 0, *cache, pool, logits.data(), false);  // positions 0..3
   try {
-    m->forward(std::span<const int32_t>(&toks[4], 1), 4, 0, *cache, pool, logits.data(), false);
+    m->forward(std::span<const int32_t>(toks.data(), 1), 0, 0, *cache, pool, logits.data(), false);
     FAIL() << "expected an error";
   } catch (const kvq::error& e) {
-    EXPECT_EQ(e.code(), errc::unsupported);
-    EXPECT_NE(std::string(e.what()).find("sliding window of 4 tokens"), std::string::npos) << e.what();
+    EXPECT_EQ(e.code(), errc::invalid_input);
+    EXPECT_NE(std::string(e.what()).find("layer 0 of gemma3 attends over a sliding window of 4 tokens"),
+              std::string::npos)
+        << e.what();
   }
-  EXPECT_EQ(cache->n_pos(0), 4);
+  EXPECT_EQ(cache->n_pos(0), 0);
   std::filesystem::remove(path);
 }
 
