@@ -10,7 +10,9 @@ namespace kvq {
   float vec_dot_q4_k_##tier(int64_t n, const void* w, const void* x);     \
   float vec_dot_q5_k_##tier(int64_t n, const void* w, const void* x);     \
   float vec_dot_q6_k_##tier(int64_t n, const void* w, const void* x);     \
-  float vec_dot_iq4_xs_##tier(int64_t n, const void* w, const void* x);
+  float vec_dot_iq4_xs_##tier(int64_t n, const void* w, const void* x);  \
+  float vec_dot_q4_1_##tier(int64_t n, const void* w, const void* x);    \
+  float vec_dot_q5_1_##tier(int64_t n, const void* w, const void* x);
 KVQ_DECLARE_DOTS(avx2)
 KVQ_DECLARE_DOTS(avx512)
 #undef KVQ_DECLARE_DOTS
