@@ -48,8 +48,8 @@ fixture& get(const std::string& type, const std::string& impl, int n_ctx) {
   p.n_kv_head = kKvHeads;
   p.head_dim = kHeadDim;
   p.n_ctx = n_ctx;
-  p.type_k = p.type_v = type;
-  p.attn_impl = impl;
+  p.type_k = p.type_v = kvq::parse_kv_cache_type(type);
+  p.attn = kvq::parse_attn_path(impl);
   f->cache = kvq::make_kv_cache(p);
   std::mt19937 rng(1);
   std::normal_distribution<float> nd(0.f, 1.f);

@@ -25,10 +25,20 @@ struct registrar {
   explicit registrar(command c) { registry().push_back(std::move(c)); }
 };
 
+// The KV-cache flags of a tool: the names as given and the other options bound to `p`. params()
+// parses the names into kv_cache_params' enums (parse_kv_cache_type, parse_kv_rotation): the one
+// place the CLI turns names into types; a tool calls it when it runs, so an unknown name is an
+// "error: [kv_cache] unknown K cache type 'q5' ..." exit 2 like any other bad input.
+struct kv_flags {
+  kv_cache_params p;
+  std::string type_k = "f16", type_v = "f16", rotation = "auto";
+  kv_cache_params params() const;
+};
+
 // --cache-type-k (-ctk), --cache-type-v (-ctv), --kv-rot, --kv-group, --kv-sink, --kv-exact-recent,
 // --kv-kivi-group, --kv-residual, --kv-channel-scale, --kv-seed; certified attention: --kv-certify,
 // --kv-tol, --kv-host-dir, --kv-certify-measure, --kv-certify-no-adapt.
-void add_kv_flags(CLI::App* app, kv_cache_params& p);
+void add_kv_flags(CLI::App* app, kv_flags& f);
 
 // Writes `text` to `path` atomically (temp file + rename), so a failure never leaves a
 // half-written file. Throws kvq::error(io).

@@ -24,7 +24,7 @@ struct bench_opts {
   int shape_layers = 0;
   double max_kv_gib = 0;  // 0: half of MemAvailable; -1: no limit
   bench_params p;
-  kv_cache_params kv;
+  kv_flags kv;
   bool json = false, no_progress = false, explicit_kv = false;
   bool weights_given = false, shape_layers_given = false;  // options of --shape only
 };
@@ -174,13 +174,25 @@ int run_bench(bench_opts& o) {
 
   // Formats, depths and limits first: everything that can be refused is refused before any work.
   std::vector<std::string> types = split<std::string>(o.types, "--types");
-  if (o.explicit_kv) o.p.formats.push_back(o.kv);
+  // names are parsed here; a bad one is refused with bench's tag and the format, as the library's errors
+  auto parsed = [](const std::string& name, auto&& parse) -> kv_cache_params {
+    try {
+      return parse();
+    } catch (const error& e) {
+      throw error(e.code(), "[bench] KV format '" + name + "': " + e.what());
+    }
+  };
+  if (o.explicit_kv)
+    o.p.formats.push_back(parsed(o.kv.type_k == o.kv.type_v ? o.kv.type_k : o.kv.type_k + "/" + o.kv.type_v,
+                                 [&] { return o.kv.params(); }));
   if (types.empty() && !o.explicit_kv) types = {"f16", "q8", "q4", "kivi2"};
-  for (const auto& t : types) {
-    kv_cache_params c = o.kv;
-    c.type_k = c.type_v = t;
-    o.p.formats.push_back(c);
-  }
+  for (const auto& t : types)
+    o.p.formats.push_back(parsed(t, [&] {
+      kv_cache_params c = o.kv.p;
+      c.rotation = parse_kv_rotation(o.kv.rotation);
+      c.type_k = c.type_v = parse_kv_cache_type(t);
+      return c;
+    }));
   o.p.depths = split<int>(o.depths, "--depths");
   if (o.max_kv_gib > 0) {
     o.p.max_kv_bytes = (size_t)(o.max_kv_gib * 1024.0 * 1024.0 * 1024.0);

@@ -4,6 +4,7 @@
 
 #include "certified_report.h"
 #include "cli.h"
+#include "kvq/error.h"
 #include "kvq/certified.h"
 #include "kvq/generate.h"
 
@@ -13,10 +14,12 @@ namespace {
 struct generate_opts {
   std::string model_path;
   generate_params p;
+  kv_flags kv;  // p.cache, parsed when the command runs
   bool json = false;
 };
 
 int run_generate(generate_opts& o) {
+  o.p.cache = o.kv.params();
   auto m = model::load(o.model_path);
   auto tok = tokenizer::from_gguf(m->gguf());
   certified_collector certified;  // certified cache statistics (tools/certified_report.h)
@@ -57,8 +60,8 @@ int run_generate(generate_opts& o) {
     j["prefill_tokens_per_s"] = r.prefill_tokens_per_s;
     j["decode_tokens_per_s"] = r.decode_tokens_per_s;
     j["kv_cache"] = r.kv_describe;
-    j["kv_type_k"] = o.p.cache.type_k;
-    j["kv_type_v"] = o.p.cache.type_v;
+    j["kv_type_k"] = kv_cache_type_name(o.p.cache.type_k);
+    j["kv_type_v"] = kv_cache_type_name(o.p.cache.type_v);
     j["kv_bytes_per_token"] = r.kv_bytes_per_token;
     j["kv_bytes_per_token_f16"] = r.kv_bytes_per_token_f16;
     j["kv_compression_vs_f16"] = ratio;
@@ -97,12 +100,18 @@ const registrar reg{{"generate", "generate text from a prompt", [](CLI::App* app
       ->check(CLI::Range((int64_t)-1, (int64_t)0xFFFFFFFF));
   app->add_flag("--ignore-eos", o->p.ignore_eos, "keep generating after end-of-generation tokens");
   app->add_flag("--json", o->json, "print one JSON object instead of streaming text");
-  add_kv_flags(app, o->p.cache);
+  add_kv_flags(app, o->kv);
   app->parse_complete_callback([o] {
-    const kv_cache_params& c = o->p.cache;
+    kv_cache_params c;
+    try {
+      c = o->kv.params();
+    } catch (const error&) {
+      return;  // a bad name is reported when the command runs
+    }
     if (c.certify && !is_certified(c))  // --kv-certify on dense K and V: a plain dense cache
       throw CLI::ValidationError("--kv-certify", "needs a compressed -ctk or -ctv (e.g. -ctk q8 -ctv q4), got -ctk " +
-                                                      c.type_k + " -ctv " + c.type_v + "; or use -ctk certified");
+                                                      std::string(kv_cache_type_name(c.type_k)) + " -ctv " +
+                                                      kv_cache_type_name(c.type_v) + "; or use -ctk certified");
   });
   return [o] { return run_generate(*o); };
 }}};

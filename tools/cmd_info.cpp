@@ -16,16 +16,18 @@ struct info_opts {
   int n_ctx = 0;
   bool json = false;
   kv_cache_params kv;
+  std::string rot = "auto";  // --kv-rot, parsed into kv.rotation when the command runs
 };
 
 int run_info(info_opts& o) {
   auto m = model::load(o.model_path);
   const model_hparams& hp = m->hparams();
   const int n_ctx = resolve_n_ctx(*m, o.n_ctx, "info");
+  o.kv.rotation = parse_kv_rotation(o.rot);
   const kv_cache_params base = m->cache_params(n_ctx, o.kv);
   {  // the user's --kv-* options must be valid for a per-token format wherever the defaults are
     kv_cache_params plain = m->cache_params(n_ctx, kv_cache_params{}), mine = base;
-    plain.type_k = plain.type_v = mine.type_k = mine.type_v = "q8";
+    plain.type_k = plain.type_v = mine.type_k = mine.type_v = kv_cache_type::q8;
     bool plain_ok = true;
     try {
       kv_bytes_per_token(plain);
@@ -35,7 +37,7 @@ int run_info(info_opts& o) {
     if (plain_ok) kv_bytes_per_token(mine);  // throws (exit 2) on a bad --kv-group/--kv-sink/...
   }
   kv_cache_params f16 = base;
-  f16.type_k = f16.type_v = "f16";
+  f16.type_k = f16.type_v = kv_cache_type::f16;
   const double f16_bpt = kv_bytes_per_token(f16);
 
   kv_layer_kind_bytes kinds;  // layer counts of each kind
@@ -43,7 +45,7 @@ int run_info(info_opts& o) {
   nlohmann::json rows = nlohmann::json::array();
   for (const std::string& t : kv_type_names()) {
     kv_cache_params p = base;
-    p.type_k = p.type_v = t;
+    p.type_k = p.type_v = parse_kv_cache_type(t);
     nlohmann::json row{{"type", t}};
     try {
       const double bpt = kv_bytes_per_token(p);
@@ -80,7 +82,7 @@ int run_info(info_opts& o) {
   std::printf("rms_eps %g  attn_scale %g  output %s  n_ctx_train %d\n", hp.rms_eps, hp.attn_scale,
               hp.tied_output ? "tied" : "separate", hp.n_ctx_train);
   std::printf("\nKV cache at n_ctx %d (K and V the same type; options: rot %s, group %d, exact sink %d, exact recent %d)\n",
-              n_ctx, base.rotation.c_str(), base.group_size, base.sink, base.exact_recent);
+              n_ctx, kv_rotation_name(base.rotation).c_str(), base.group_size, base.sink, base.exact_recent);
   // bytes/token is asymptotic (compressed rows); bytes at n_ctx is what a cache of n_ctx positions
   // allocates, exact f16 rows of the sink/recent windows and KIVI residual included
   // with sliding-window layers: bytes/token counts the global layers only (the windowed ones hold
@@ -112,7 +114,7 @@ const registrar reg{{"info", "print the model's architecture, shapes and KV byte
   app->add_option("-m,--model", o->model_path, "GGUF model file")->required();
   app->add_option("-c,--ctx-size", o->n_ctx, "context size for the totals (0: min(model, 4096))");
   app->add_flag("--json", o->json, "print JSON");
-  app->add_option("--kv-rot", o->kv.rotation, "rotation (affects nothing in size)");
+  app->add_option("--kv-rot", o->rot, "rotation (affects nothing in size)");
   app->add_option("--kv-group", o->kv.group_size, "group size along head_dim (0 = default)");
   app->add_option("--kv-sink", o->kv.sink, "exact sink tokens");
   app->add_option("--kv-exact-recent", o->kv.exact_recent, "exact recent tokens");

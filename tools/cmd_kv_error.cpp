@@ -70,7 +70,7 @@ namespace {
 struct kv_error_opts {
   std::string model_path, text_path, types, plot;
   kv_error_params p;
-  kv_cache_params kv;
+  kv_flags kv;
   bool json = false, no_tv = false, no_progress = false;
   bool explicit_kv = false;
 };
@@ -137,11 +137,12 @@ int run_kv_error(kv_error_opts& o) {
       if (t != "f32") types.push_back(t);
   }
   if (types.empty()) {
-    o.p.formats.push_back(o.kv);
+    o.p.formats.push_back(o.kv.params());
   } else {
     for (const auto& t : types) {
-      kv_cache_params c = o.kv;
-      c.type_k = c.type_v = t;
+      kv_cache_params c = o.kv.p;
+      c.rotation = parse_kv_rotation(o.kv.rotation);
+      c.type_k = c.type_v = parse_kv_cache_type(t);
       o.p.formats.push_back(c);
     }
   }

@@ -14,6 +14,8 @@ namespace {
 struct perplexity_opts {
   std::string model_path, text_path;
   perplexity_params p;
+  kv_flags kv;          // p.cache, parsed when the command runs
+  std::string compare;  // p.compare_type
   bool json = false, no_progress = false;
 };
 
@@ -48,8 +50,8 @@ nlohmann::json to_json(const perplexity_opts& o, const perplexity_result& r) {
   j["n_chunk"] = r.n_chunk;
   j["n_scored_per_chunk"] = r.n_scored_per_chunk;
   j["n_scored"] = r.ppl.n_scored;
-  j["kv_type_k"] = o.p.cache.type_k;
-  j["kv_type_v"] = o.p.cache.type_v;
+  j["kv_type_k"] = kv_cache_type_name(o.p.cache.type_k);
+  j["kv_type_v"] = kv_cache_type_name(o.p.cache.type_v);
   j["kv_cache"] = r.kv_describe;
   j["kv_bytes_per_token"] = r.kv_bytes_per_token;
   j["kv_bytes_per_token_f16"] = r.kv_bytes_per_token_f16;
@@ -72,6 +74,8 @@ nlohmann::json to_json(const perplexity_opts& o, const perplexity_result& r) {
 }
 
 int run_perplexity(perplexity_opts& o) {
+  o.p.cache = o.kv.params();
+  if (!o.compare.empty()) o.p.compare_type = parse_kv_cache_type(o.compare);
   auto m = model::load(o.model_path);
   auto tok = tokenizer::from_gguf(m->gguf());
   perplexity_check(*m, o.p);  // refuse bad flags before reading and tokenizing a large text
@@ -123,14 +127,14 @@ const registrar reg{{"perplexity", "perplexity and KL divergence of a KV cache t
   app->add_option("-t,--threads", o->p.n_threads, "threads (0: all)")->capture_default_str();
   app->add_option("--kl-base", o->p.kl_base_out, "write this run's log-probs as a KL base file");
   app->add_option("--kl-compare", o->p.kl_base_in, "report KL divergence against a KL base file");
-  app->add_option("--compare", o->p.compare_type,
+  app->add_option("--compare", o->compare,
                   "report KL divergence against a second cache of this type (K and V), run side by side");
   app->add_option("--kl-top-k", o->p.kl_top_k,
                   "records of the KL base file: -1 auto (full vocab up to 1024, else 128), 0 full, K top-K")
       ->capture_default_str();
   app->add_flag("--json", o->json, "print one JSON object with every figure");
   app->add_flag("--no-progress", o->no_progress, "no progress bar on stderr");
-  add_kv_flags(app, o->p.cache);
+  add_kv_flags(app, o->kv);
   return [o] { return run_perplexity(*o); };
 }}};
 

@@ -15,15 +15,24 @@ std::vector<command>& registry() {
   return r;
 }
 
-void add_kv_flags(CLI::App* app, kv_cache_params& p) {
+kv_cache_params kv_flags::params() const {
+  kv_cache_params c = p;
+  c.type_k = parse_kv_cache_type(type_k, "K");
+  c.type_v = parse_kv_cache_type(type_v, "V");
+  c.rotation = parse_kv_rotation(rotation);
+  return c;
+}
+
+void add_kv_flags(CLI::App* app, kv_flags& f) {
+  kv_cache_params& p = f.p;
   const std::string types = [] {
     std::string s;
     for (const auto& t : kv_type_names()) s += (s.empty() ? "" : ", ") + t;
     return s;
   }();
-  app->add_option("--cache-type-k", p.type_k, "KV cache type for K, alias -ctk (" + types + ")")->capture_default_str();
-  app->add_option("--cache-type-v", p.type_v, "KV cache type for V, alias -ctv (" + types + ")")->capture_default_str();
-  app->add_option("--kv-rot", p.rotation, "rotation before quantizing: none|hadamard|srht|srft|auto")->capture_default_str();
+  app->add_option("--cache-type-k", f.type_k, "KV cache type for K, alias -ctk (" + types + ")")->capture_default_str();
+  app->add_option("--cache-type-v", f.type_v, "KV cache type for V, alias -ctv (" + types + ")")->capture_default_str();
+  app->add_option("--kv-rot", f.rotation, "rotation before quantizing: none|hadamard|srht|srft|auto")->capture_default_str();
   app->add_option("--kv-group", p.group_size, "elements per scale along head_dim (0 = default: 32 or head_dim)")->capture_default_str();
   app->add_option("--kv-sink", p.sink, "first N tokens kept exact (f16)")->capture_default_str();
   app->add_option("--kv-exact-recent", p.exact_recent,

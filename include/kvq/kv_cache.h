@@ -7,9 +7,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "kvq/quant.h"
+#include "kvq/rotation.h"
 #include "kvq/thread_pool.h"
 
 namespace kvq {
@@ -25,6 +28,32 @@ struct kv_layer_geometry {
   int head_dim = 0;   // 0 = the cache-wide value (other values: unsupported for now)
 };
 
+// The cache type of one side (-ctk / -ctv): a storage format of quant.h (same values, in the same
+// order) or `certified` (the certified cache with its default format on that side, certified.h).
+enum class kv_cache_type : uint8_t {
+  f32, f16, bf16, q8, q4, q3, q2, q8a, q4a, q3a, q2a, kivi8, kivi4, kivi2,
+  certified,
+  count
+};
+static_assert((int)kv_cache_type::certified == (int)kv_format::count);
+
+// The attention path of the compressed formats: compressed-domain kernels, or dequantize-then-
+// attend (a baseline for benchmarks and tests only).
+enum class attn_path : uint8_t { fused, dequant, count };
+
+// Parsing at the edge (CLI, tools): the names kv_type_names() lists, "fused" / "dequant", and
+// none|hadamard|srht|srft|auto (auto: std::nullopt). Errors: invalid_input naming the field and
+// value, e.g. "[kv_cache] unknown K cache type 'q5' (supported: f32, f16, ...)", with a hint for
+// llama.cpp's names (q8_0, q4_0, ...). `side` is "K" or "V".
+kv_cache_type parse_kv_cache_type(const std::string& name, const char* side = "K");
+attn_path parse_attn_path(const std::string& name);
+std::optional<rotation_kind> parse_kv_rotation(const std::string& name);
+const char* kv_cache_type_name(kv_cache_type t);
+const char* attn_path_name(attn_path a);
+std::string kv_rotation_name(const std::optional<rotation_kind>& r);  // "auto" for nullopt
+// The storage format of t; false for certified (whose format depends on the side).
+bool kv_cache_type_format(kv_cache_type t, kv_format* f);
+
 struct kv_cache_params {
   using kv_layer_geometry = kvq::kv_layer_geometry;
   int n_layer = 0;
@@ -38,11 +67,12 @@ struct kv_cache_params {
   // refused. Unused without windowed layers.
   int n_ubatch = 512;
   float attn_softcap = 0.0f;  // logit soft-cap of every layer (attn_spec::softcap; Gemma 2); 0 = none
-  std::string type_k = "f16";  // see kv_type_names()
-  std::string type_v = "f16";
+  kv_cache_type type_k = kv_cache_type::f16;
+  kv_cache_type type_v = kv_cache_type::f16;
   // Options of the compressed formats (ignored by f32/f16/bf16):
   int group_size = 0;               // elements per scale along head_dim; 0 = default (32 or head_dim)
-  std::string rotation = "auto";    // none|hadamard|srht|srft|auto (auto: hadamard for <= 4 bits)
+  // rotation of the compressed sides; std::nullopt = auto (the format's rotate_by_default, quant.h)
+  std::optional<rotation_kind> rotation;
   // Exact windows (kept in f16 beside the compressed body; storage only, unrelated to the
   // sliding-window attention of kv_layer_geometry::window):
   int sink = 0;                     // first `sink` tokens kept exact
@@ -51,9 +81,7 @@ struct kv_cache_params {
   int kivi_residual = 32;           // KIVI: max exact recent tokens before a group is quantized
   bool channel_scale = false;       // per-channel scale λ calibrated on the prompt
   uint64_t seed = 0x6b7671;         // seed of random signs (srht/srft)
-  // Attention path of the compressed formats: "fused" (compressed-domain kernels) or "dequant"
-  // (dequantize-then-attend; a baseline for benchmarks and tests only).
-  std::string attn_impl = "fused";
+  attn_path attn = attn_path::fused;  // of the compressed formats
   // Certified attention (include/kvq/certified.h, docs/certified.md): type "certified" on K/V, or
   // certify = true on a per-token compressed format.
   bool certify = false;
@@ -119,12 +147,18 @@ class kv_cache {
   virtual std::string describe() const = 0;  // e.g. "K q4 (hadamard, g32) / V q4 (hadamard, g32)"
 };
 
-// Creates a cache; validates the params up front (unknown type, unsupported head_dim for the
-// format, bad group size) with an error naming the field and value, e.g.
-// "[kv_cache] unknown K cache type 'q5' (supported: f32, f16, bf16, q8, q4, ...)".
+// Checks every field of p before anything is allocated: shapes (>= 1), enum values in range, sink /
+// recent >= 0, KIVI group and residual, group_size (32, 64, 128 or head_dim, dividing head_dim),
+// head_dim for the formats (compressed: divisible by 8 and <= 1024; srft: even), an 8-bit
+// per-token K group of at most kmax_q8_k_group elements (the int32 dot bound, quant.h), certified
+// options (certify_tol >= 0; no KIVI, windows or channel_scale). Throws invalid_input (or
+// unsupported for a valid value the format cannot serve) with "[kv_cache] <field> <value> ...".
+void validate(const kv_cache_params& p);
+
+// Creates a cache: validate(p) first, then the memory check, then the allocation.
 std::unique_ptr<kv_cache> make_kv_cache(const kv_cache_params& p);
 
-// All type names accepted by type_k / type_v.
+// All type names parse_kv_cache_type accepts, in kv_cache_type order.
 std::vector<std::string> kv_type_names();
 
 // Asymptotic storage per token of the whole model (all layers, K and V) in bytes, for a cache

@@ -61,7 +61,7 @@ struct perplexity_params {
   kv_cache_params cache;  // types and options of the cache under test (shapes filled from the model)
   // KL divergence against a base (at most one of the two):
   std::string kl_base_in;    // read base log-probs from this file (written by kl_base_out)
-  std::string compare_type;  // evaluate a second cache of this type (K and V) side by side
+  std::optional<kv_cache_type> compare_type;  // evaluate a second cache of this type (K and V) side by side
   // Write this run's log-probs as a base file (written atomically when the run completes).
   std::string kl_base_out;
   int kl_top_k = -1;         // base file records: -1 auto (full if n_vocab <= 1024, else 128), 0 full

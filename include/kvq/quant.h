@@ -116,6 +116,13 @@ float quantize_q8_ref(const float* x, int n, int8_t* q);
 // CUDA kernel multiplies with two int8 MMAs): the split-precision idea of the Ozaki scheme (Ozaki
 // et al. 2012; Ootomo et al. 2024, arXiv:2306.11975, section 3), here for an int8 x int16 dot.
 constexpr int kq16_max = 127 * 254;
+
+// Largest scale group (elements) of 8-bit per-token K (q8, q8a) that the fused kernels accept: every
+// form of the group's integer dot they accumulate in int32 (Σ q·c, the asymmetric offset term
+// 128 Σ q, and their difference Σ q·(c + 128)) is bounded by kq16_max * 255 * group, which stays
+// below 2^31 up to 256 elements (2,105,802,240) and not at 512. make_kv_cache refuses larger groups.
+constexpr int kq8_k_group_max = 256;
+static_assert((long long)kq16_max * 255 * kq8_k_group_max < 2147483647LL);
 float quantize_q16_ref(const float* x, int n, int16_t* q);
 
 // f16 value >= v (v >= 0, finite): the scale rounding of every format.

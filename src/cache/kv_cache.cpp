@@ -23,19 +23,83 @@ static std::string joined_type_names() {
 
 std::vector<std::string> kv_type_names() {
   std::vector<std::string> names;
-  for (int f = 0; f < (int)kv_format::count; ++f) names.push_back(kv_traits((kv_format)f).name);
-  names.push_back("certified");  // the tiered certified cache (certified.h)
+  for (int t = 0; t < (int)kv_cache_type::count; ++t) names.push_back(kv_cache_type_name((kv_cache_type)t));
   return names;
 }
 
-kv_elem dense_elem_of(const std::string& type) {
-  if (type == "f32") return kv_elem::f32;
-  if (type == "f16") return kv_elem::f16;
-  if (type == "bf16") return kv_elem::bf16;
-  return kv_elem::count;
+const char* kv_cache_type_name(kv_cache_type t) {
+  if (t == kv_cache_type::certified) return "certified";  // the tiered certified cache (certified.h)
+  if ((int)t < 0 || t > kv_cache_type::certified) return "?";
+  return kv_traits((kv_format)t).name;
 }
 
-void validate_cache_shape(const kv_cache_params& p) {
+bool kv_cache_type_format(kv_cache_type t, kv_format* f) {
+  if ((int)t < 0 || t >= kv_cache_type::certified) return false;
+  *f = (kv_format)t;
+  return true;
+}
+
+kv_cache_type parse_kv_cache_type(const std::string& name, const char* side) {
+  for (int t = 0; t < (int)kv_cache_type::count; ++t)
+    if (name == kv_cache_type_name((kv_cache_type)t)) return (kv_cache_type)t;
+  // llama.cpp's --cache-type names, for users coming from there (q4_0 is per-token symmetric 4-bit
+  // with an f16 scale per 32 elements, as kvq's q4; q4_1 adds a minimum, as q4a)
+  static const char* const llama[][2] = {{"q8_0", "q8"}, {"q4_0", "q4"}, {"q4_1", "q4a"},
+                                         {"q5_0", "q4 or q8"}, {"q5_1", "q4a or q8a"}, {"iq4_nl", "q4"}};
+  std::string hint;
+  for (const auto& l : llama)
+    if (name == l[0]) hint = std::string("; llama.cpp's ") + l[0] + " is closest to kvq's " + l[1];
+  fail_input(std::string("[kv_cache] unknown ") + side + " cache type '" + name + "' (supported: " +
+             joined_type_names() + ")" + hint);
+}
+
+const char* attn_path_name(attn_path a) {
+  switch (a) {
+    case attn_path::fused: return "fused";
+    case attn_path::dequant: return "dequant";
+    default: return "?";
+  }
+}
+
+attn_path parse_attn_path(const std::string& name) {
+  for (int a = 0; a < (int)attn_path::count; ++a)
+    if (name == attn_path_name((attn_path)a)) return (attn_path)a;
+  fail_input("[kv_cache] unknown attn_impl '" + name + "' (supported: fused, dequant)");
+}
+
+std::optional<rotation_kind> parse_kv_rotation(const std::string& name) {
+  if (name == "auto") return std::nullopt;
+  for (int k = 0; k < (int)rotation_kind::count; ++k)
+    if (name == rotation_name((rotation_kind)k)) return (rotation_kind)k;
+  fail_input("[kv_cache] unknown rotation '" + name + "' (supported: none, hadamard, srht, srft, auto)");
+}
+
+std::string kv_rotation_name(const std::optional<rotation_kind>& r) { return r ? rotation_name(*r) : "auto"; }
+
+kv_format side_format(const kv_cache_params& p, bool is_v) {
+  const kv_cache_type t = is_v ? p.type_v : p.type_k;
+  kv_format f;
+  if (kv_cache_type_format(t, &f)) return f;
+  return is_v ? kCertifiedDefaultV : kCertifiedDefaultK;
+}
+
+kv_elem dense_elem_of(kv_cache_type t) {
+  switch (t) {
+    case kv_cache_type::f32: return kv_elem::f32;
+    case kv_cache_type::f16: return kv_elem::f16;
+    case kv_cache_type::bf16: return kv_elem::bf16;
+    default: return kv_elem::count;
+  }
+}
+
+rotation_kind side_rotation(const kv_cache_params& p, kv_format f, bool certified) {
+  if (kv_traits(f).layout == kv_layout::dense) return rotation_kind::none;
+  if (p.rotation) return *p.rotation;
+  // auto: the format's default; the certified cache rotates every compressed side
+  return certified || kv_traits(f).rotate_by_default ? rotation_kind::hadamard : rotation_kind::none;
+}
+
+void validate(const kv_cache_params& p) {
   auto need = [](int v, const char* field) {
     if (v < 1) fail_input(std::string("[kv_cache] ") + field + " must be >= 1, got " + std::to_string(v));
   };
@@ -62,21 +126,63 @@ void validate_cache_shape(const kv_cache_params& p) {
   if (p.n_ubatch < 1) fail_input("[kv_cache] n_ubatch must be >= 1, got " + std::to_string(p.n_ubatch));
   if (!(p.attn_softcap >= 0.0f) || !std::isfinite(p.attn_softcap))
     fail_input("[kv_cache] attn_softcap must be finite and >= 0 (0 = none), got " + std::to_string(p.attn_softcap));
-  if (p.rotation != "auto") parse_rotation(p.rotation);  // rejects unknown names for every type
-  for (const auto* side : {&p.type_k, &p.type_v}) {
-    bool known = false;
-    for (const auto& t : kv_type_names()) known = known || t == *side;
-    if (!known) {
-      // llama.cpp's --cache-type names, for users coming from there (q4_0 is per-token symmetric
-      // 4-bit with an f16 scale per 32 elements, as kvq's q4; q4_1 adds a minimum, as q4a)
-      static const char* const llama[][2] = {{"q8_0", "q8"}, {"q4_0", "q4"}, {"q4_1", "q4a"},
-                                             {"q5_0", "q4 or q8"}, {"q5_1", "q4a or q8a"}, {"iq4_nl", "q4"}};
-      std::string hint;
-      for (const auto& l : llama)
-        if (*side == l[0]) hint = std::string("; llama.cpp's ") + l[0] + " is closest to kvq's " + l[1];
-      fail_input(std::string("[kv_cache] unknown ") + (side == &p.type_k ? "K" : "V") + " cache type '" + *side +
-                 "' (supported: " + joined_type_names() + ")" + hint);
+  for (const auto [t, side] : {std::pair{p.type_k, "type_k"}, std::pair{p.type_v, "type_v"}})
+    if ((int)t < 0 || t >= kv_cache_type::count)
+      fail_input(std::string("[kv_cache] ") + side + " " + std::to_string((int)t) + " is not a kv_cache_type");
+  if ((int)p.attn < 0 || p.attn >= attn_path::count)
+    fail_input("[kv_cache] attn " + std::to_string((int)p.attn) + " is not an attn_path");
+  if (p.rotation && ((int)*p.rotation < 0 || *p.rotation >= rotation_kind::count))
+    fail_input("[kv_cache] rotation " + std::to_string((int)*p.rotation) + " is not a rotation_kind");
+  if (p.sink < 0 || p.exact_recent < 0)
+    fail_input("[kv_cache] sink and exact_recent must be >= 0, got sink " + std::to_string(p.sink) + ", exact_recent " +
+               std::to_string(p.exact_recent));
+  const int hd = p.head_dim;
+  const bool cert = is_certified(p);
+  const std::string who = cert ? "[kv_cache] certified cache: " : "[kv_cache] ";
+  if (cert) {
+    if (!(p.certify_tol >= 0))
+      fail_input("[kv_cache] certify_tol (--kv-tol) must be >= 0, got " + std::to_string(p.certify_tol));
+    if (p.sink != 0 || p.exact_recent != 0 || p.channel_scale)
+      fail_unsupported("[kv_cache] certified cache: exact sink/recent windows and channel_scale are not supported "
+                       "(every token is exact in the host tier already)");
+    if (hd > 1024) fail_unsupported("[kv_cache] certified cache: head_dim " + std::to_string(hd) + " > 1024");
+  }
+  bool kivi = false;
+  for (const bool is_v : {false, true}) {
+    const kv_format f = side_format(p, is_v);
+    const auto& t = kv_traits(f);
+    const char* side = is_v ? "V" : "K";
+    const std::string type = kv_cache_type_name(is_v ? p.type_v : p.type_k);
+    if (t.layout == kv_layout::dense) continue;
+    if (cert && t.layout == kv_layout::per_channel)
+      fail_unsupported(std::string("[kv_cache] certified cache: ") + side + " type '" + type +
+                       "' is per-channel (KIVI); certified mode supports per-token (q8 ... q2a) and dense formats");
+    kivi = kivi || t.layout == kv_layout::per_channel;
+    if (hd % 8 != 0)
+      fail_unsupported(who + side + " cache type '" + type + "' needs head_dim divisible by 8, got " +
+                       std::to_string(hd));
+    if (hd > 1024)
+      fail_unsupported(who + side + " cache type '" + type + "': head_dim " + std::to_string(hd) +
+                       " > 1024 (the compressed formats support head_dim up to 1024)");
+    const rotation_kind rk = side_rotation(p, f, cert);
+    if (rk == rotation_kind::srft && hd % 2 != 0)
+      fail_unsupported("[kv_cache] rotation srft needs an even head_dim, got " + std::to_string(hd));
+    if (t.layout == kv_layout::per_token || (is_v && t.layout == kv_layout::per_channel)) {
+      const int g = p.group_size == 0 ? (hd % 32 == 0 ? 32 : hd) : p.group_size;
+      if (g < 1 || hd % g != 0 || !(g == 32 || g == 64 || g == 128 || g == hd))
+        fail_input("[kv_cache] group_size " + std::to_string(p.group_size) +
+                   " must be 32, 64, 128 or head_dim and divide head_dim " + std::to_string(hd));
+      if (!is_v && !cert && t.bits == 8 && g > kq8_k_group_max)
+        fail_unsupported("[kv_cache] group_size " + std::to_string(g) + " (head_dim " + std::to_string(hd) + ") of " +
+                         side + " cache type '" + type + "' exceeds " + std::to_string(kq8_k_group_max) +
+                         ", the largest 8-bit K group whose integer dot fits in int32; use group_size 32, 64 "
+                         "or 128");
     }
+  }
+  if (kivi) {
+    if (p.kivi_group < 1 || p.kivi_group > 4096)
+      fail_input("[kv_cache] kivi_group must be in [1, 4096], got " + std::to_string(p.kivi_group));
+    if (p.kivi_residual < 0) fail_input("[kv_cache] kivi_residual must be >= 0, got " + std::to_string(p.kivi_residual));
   }
 }
 
@@ -84,11 +190,9 @@ namespace {
 
 enum class cache_impl { certified, dense, quant };
 
-// The implementation serving p; validates the shape fields for the non-certified ones (the
-// certified cache validates its own).
+// The implementation serving p (validated).
 cache_impl impl_of(const kv_cache_params& p) {
   if (is_certified(p)) return cache_impl::certified;  // tiered certified cache (certified.h)
-  validate_cache_shape(p);
   if (dense_elem_of(p.type_k) != kv_elem::count && dense_elem_of(p.type_v) != kv_elem::count)
     return cache_impl::dense;
   return cache_impl::quant;
@@ -142,6 +246,21 @@ void kv_cache::attend_batch(int il, const attend_seq* seqs, int n_seqs, int n_he
     attend(il, seqs[i].seq_id, seqs[i].pos0, seqs[i].n_tokens, n_head, seqs[i].q, scale, seqs[i].out, pool);
 }
 
+void check_append_order(int il, int seq_id, int n_tokens, int n_layer, int n_ctx, int held, int held_prev, int n_pos) {
+  const std::string where = "layer " + std::to_string(il) + " of seq " + std::to_string(seq_id);
+  if (n_tokens < 0) fail_input("[kv_cache] append: n_tokens must be >= 0, got " + std::to_string(n_tokens));
+  if (il != n_layer - 1 && held != n_pos)
+    fail_input("[kv_cache] append: " + where + " holds " + std::to_string(held) + " positions but the sequence has " +
+               std::to_string(n_pos) + " (every layer must append the same tokens, in layer order)");
+  if (il > 0 && (int64_t)held + n_tokens > held_prev)
+    fail_input("[kv_cache] append: " + where + " would hold " + std::to_string((int64_t)held + n_tokens) +
+               " positions, more than layer " + std::to_string(il - 1) + "'s " + std::to_string(held_prev) +
+               " (every layer must append the same tokens, in layer order)");
+  if ((int64_t)held + n_tokens > n_ctx)
+    fail_input("[kv_cache] append: seq " + std::to_string(seq_id) + " would hold " +
+               std::to_string((int64_t)held + n_tokens) + " positions, n_ctx is " + std::to_string(n_ctx));
+}
+
 void check_attend_batch(const char* op, const attend_seq* seqs, int n_seqs, int n_seq) {
   const std::string tag = std::string("[kv_cache] ") + op + ": ";
   if (n_seqs < 0 || (n_seqs > 0 && seqs == nullptr))
@@ -156,7 +275,8 @@ void check_attend_batch(const char* op, const attend_seq* seqs, int n_seqs, int 
 }
 
 std::unique_ptr<kv_cache> make_kv_cache(const kv_cache_params& p) {
-  const cache_impl impl = impl_of(p);  // validates the params
+  validate(p);
+  const cache_impl impl = impl_of(p);
   // Refused up front rather than left to the allocator (an OOM kill, or std::bad_alloc as an
   // internal error): a cache larger than the memory available now.
   const size_t need = kv_bytes_at_ctx(p), avail = mem_available_bytes();
@@ -168,7 +288,7 @@ std::unique_ptr<kv_cache> make_kv_cache(const kv_cache_params& p) {
   };
   auto too_big = [&](const std::string& why) {
     fail_input("[kv_cache] a cache of n_ctx " + std::to_string(p.n_ctx) + " x n_seq " + std::to_string(p.n_seq) +
-               " (K " + p.type_k + " / V " + p.type_v + ") needs " + gib(need) + ", " + why +
+               " (K " + kv_cache_type_name(p.type_k) + " / V " + kv_cache_type_name(p.type_v) + ") needs " + gib(need) + ", " + why +
                "; lower -c or use a smaller KV type");
   };
   if (avail > 0 && need > avail) too_big("more than the " + gib(avail) + " of memory available (MemAvailable)");
@@ -185,6 +305,7 @@ std::unique_ptr<kv_cache> make_kv_cache(const kv_cache_params& p) {
 }
 
 double kv_bytes_per_token(const kv_cache_params& p) {
+  validate(p);
   switch (impl_of(p)) {
     case cache_impl::certified: return kv_bytes_per_token_certified(p);
     case cache_impl::dense: return kv_bytes_per_token_dense(p);
@@ -193,6 +314,7 @@ double kv_bytes_per_token(const kv_cache_params& p) {
 }
 
 size_t kv_bytes_at_ctx(const kv_cache_params& p) {
+  validate(p);
   switch (impl_of(p)) {
     case cache_impl::certified: return (size_t)std::llround(kv_bytes_per_token_certified(p) * p.n_ctx * p.n_seq);
     case cache_impl::dense: return kv_bytes_at_ctx_dense(p);

@@ -23,9 +23,7 @@ namespace {
 
 constexpr float kF16Max = 65504.0f;
 
-// Default formats of the "certified" type name.
-constexpr kv_format kDefaultK = kv_format::q8;
-constexpr kv_format kDefaultV = kv_format::q4;
+constexpr kv_format kDefaultK = kCertifiedDefaultK, kDefaultV = kCertifiedDefaultV;
 
 // The next precision of a side whose bound keeps failing: int8, then f16 (exact copies of the
 // originals: that head's fast tier then costs as much as an f16 cache, traded for not reading the
@@ -37,20 +35,6 @@ kv_format upgrade_of(kv_format f) {
     case kv_format::q8: case kv_format::q8a: return kv_format::f16;
     default: return f;
   }
-}
-
-kv_format resolve_format(const std::string& name, kv_format dflt, const char* side) {
-  if (name == "certified") return dflt;
-  kv_format f;
-  if (!find_kv_format(name, &f)) {
-    std::string all = "certified";
-    for (const auto& t : kv_type_names()) all += ", " + t;
-    fail_input(std::string("[kv_cache] unknown ") + side + " cache type '" + name + "' (supported: " + all + ")");
-  }
-  if (kv_traits(f).layout == kv_layout::per_channel)
-    fail_unsupported(std::string("[kv_cache] certified cache: ") + side + " type '" + name +
-                     "' is per-channel (KIVI); certified mode supports per-token (q8 ... q2a) and dense formats");
-  return f;
 }
 
 // Log-spaced histogram for medians / percentiles of positive ratios (64 bins per decade).
@@ -184,38 +168,14 @@ class kv_cache_certified_impl final : public kv_cache_certified {
 };
 
 kv_cache_certified_impl::kv_cache_certified_impl(const kv_cache_params& p) : p_(p) {
-  fk_ = resolve_format(p.type_k, kDefaultK, "K");
-  fv_ = resolve_format(p.type_v, kDefaultV, "V");
-  kv_cache_params shape = p;  // the shared shape checks, with the resolved type names
-  shape.type_k = kv_traits(fk_).name;
-  shape.type_v = kv_traits(fv_).name;
-  validate_cache_shape(shape);
+  // p is validated (make_kv_cache and kv_bytes_per_token call validate first)
+  fk_ = side_format(p, false);
+  fv_ = side_format(p, true);
   const int hd = p.head_dim;
-  if (!(p.certify_tol >= 0))
-    fail_input("[kv_cache] certify_tol (--kv-tol) must be >= 0, got " + std::to_string(p.certify_tol));
-  if (p.sink != 0 || p.exact_recent != 0 || p.channel_scale)
-    fail_unsupported("[kv_cache] certified cache: exact sink/recent windows and channel_scale are not supported "
-                     "(every token is exact in the host tier already)");
-  if (hd > 1024) fail_unsupported("[kv_cache] certified cache: head_dim " + std::to_string(hd) + " > 1024");
-  const bool compressed = kv_traits(fk_).layout != kv_layout::dense || kv_traits(fv_).layout != kv_layout::dense;
-  if (compressed && hd % 8 != 0)
-    fail_unsupported("[kv_cache] certified cache: compressed formats need head_dim divisible by 8, got " +
-                     std::to_string(hd));
-  int g = p.group_size;
-  if (g == 0) g = hd % 32 == 0 ? 32 : hd;
-  if (g < 1 || hd % g != 0 || !(g == 32 || g == 64 || g == 128 || g == hd))
-    fail_input("[kv_cache] group_size " + std::to_string(p.group_size) +
-               " must be 32, 64, 128 or head_dim and divide head_dim " + std::to_string(hd));
-  group_ = g;
-  // "auto": Hadamard on every compressed side (int8 included: the default is rotated).
-  auto rot_of = [&](kv_format f) {
-    rotation_kind rk = rotation_kind::none;
-    if (kv_traits(f).layout != kv_layout::dense)
-      rk = p.rotation == "auto" ? rotation_kind::hadamard : parse_rotation(p.rotation);
-    return rotation::make(rk, hd, p.seed);
-  };
-  rot_k_ = rot_of(fk_);
-  rot_v_ = rot_of(fv_);
+  group_ = p.group_size == 0 ? (hd % 32 == 0 ? 32 : hd) : p.group_size;
+  // auto: Hadamard on every compressed side (int8 included: the default is rotated)
+  rot_k_ = rotation::make(side_rotation(p, fk_, true), hd, p.seed);
+  rot_v_ = rotation::make(side_rotation(p, fv_, true), hd, p.seed);
   eta_k_ = rotation_rounding_bound(rot_k_);
   eta_v_ = rotation_rounding_bound(rot_v_);
   const size_t heads = (size_t)p.n_layer * p.n_seq * p.n_kv_head;
@@ -287,16 +247,9 @@ void kv_cache_certified_impl::push_row(side_rows& s, kv_format f, const float* x
 
 void kv_cache_certified_impl::append(int il, int seq_id, int n_tokens, const float* k, const float* v) {
   check_layer_seq("append", il, seq_id);
-  if (n_tokens < 0) fail_input("[kv_cache] append: n_tokens must be >= 0, got " + std::to_string(n_tokens));
   int& n = n_[(size_t)il * p_.n_seq + seq_id];
-  const int expect = n_pos(seq_id);
-  if (il != p_.n_layer - 1 && n != expect)
-    fail_input("[kv_cache] append: layer " + std::to_string(il) + " of seq " + std::to_string(seq_id) + " holds " +
-               std::to_string(n) + " positions but the sequence has " + std::to_string(expect) +
-               " (every layer must append the same tokens, in layer order)");
-  if ((int64_t)n + n_tokens > p_.n_ctx)
-    fail_input("[kv_cache] append: seq " + std::to_string(seq_id) + " would hold " +
-               std::to_string((int64_t)n + n_tokens) + " positions, n_ctx is " + std::to_string(p_.n_ctx));
+  check_append_order(il, seq_id, n_tokens, p_.n_layer, p_.n_ctx, n,
+                     il > 0 ? n_[(size_t)(il - 1) * p_.n_seq + seq_id] : 0, n_pos(seq_id));
   if (n_tokens == 0) return;
   const int hd = p_.head_dim, nh = p_.n_kv_head;
   const size_t rows = (size_t)n_tokens * nh, m = rows * hd;
@@ -576,8 +529,8 @@ std::vector<certified_head_info> kv_cache_certified_impl::heads() const {
 
 certified_report kv_cache_certified_impl::report() const {
   certified_report r;
-  r.type_k = p_.type_k;
-  r.type_v = p_.type_v;
+  r.type_k = kv_cache_type_name(p_.type_k);
+  r.type_v = kv_cache_type_name(p_.type_v);
   r.describe = describe();
   r.n_layer = p_.n_layer;
   r.n_kv_head = p_.n_kv_head;
@@ -630,28 +583,27 @@ std::string format_certified_report(const certified_report& r, const std::string
 }
 
 bool is_certified(const kv_cache_params& p) {
-  if (p.type_k == "certified" || p.type_v == "certified") return true;
+  if (p.type_k == kv_cache_type::certified || p.type_v == kv_cache_type::certified) return true;
   if (!p.certify) return false;
   // certify on dense/dense (e.g. the f16 reference a tool derives from these params) is the dense cache
   kv_format fk, fv;
-  const bool dk = find_kv_format(p.type_k, &fk) && kv_traits(fk).layout == kv_layout::dense;
-  const bool dv = find_kv_format(p.type_v, &fv) && kv_traits(fv).layout == kv_layout::dense;
+  const bool dk = kv_cache_type_format(p.type_k, &fk) && kv_traits(fk).layout == kv_layout::dense;
+  const bool dv = kv_cache_type_format(p.type_v, &fv) && kv_traits(fv).layout == kv_layout::dense;
   return !(dk && dv);
 }
 
 std::unique_ptr<kv_cache_certified> make_kv_cache_certified(const kv_cache_params& p) {
+  validate(p);
   auto c = std::make_unique<kv_cache_certified_impl>(p);
   c->collect();
   return c;
 }
 
 double kv_bytes_per_token_certified(const kv_cache_params& p) {
-  kv_cache_params one = p;  // geometry only
-  one.n_ctx = 1;
-  one.n_seq = 1;
-  one.n_layer = 1;
-  one.host_dir.clear();
-  return kv_cache_certified_impl(one).bytes_per_token() * p.n_layer;
+  validate(p);
+  const int hd = p.head_dim, g = p.group_size == 0 ? (hd % 32 == 0 ? 32 : hd) : p.group_size;
+  auto row = [&](kv_format f) { return (double)kv_code_bytes(f, hd) + 2.0 * kv_row_scale_count(f, hd, g) + 2.0; };
+  return (double)p.n_layer * p.n_kv_head * (row(side_format(p, false)) + row(side_format(p, true)) + 4.0 * hd);
 }
 
 const kv_cache_certified* as_certified(const kv_cache& c) { return dynamic_cast<const kv_cache_certified*>(&c); }

@@ -66,16 +66,9 @@ class kv_cache_dense final : public kv_cache {
 
   void append(int il, int seq_id, int n_tokens, const float* k, const float* v) override {
     check_layer_seq("append", il, seq_id);
-    if (n_tokens < 0) fail_input("[kv_cache] append: n_tokens must be >= 0, got " + std::to_string(n_tokens));
     int& pos = pos_[(size_t)il * p_.n_seq + seq_id];
-    const int expect = n_pos(seq_id);
-    if (il != p_.n_layer - 1 && pos != expect)
-      fail_input("[kv_cache] append: layer " + std::to_string(il) + " of seq " + std::to_string(seq_id) +
-                 " holds " + std::to_string(pos) + " positions but the sequence has " +
-                 std::to_string(expect) + " (every layer must append the same tokens, in layer order)");
-    if ((int64_t)pos + n_tokens > p_.n_ctx)
-      fail_input("[kv_cache] append: seq " + std::to_string(seq_id) + " would hold " +
-                 std::to_string((int64_t)pos + n_tokens) + " positions, n_ctx is " + std::to_string(p_.n_ctx));
+    check_append_order(il, seq_id, n_tokens, p_.n_layer, p_.n_ctx, pos,
+                       il > 0 ? pos_[(size_t)(il - 1) * p_.n_seq + seq_id] : 0, n_pos(seq_id));
     check_ring_append(p_, il, n_tokens);
     const int hd = p_.head_dim;
     for (int t = 0; t < n_tokens; ++t)

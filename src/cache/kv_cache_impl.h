@@ -9,13 +9,24 @@
 
 namespace kvq {
 
-// Validates the shape fields shared by every cache ("[kv_cache] n_layer must be >= 1, got 0").
-void validate_cache_shape(const kv_cache_params& p);
+// The formats of the "certified" type name.
+constexpr kv_format kCertifiedDefaultK = kv_format::q8;
+constexpr kv_format kCertifiedDefaultV = kv_format::q4;
+// The storage format of one side: the type's format, or the certified default for "certified".
+kv_format side_format(const kv_cache_params& p, bool is_v);
+// The rotation of a side in format f: none for dense sides, p.rotation, else (auto) the format's
+// default (the certified cache rotates every compressed side).
+rotation_kind side_rotation(const kv_cache_params& p, kv_format f, bool certified);
+// Throws invalid_input unless layer il of seq_id, holding `held` positions, may append n_tokens:
+// n_tokens >= 0; every layer but the last holds the sequence's n_pos before appending; a layer il > 0
+// never holds more than layer il - 1 (held_prev) afterwards (so the last layer cannot run ahead of
+// layer 0); at most n_ctx positions.
+void check_append_order(int il, int seq_id, int n_tokens, int n_layer, int n_ctx, int held, int held_prev, int n_pos);
 // Validates the sequence list of kv_cache::attend_batch: seq_id in [0, n_seq), each at most once.
 // op ("attend" or "attend_batch") starts the error message.
 void check_attend_batch(const char* op, const attend_seq* seqs, int n_seqs, int n_seq);
-// Dense element type of a baseline cache type name, or kv_elem::count when not dense.
-kv_elem dense_elem_of(const std::string& type);
+// Dense element type of a baseline cache type, or kv_elem::count when not dense.
+kv_elem dense_elem_of(kv_cache_type t);
 
 // Positions layer il holds per (sequence, kv head): n_ctx, or for a sliding-window layer a ring
 // of min(n_ctx, window - 1 + n_ubatch) (the rows its queries see plus one batch).

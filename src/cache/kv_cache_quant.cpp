@@ -103,22 +103,9 @@ class kv_cache_quant final : public kv_cache {
  public:
   // allocate == false: validates and sizes the cache (planned_bytes()) without allocating it.
   explicit kv_cache_quant(const kv_cache_params& p, bool allocate = true) : p_(p), allocate_(allocate) {
-    const int hd = p.head_dim;
-    if (p.sink < 0 || p.exact_recent < 0)
-      fail_input("[kv_cache] sink and exact_recent must be >= 0, got sink " + std::to_string(p.sink) +
-                 ", exact_recent " + std::to_string(p.exact_recent));
-    if (p.attn_impl != "fused" && p.attn_impl != "dequant")
-      fail_input("[kv_cache] unknown attn_impl '" + p.attn_impl + "' (supported: fused, dequant)");
-    kv_format fk, fv;
-    find_kv_format(p.type_k, &fk);
-    find_kv_format(p.type_v, &fv);
+    // p is validated (make_kv_cache, kv_bytes_per_token and kv_bytes_at_ctx call validate first)
+    const kv_format fk = side_format(p, false), fv = side_format(p, true);
     kivi_ = kv_traits(fk).layout == kv_layout::per_channel || kv_traits(fv).layout == kv_layout::per_channel;
-    if (kivi_) {
-      if (p.kivi_group < 1 || p.kivi_group > 4096)
-        fail_input("[kv_cache] kivi_group must be in [1, 4096], got " + std::to_string(p.kivi_group));
-      if (p.kivi_residual < 0)
-        fail_input("[kv_cache] kivi_residual must be >= 0, got " + std::to_string(p.kivi_residual));
-    }
     unit_ = kivi_ ? p.kivi_group : 1;
     const int body_room = std::max(0, p.n_ctx - p.sink);  // positions after the sink
     // the tail keeps at least min_tail_ exact rows (clamped to the room: a longer window keeps every
@@ -142,7 +129,6 @@ class kv_cache_quant final : public kv_cache {
     init_side(v_, "V", fv, /*is_v=*/true, heads);
     state_.assign((size_t)p.n_layer * p.n_seq, {});
     lambda_set_.assign(p.n_layer, 0);
-    (void)hd;
   }
 
   const kv_cache_params& params() const override { return p_; }
@@ -329,15 +315,9 @@ void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, 
   s.t = &kv_traits(s.format);
   s.compressed = s.t->layout != kv_layout::dense;
   s.exact_elem = s.compressed ? kv_elem::f16 : elem_of(s.format);
-  if (s.compressed && hd % 8 != 0)
-    fail_unsupported(std::string("[kv_cache] ") + name + " cache type '" + tt.name +
-                     "' needs head_dim divisible by 8, got " + std::to_string(hd));
   if (s.t->layout == kv_layout::per_token) {
     int g = p_.group_size;
     if (g == 0) g = hd % 32 == 0 ? 32 : hd;
-    if (g < 1 || hd % g != 0 || !(g == 32 || g == 64 || g == 128 || g == hd))
-      fail_input("[kv_cache] group_size " + std::to_string(p_.group_size) +
-                 " must be 32, 64, 128 or head_dim and divide head_dim " + std::to_string(hd));
     s.group = g;
     s.scale_stride = kv_row_scale_count(s.format, hd, g);
   } else if (s.t->layout == kv_layout::per_channel) {
@@ -345,12 +325,7 @@ void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, 
     s.scale_stride = 2 * hd;
   }
   s.code_row = kv_code_bytes(s.format, hd);
-  if (s.compressed) {
-    rotation_kind rk = rotation_kind::none;
-    if (p_.rotation == "auto") rk = tt.rotate_by_default ? rotation_kind::hadamard : rotation_kind::none;
-    else rk = parse_rotation(p_.rotation);
-    s.rot = rotation::make(rk, hd, p_.seed);
-  }
+  if (s.compressed) s.rot = rotation::make(side_rotation(p_, type, false), hd, p_.seed);
   const size_t per_layer = (size_t)p_.n_seq * p_.n_kv_head;
   s.row0.assign(p_.n_layer + 1, 0);
   s.unit0.assign(p_.n_layer + 1, 0);
@@ -486,16 +461,9 @@ void kv_cache_quant::load_body_rows(side_store& s, size_t hi, size_t row0, int n
 
 void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, const float* v) {
   check_layer_seq("append", il, seq_id);
-  if (n_tokens < 0) fail_input("[kv_cache] append: n_tokens must be >= 0, got " + std::to_string(n_tokens));
   seq_state& q = st(il, seq_id);
-  const int expect = n_pos(seq_id);
-  if (il != p_.n_layer - 1 && q.n != expect)
-    fail_input("[kv_cache] append: layer " + std::to_string(il) + " of seq " + std::to_string(seq_id) + " holds " +
-               std::to_string(q.n) + " positions but the sequence has " + std::to_string(expect) +
-               " (every layer must append the same tokens, in layer order)");
-  if ((int64_t)q.n + n_tokens > p_.n_ctx)
-    fail_input("[kv_cache] append: seq " + std::to_string(seq_id) + " would hold " +
-               std::to_string((int64_t)q.n + n_tokens) + " positions, n_ctx is " + std::to_string(p_.n_ctx));
+  check_append_order(il, seq_id, n_tokens, p_.n_layer, p_.n_ctx, q.n, il > 0 ? st(il - 1, seq_id).n : 0,
+                     n_pos(seq_id));
   check_ring_append(p_, il, n_tokens);
   if (n_tokens == 0) return;
   const int hd = p_.head_dim, nh = p_.n_kv_head;
@@ -691,7 +659,7 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
   }
   states_.resize((size_t)state_rows);
   ows_.resize((size_t)ows_rows * hd);
-  const bool dequant = p_.attn_impl == "dequant";
+  const bool dequant = p_.attn == attn_path::dequant;
   parallel_dynamic(pool, n_items, work, [&](int64_t it, int) {
     // the sequence of item `it`: the last whose first item is <= it
     const int b = (int)(std::upper_bound(plan_.begin(), plan_.begin() + n_seqs, it,

@@ -67,7 +67,7 @@ kv_stats measure_kv_stats(model& m, const token_source& src, thread_pool& pool, 
       }
   });
   kv_cache_params cp = m.cache_params(n);
-  cp.type_k = cp.type_v = "f32";
+  cp.type_k = cp.type_v = kv_cache_type::f32;
   auto cache = make_kv_cache(cp);
   std::vector<int32_t> toks;
   src.fill(0, n, toks);
@@ -155,7 +155,10 @@ double median(std::vector<double> v) {
   throw error(e.code(), "[bench] " + context + msg);
 }
 
-std::string format_name(const kv_cache_params& f) { return f.type_k == f.type_v ? f.type_k : f.type_k + "/" + f.type_v; }
+std::string format_name(const kv_cache_params& f) {
+  const std::string k = kv_cache_type_name(f.type_k), v = kv_cache_type_name(f.type_v);
+  return k == v ? k : k + "/" + v;
+}
 
 std::string gib(double bytes) {
   char buf[32];
@@ -167,10 +170,10 @@ std::string gib(double bytes) {
 std::vector<kv_cache_params> with_baseline(const bench_params& p, std::vector<bool>* baseline_only) {
   std::vector<kv_cache_params> formats;
   bool has_f16 = false;
-  for (const auto& f : p.formats) has_f16 = has_f16 || (f.type_k == "f16" && f.type_v == "f16");
+  for (const auto& f : p.formats) has_f16 = has_f16 || (f.type_k == kv_cache_type::f16 && f.type_v == kv_cache_type::f16);
   if (!has_f16 && !p.formats.empty()) {
     kv_cache_params f16 = p.formats.front();
-    f16.type_k = f16.type_v = "f16";
+    f16.type_k = f16.type_v = kv_cache_type::f16;
     formats.push_back(f16);
     if (baseline_only) baseline_only->push_back(true);
   }
@@ -308,8 +311,8 @@ bench_result bench(model& m, std::span<const int32_t> tokens, const bench_params
       for (size_t fi = 0; fi < F; ++fi) {
         kv_cache& c = *caches[fi];
         bench_row& w = row[fi];
-        w.type_k = formats[fi].type_k;
-        w.type_v = formats[fi].type_v;
+        w.type_k = kv_cache_type_name(formats[fi].type_k);
+        w.type_v = kv_cache_type_name(formats[fi].type_v);
         w.describe = describe[fi];
         w.baseline_only = baseline_only[fi];
         w.depth = d;

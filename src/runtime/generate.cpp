@@ -77,7 +77,7 @@ generate_result generate(model& m, const tokenizer& tok, const generate_params& 
   r.kv_bytes_used = cache->bytes_used();
   r.kv_bytes_per_token = kv_bytes_per_token(cp);
   kv_cache_params f16 = cp;
-  f16.type_k = f16.type_v = "f16";
+  f16.type_k = f16.type_v = kv_cache_type::f16;
   r.kv_bytes_per_token_f16 = kv_bytes_per_token(f16);
   r.kv_describe = cache->describe();
   return r;

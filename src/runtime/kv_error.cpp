@@ -40,11 +40,11 @@ void kv_error_check(const model& m, const kv_error_params& p) {
   if (p.n_chunks < 1) fail_input("[kv_error] --chunks " + std::to_string(p.n_chunks) + " must be >= 1");
   for (const auto& fp : p.formats) {
     const kv_cache_params cp = m.cache_params(n, fp);
-    make_kv_cache(cp);
+    validate(cp);
     if (p.tv) {
       kv_cache_params pp = cp;
-      pp.type_v = "f32";
-      make_kv_cache(pp);
+      pp.type_v = kv_cache_type::f32;
+      validate(pp);
     }
   }
 }
@@ -73,26 +73,26 @@ kv_error_result kv_error(model& m, std::span<const int32_t> tokens, int32_t bos,
   const int F = (int)p.formats.size();
   std::vector<std::unique_ptr<kv_cache>> caches, probes;
   kv_cache_params f16p = m.cache_params(n);
-  f16p.type_k = f16p.type_v = "f16";
+  f16p.type_k = f16p.type_v = kv_cache_type::f16;
   const double f16_bpt = kv_bytes_per_token(f16p);
   for (const auto& fp : p.formats) {
     const kv_cache_params cp = m.cache_params(n, fp);
     caches.push_back(make_kv_cache(cp));
     kv_error_format f;
-    f.type_k = cp.type_k;
-    f.type_v = cp.type_v;
+    f.type_k = kv_cache_type_name(cp.type_k);
+    f.type_v = kv_cache_type_name(cp.type_v);
     f.describe = caches.back()->describe();
     f.bytes_per_token = kv_bytes_per_token(cp);
     f.ratio_vs_f16 = f.bytes_per_token > 0 ? f16_bpt / f.bytes_per_token : 0;
     r.formats.push_back(std::move(f));
     if (p.tv) {
       kv_cache_params pp = cp;
-      pp.type_v = "f32";
+      pp.type_v = kv_cache_type::f32;
       probes.push_back(make_kv_cache(pp));
     }
   }
   kv_cache_params refp = m.cache_params(n);
-  refp.type_k = refp.type_v = "f32";
+  refp.type_k = refp.type_v = kv_cache_type::f32;
   auto ref_cache = make_kv_cache(refp);
   auto capture_cache = make_kv_cache(refp);
 

@@ -59,7 +59,7 @@ nlohmann::json file_header(const model& m, const perplexity_params& p, int n_chu
           {"n_vocab", hp.n_vocab}, {"n_embd", hp.n_embd}, {"n_layer", hp.n_layer}, {"n_ctx", p.n_ctx},
           {"n_chunk", n_chunk},  {"n_scored_per_chunk", n_scored}, {"top_k", top_k},
           {"tokens_fnv1a64", hex64(hash)}, {"n_tokens", n_tokens},
-          {"type_k", p.cache.type_k}, {"type_v", p.cache.type_v}};
+          {"type_k", kv_cache_type_name(p.cache.type_k)}, {"type_v", kv_cache_type_name(p.cache.type_v)}};
 }
 
 [[noreturn]] void base_mismatch(const std::string& f, const std::string& what, const std::string& file_v,
@@ -194,7 +194,7 @@ void perplexity_check(const model& m, const perplexity_params& p) {
                std::to_string(hp.n_ctx_train) + " (" + hp.arch + ".context_length)");
   if (p.n_batch < 0) fail_input("[perplexity] batch size -b " + std::to_string(p.n_batch) + " must be >= 0");
   if (p.n_chunks == 0) fail_input("[perplexity] --chunks 0 must be >= 1 (or < 0 for all)");
-  if (!p.kl_base_in.empty() && !p.compare_type.empty())
+  if (!p.kl_base_in.empty() && p.compare_type)
     fail_input("[perplexity] give either a KL base file (--kl-compare) or --compare TYPE, not both");
   if (!p.kl_base_in.empty() && !p.kl_base_out.empty()) {
     // Writing the base that is being read would overwrite it (and compare a run with itself).
@@ -209,13 +209,13 @@ void perplexity_check(const model& m, const perplexity_params& p) {
   if (p.kl_top_k < -1 || p.kl_top_k > V)
     fail_input("[perplexity] --kl-top-k " + std::to_string(p.kl_top_k) + " must be -1, 0 or in [1, n_vocab " +
                std::to_string(V) + "]");
-  // Cache types and options (make_kv_cache validates; a chunk-sized cache is small).
+  // Cache types and options.
   const kv_cache_params cp = m.cache_params(p.n_ctx, p.cache);
-  make_kv_cache(cp);
-  if (!p.compare_type.empty()) {
+  validate(cp);
+  if (p.compare_type) {
     kv_cache_params rp = cp;
-    rp.type_k = rp.type_v = p.compare_type;
-    make_kv_cache(rp);
+    rp.type_k = rp.type_v = *p.compare_type;
+    validate(rp);
   }
   if (!p.kl_base_in.empty()) {
     kl_file_reader r(p.kl_base_in);
@@ -250,9 +250,9 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
   cp.n_ubatch = std::max(cp.n_ubatch, r.n_batch);  // sliding-window layers' rings hold one batch
   std::unique_ptr<kv_cache> cache = make_kv_cache(cp);
   std::unique_ptr<kv_cache> ref_cache;
-  if (!p.compare_type.empty()) {
+  if (p.compare_type) {
     kv_cache_params rp = cp;
-    rp.type_k = rp.type_v = p.compare_type;
+    rp.type_k = rp.type_v = *p.compare_type;
     ref_cache = make_kv_cache(rp);
   }
   const uint64_t hash = fnv1a64(tokens);
@@ -278,7 +278,7 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
   r.kv_describe = cache->describe();
   r.kv_bytes_per_token = kv_bytes_per_token(cp);
   kv_cache_params f16 = cp;
-  f16.type_k = f16.type_v = "f16";
+  f16.type_k = f16.type_v = kv_cache_type::f16;
   r.kv_bytes_per_token_f16 = kv_bytes_per_token(f16);
 
   thread_pool pool(p.n_threads);

@@ -104,7 +104,7 @@ void run_case(tally& ta, scenario sc, const config& cf, int nkv, int ng, int n, 
   const int n_head = nkv * ng, n_q = std::min(n, 24), pos0 = n - n_q;
   data d = make_data(sc, n, nkv, n_head, cf.hd, n_q, pos0, seed);
   kv_cache_params p = cert_params(nkv, cf.hd, n, tol, cf.tk, cf.tv);
-  p.rotation = cf.rot;
+  p.rotation = parse_kv_rotation(cf.rot);
   auto c = make_kv_cache_certified(p);
   const int n1 = n / 3;
   c->append(0, 0, n1, d.k.data(), d.v.data());

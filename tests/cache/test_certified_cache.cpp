@@ -231,14 +231,14 @@ TEST(CertifiedLadder, RecoversWherePlain4BitIsBadlyWrong) {
   // plain 4-bit: the compressed cache of the same formats, and the certified cache at a huge tol
   kv_cache_params pp = cert_params(1, hd, n, 0, "q4", "q4");
   pp.certify = false;
-  pp.rotation = "none";
+  pp.rotation = rotation_kind::none;
   auto plain = make_kv_cache(pp);
   plain->append(0, 0, n, k.data(), v.data());
   plain->attend(0, 0, n - 1, 1, 1, q.data(), 1.0f, out.data(), pool);
   EXPECT_GT(l2(out.data(), ref.data(), hd), 0.5 * ref_norm);
   for (double tol : {(double)INFINITY, 1e-3}) {
     kv_cache_params p = cert_params(1, hd, n, tol, "q4", "q4");
-    p.rotation = "none";
+    p.rotation = rotation_kind::none;
     auto c = make_kv_cache_certified(p);
     c->append(0, 0, n, k.data(), v.data());
     c->attend(0, 0, n - 1, 1, 1, q.data(), 1.0f, out.data(), pool);
@@ -356,10 +356,10 @@ TEST(CertifiedCache, BytesOfEachTier) {
   EXPECT_EQ(c->bytes_used(), t.fast_used + t.host_used);
   EXPECT_DOUBLE_EQ(kv_bytes_per_token(p), 2.0 * (70 + 38 + 256));
   kv_cache_params q4 = p;  // certify = true on a compressed format
-  q4.type_k = q4.type_v = "q4";
+  q4.type_k = q4.type_v = kv_cache_type::q4;
   EXPECT_DOUBLE_EQ(kv_bytes_per_token(q4), 2.0 * (38 + 38 + 256));
   kv_cache_params f16 = p;  // certify on dense/dense: the plain dense cache (a tool's f16 reference)
-  f16.type_k = f16.type_v = "f16";
+  f16.type_k = f16.type_v = kv_cache_type::f16;
   EXPECT_FALSE(is_certified(f16));
   EXPECT_EQ(as_certified(*make_kv_cache(f16)), nullptr);
   EXPECT_DOUBLE_EQ(kv_bytes_per_token(f16), 2.0 * 2 * 64 * 2);
@@ -483,11 +483,12 @@ TEST(CertifiedCache, Errors) {
   p.certify_tol = NAN;
   expect_err(p, errc::invalid_input, "certify_tol");
   p = ok;
-  p.type_k = "kivi4";
+  p.type_k = kv_cache_type::kivi4;
   expect_err(p, errc::unsupported, "kivi4");
   p = ok;
-  p.type_v = "q5";
-  expect_err(p, errc::invalid_input, "'q5'");
+  p.type_v = (kv_cache_type)99;
+  expect_err(p, errc::invalid_input, "type_v 99");
+  EXPECT_THROW(parse_kv_cache_type("q5", "V"), error);
   p = ok;
   p.sink = 4;
   expect_err(p, errc::unsupported, "sink");

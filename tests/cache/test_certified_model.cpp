@@ -167,7 +167,7 @@ class lockstep final : public kv_cache {
 
 TEST_F(CertifiedModel, Stories260KBoundsHoldAndTolZeroIsF16) {
   kv_cache_params p = f.m->cache_params(n_ctx);
-  p.type_k = p.type_v = "certified";
+  p.type_k = p.type_v = kv_cache_type::certified;
   p.certify_tol = 1e-2;
   p.certify_measure = true;
   auto c = make_kv_cache_certified(p);
@@ -189,7 +189,7 @@ TEST_F(CertifiedModel, Stories260KBoundsHoldAndTolZeroIsF16) {
   p.certify_tol = 0;
   p.certify_measure = false;
   kv_cache_params pf = f.m->cache_params(n_ctx);
-  pf.type_k = pf.type_v = "f16";
+  pf.type_k = pf.type_v = kv_cache_type::f16;
   {
     auto c1 = make_kv_cache(p);
     auto f1 = make_kv_cache(pf);
@@ -273,7 +273,7 @@ TEST_F(CertifiedModel, Stories260KEveryReturnedOutputWithinTolerance) {
     for (bool adapt : {false, true}) {
       SCOPED_TRACE("tol " + std::to_string(tol) + " adapt " + std::to_string(adapt));
       kv_cache_params p = f.m->cache_params(n_ctx);
-      p.type_k = p.type_v = "certified";
+      p.type_k = p.type_v = kv_cache_type::certified;
       p.certify_tol = tol;
       p.certify_adapt = adapt;
       p.certify_measure = true;

@@ -31,8 +31,8 @@ inline kv_cache_params cert_params(int n_kv_head, int hd, int n_ctx, double tol,
   p.n_kv_head = n_kv_head;
   p.head_dim = hd;
   p.n_ctx = n_ctx;
-  p.type_k = tk;
-  p.type_v = tv;
+  p.type_k = parse_kv_cache_type(tk);
+  p.type_v = parse_kv_cache_type(tv, "V");
   p.certify = true;
   p.certify_tol = tol;
   p.certify_adapt = false;

@@ -38,8 +38,8 @@ TEST_P(dense_cache, matches_f64_reference) {
   p.head_dim = c.hd;
   p.n_ctx = 300;
   p.n_seq = 2;
-  p.type_k = c.tk;
-  p.type_v = c.tv;
+  p.type_k = parse_kv_cache_type(c.tk);
+  p.type_v = parse_kv_cache_type(c.tv, "V");
   auto cache = make_kv_cache(p);
   const int n_head = c.n_kv_head * c.grp;
   std::mt19937 rng(7);
@@ -90,9 +90,8 @@ TEST(kv_cache, unknown_type_is_named) {
   p.n_kv_head = 1;
   p.head_dim = 64;
   p.n_ctx = 16;
-  p.type_k = "q5";
   try {
-    make_kv_cache(p);
+    parse_kv_cache_type("q5", "K");  // names are parsed once, at the edge (CLI, tools)
     FAIL() << "no error";
   } catch (const error& e) {
     EXPECT_EQ(e.code(), errc::invalid_input);
@@ -100,17 +99,23 @@ TEST(kv_cache, unknown_type_is_named) {
               std::string::npos)
         << e.what();
   }
-  p.type_k = "q4_0";  // a llama.cpp name gets a hint
   try {
-    make_kv_cache(p);
+    parse_kv_cache_type("q4_0", "K");  // a llama.cpp name gets a hint
     ADD_FAILURE() << "no error for q4_0";
   } catch (const error& e) {
     EXPECT_NE(std::string(e.what()).find("; llama.cpp's q4_0 is closest to kvq's q4"), std::string::npos) << e.what();
   }
-  p.type_k = "f16";
-  p.type_v = "zz";
-  EXPECT_THROW(make_kv_cache(p), error);
-  p.type_v = "f16";
+  EXPECT_THROW(parse_kv_cache_type("zz", "V"), error);
+  for (const auto& t : kv_type_names()) EXPECT_EQ(kv_cache_type_name(parse_kv_cache_type(t)), t);
+  p.type_v = (kv_cache_type)200;  // out of the enum: validate names the field and value
+  try {
+    make_kv_cache(p);
+    ADD_FAILURE() << "no error for type_v 200";
+  } catch (const error& e) {
+    EXPECT_EQ(e.code(), errc::invalid_input);
+    EXPECT_NE(std::string(e.what()).find("[kv_cache] type_v 200 is not a kv_cache_type"), std::string::npos) << e.what();
+  }
+  p.type_v = kv_cache_type::f16;
   p.head_dim = 0;
   EXPECT_THROW(make_kv_cache(p), error);
 }
@@ -148,7 +153,7 @@ TEST(kv_cache, larger_than_available_memory_is_refused) {
     p.n_layer = 64;
     p.n_kv_head = 8;
     p.head_dim = 128;
-    p.type_k = p.type_v = t;
+    p.type_k = p.type_v = parse_kv_cache_type(t);
     // the smallest n_ctx (a multiple of 1024) whose cache exceeds MemAvailable by 25 %
     p.n_ctx = 1024;
     while ((double)kv_bytes_at_ctx(p) < 1.25 * (double)avail && p.n_ctx < (1 << 30) / 2) p.n_ctx *= 2;
@@ -177,7 +182,7 @@ TEST(kv_cache, dense_caches_store_non_finite_values_as_given) {
     p.n_kv_head = 1;
     p.head_dim = 32;
     p.n_ctx = 4;
-    p.type_k = p.type_v = t;
+    p.type_k = p.type_v = parse_kv_cache_type(t);
     auto c = make_kv_cache(p);
     std::vector<float> k(32, 0.5f), v(32, 0.25f);
     v[1] = 1e5f;

@@ -99,8 +99,8 @@ kv_cache_params base_params(const std::string& tk, const std::string& tv, int hd
   p.n_kv_head = nh;
   p.head_dim = hd;
   p.n_ctx = n_ctx;
-  p.type_k = tk;
-  p.type_v = tv;
+  p.type_k = parse_kv_cache_type(tk);
+  p.type_v = parse_kv_cache_type(tv, "V");
   return p;
 }
 
@@ -139,11 +139,11 @@ TEST(kv_cache_quant, fused_equals_dequantize_then_attend) {
         const int G = groups[(idx / 3) % 4];
         p.group_size = hd % (G ? G : 1) == 0 ? G : 0;
         const char* rots[] = {"auto", "srht", "srft"};
-        p.rotation = rots[(idx / 7) % 3];
+        p.rotation = parse_kv_rotation(rots[(idx / 7) % 3]);
         std::vector<int> chunks = {len};
         if (len > 17) chunks = {len / 3, 1, len - len / 3 - 1};
         auto a = fill(p, chunks, 100 + idx);
-        p.attn_impl = "dequant";
+        p.attn = attn_path::dequant;
         filled b;  // the same tokens, appended the same way
         b.cache = make_kv_cache(p);
         for (int at = 0; int c : chunks) {
@@ -197,7 +197,7 @@ TEST(kv_cache_quant, accuracy_against_float64) {
   const int hd = 128, nh = 2, gqa = 4, n_q = 16;
   for (const auto& t : tols) {
     auto p = base_params(t.type, t.type, hd, nh, t.len);
-    p.rotation = t.rotation;
+    p.rotation = parse_kv_rotation(t.rotation);
     p.group_size = t.group;
     auto f = fill(p, {t.len}, 5);
     double num = 0, den = 0, unum = 0;
@@ -341,7 +341,7 @@ TEST(kv_cache_quant, rotation_beats_planted_outliers) {
       for (int a = 0; a < 4; ++a)
         for (int trial = 0; trial < 4; ++trial) {
           auto p = base_params("q4", "f16", hd, nh, len);
-          p.rotation = arms[a].rotation;
+          p.rotation = parse_kv_rotation(arms[a].rotation);
           p.channel_scale = arms[a].channel_scale;
           auto f = fill(p, {len}, 40 + trial, mag, 0, n_out);
           const auto q = queries(1, nh * gqa, hd, 70 + trial, 1.0f);
@@ -681,12 +681,25 @@ TEST(kv_cache_quant, invalid_params_are_named) {
   p = base_params("kivi2", "q4", 64, 1, 16);
   p.kivi_group = 0;
   expect_error(p, "[kv_cache] kivi_group must be in [1, 4096], got 0");
+  auto expect_parse_error = [](auto parse, const char* name, const char* needle) {
+    try {
+      parse(name);
+      ADD_FAILURE() << "no error for " << needle;
+    } catch (const error& e) {
+      EXPECT_EQ(e.code(), errc::invalid_input);
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_parse_error(parse_kv_rotation, "spin", "unknown rotation 'spin'");
+  expect_parse_error(parse_attn_path, "magic", "unknown attn_impl 'magic'");
+  EXPECT_FALSE(parse_kv_rotation("auto").has_value());
+  EXPECT_EQ(parse_attn_path("dequant"), attn_path::dequant);
   p = base_params("q4", "q4", 64, 1, 16);
-  p.rotation = "spin";
-  expect_error(p, "unknown rotation 'spin'");
-  p.rotation = "auto";
-  p.attn_impl = "magic";
-  expect_error(p, "unknown attn_impl 'magic'");
+  p.rotation = (rotation_kind)9;
+  expect_error(p, "[kv_cache] rotation 9 is not a rotation_kind");
+  p.rotation.reset();
+  p.attn = (attn_path)7;
+  expect_error(p, "[kv_cache] attn 7 is not an attn_path");
   // head_dim 8 (stories260K) works for every format: against float64, 8-bit and dense far below
   // the error of uniform attention (what a cache that lost K would give), 4- and 3-bit below it;
   // 2-bit is a regression guard only (kivi2 measured 1.25 against uniform 1.03 on these 40 tokens,

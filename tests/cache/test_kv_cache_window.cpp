@@ -32,7 +32,7 @@ kv_cache_params window_params(const std::string& type, int window, int n_ctx, in
   p.n_kv_head = kKv;
   p.head_dim = kHd;
   p.n_ctx = n_ctx;
-  p.type_k = p.type_v = type;
+  p.type_k = p.type_v = parse_kv_cache_type(type);
   p.layers.resize(2);
   p.layers[0].window = window;
   p.n_ubatch = n_ubatch;

@@ -208,7 +208,7 @@ TEST_P(ArchTest, ForwardMatchesFloat64Reference) {
   const auto ref = reference_logits(c, w, toks);
   // Prefill in two batches (4 + 3) with all logits: exercises batching and the cache.
   kv_cache_params cp = m->cache_params(64);
-  cp.type_k = cp.type_v = "f32";
+  cp.type_k = cp.type_v = kv_cache_type::f32;
   auto cache = make_kv_cache(cp);
   thread_pool pool(2);
   std::vector<float> logits(toks.size() * c.n_vocab);
@@ -236,7 +236,7 @@ TEST(ModelForward, BatchOfSequencesMatchesEachAloneInFloat64) {
   const std::vector<std::vector<int32_t>> seqs = {{3, 17, 5, 39, 0, 22}, {8, 1, 30}, {12}};
   const std::vector<int32_t> next = {7, 25, 2};  // decode tokens of sequences 0, 1, 2
   kv_cache_params cp = m->cache_params(32, {}, 3);
-  cp.type_k = cp.type_v = "f32";
+  cp.type_k = cp.type_v = kv_cache_type::f32;
   auto cache = make_kv_cache(cp);
   thread_pool pool(2);
   // Prefill: sequence 1, then 0, then 2; logits of every token.
@@ -283,7 +283,7 @@ TEST(ModelForward, BadBatchesAreRefusedBeforeAppending) {
   write_tiny(c, path);
   auto m = model::load(path);
   kv_cache_params cp = m->cache_params(8, {}, 2);
-  cp.type_k = cp.type_v = "f32";
+  cp.type_k = cp.type_v = kv_cache_type::f32;
   auto cache = make_kv_cache(cp);
   thread_pool pool(1);
   std::vector<float> logits(8 * c.n_vocab);
@@ -381,7 +381,7 @@ TEST(ModelForward, RejectsBadTokensAndPositions) {
   write_tiny(c, path);
   auto m = model::load(path);
   kv_cache_params cp = m->cache_params(16);
-  cp.type_k = cp.type_v = "f32";
+  cp.type_k = cp.type_v = kv_cache_type::f32;
   auto cache = make_kv_cache(cp);
   thread_pool pool(1);
   std::vector<float> logits(c.n_vocab);

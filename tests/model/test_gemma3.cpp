@@ -200,7 +200,7 @@ TEST(Gemma3, ForwardMatchesFloat64Reference) {
   const std::vector<int32_t> toks = {2, 17, 5, 49, 0, 22, 8, 31, 11};
   const auto ref = reference(c, w, toks);
   kv_cache_params cp = m->cache_params(64);
-  cp.type_k = cp.type_v = "f32";
+  cp.type_k = cp.type_v = kv_cache_type::f32;
   auto cache = make_kv_cache(cp);
   thread_pool pool(2);
   std::vector<float> logits(toks.size() * c.n_vocab);
@@ -242,7 +242,7 @@ TEST(Gemma3, PastTheWindowMatchesFloat64WithARingCache) {
     ASSERT_EQ(cp.layers.size(), (size_t)c.n_layer);
     EXPECT_EQ(cp.layers[0].window, 4);
     EXPECT_EQ(cp.layers[1].window, 0);
-    cp.type_k = cp.type_v = type;
+    cp.type_k = cp.type_v = parse_kv_cache_type(type);
     cp.n_ubatch = 5;
     auto cache = make_kv_cache(cp);
     const kv_layer_kind_bytes kinds = kv_bytes_by_layer_kind(cp);
@@ -266,7 +266,7 @@ TEST(Gemma3, PastTheWindowMatchesFloat64WithARingCache) {
   // the same model on a cache whose layers attend globally: refused, nothing appended
   kv_cache_params global = m->cache_params(32);
   global.layers.clear();
-  global.type_k = global.type_v = "f32";
+  global.type_k = global.type_v = kv_cache_type::f32;
   auto cache = make_kv_cache(global);
   std::vector<float> logits(c.n_vocab);
   try {

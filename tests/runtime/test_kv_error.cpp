@@ -30,8 +30,8 @@ setup load(const std::string& mp, const std::string& tp) {
 
 kv_cache_params fmt(const std::string& k, const std::string& v) {
   kv_cache_params c;
-  c.type_k = k;
-  c.type_v = v;
+  c.type_k = parse_kv_cache_type(k);
+  c.type_v = parse_kv_cache_type(v, "V");
   return c;
 }
 
@@ -83,7 +83,7 @@ TEST(KvError, F16EqualsFloat64ReferenceAndF32IsExact) {
   std::vector<int32_t> chunk(s.ids.begin(), s.ids.begin() + n);
   chunk[0] = s.tok->bos();
   auto cp = s.m->cache_params(n);
-  cp.type_k = cp.type_v = "f32";
+  cp.type_k = cp.type_v = kv_cache_type::f32;
   auto cache = make_kv_cache(cp);
   thread_pool pool(2);
   std::vector<float> logits(hp.n_vocab);
@@ -142,8 +142,15 @@ TEST(KvError, BadInput) {
   kv_error_params p;
   p.n_ctx = 32;
   EXPECT_NE(msg(p, s.ids).find("no KV formats"), std::string::npos);
-  p.formats = {fmt("q4", "nope")};
-  EXPECT_NE(msg(p, s.ids).find("unknown V cache type 'nope'"), std::string::npos);
+  try {
+    fmt("q4", "nope");  // names are parsed at the edge
+    ADD_FAILURE() << "no error for 'nope'";
+  } catch (const error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown V cache type 'nope'"), std::string::npos) << e.what();
+  }
+  p.formats = {fmt("q4", "q4")};
+  p.formats[0].type_v = (kv_cache_type)200;
+  EXPECT_NE(msg(p, s.ids).find("type_v 200"), std::string::npos);
   p.formats = {fmt("q4", "q4")};
   EXPECT_NE(msg(p, std::span<const int32_t>(s.ids.data(), 10)).find("fewer than one chunk"), std::string::npos);
   p.n_ctx = s.m->hparams().n_ctx_train + 1;

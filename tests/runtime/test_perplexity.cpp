@@ -119,7 +119,7 @@ TEST(Perplexity, ProtocolEqualsFloat64Reference) {
   double sum = 0, sum2 = 0;
   int64_t n = 0;
   auto cp = l.m->cache_params(n_ctx);
-  cp.type_k = cp.type_v = "f32";
+  cp.type_k = cp.type_v = kv_cache_type::f32;
   for (int c = 0; c < n_chunk; ++c) {
     std::vector<int32_t> chunk(l.ids.begin() + c * n_ctx, l.ids.begin() + (c + 1) * n_ctx);
     chunk[0] = l.tok->bos();
@@ -144,7 +144,7 @@ TEST(Perplexity, ProtocolEqualsFloat64Reference) {
     p.n_ctx = n_ctx;
     p.n_chunks = n_chunk;
     p.n_batch = n_batch;
-    p.cache.type_k = p.cache.type_v = "f32";
+    p.cache.type_k = p.cache.type_v = kv_cache_type::f32;
     const perplexity_result r = perplexity(*l.m, l.ids, perplexity_bos(*l.tok), p);
     EXPECT_EQ(r.ppl.n_scored, n);
     EXPECT_NEAR(r.ppl.ppl, ppl, 1e-5 * ppl) << "n_batch " << n_batch;
@@ -167,7 +167,7 @@ TEST(Perplexity, KldEqualsFloat64ReferenceAndFileEqualsSideBySide) {
     std::vector<std::vector<double>> lp(2, std::vector<double>((size_t)n_ctx * V));
     for (int k = 0; k < 2; ++k) {
       auto cp = l.m->cache_params(n_ctx);
-      cp.type_k = cp.type_v = k == 0 ? "f16" : "bf16";
+      cp.type_k = cp.type_v = parse_kv_cache_type(k == 0 ? "f16" : "bf16");
       auto cache = make_kv_cache(cp);
       std::vector<float> logits((size_t)n_ctx * V);
       l.m->forward(chunk, 0, 0, *cache, pool, logits.data(), true);
@@ -197,8 +197,8 @@ TEST(Perplexity, KldEqualsFloat64ReferenceAndFileEqualsSideBySide) {
   perplexity_params p;
   p.n_ctx = n_ctx;
   p.n_chunks = n_chunk;
-  p.cache.type_k = p.cache.type_v = "bf16";
-  p.compare_type = "f16";
+  p.cache.type_k = p.cache.type_v = kv_cache_type::bf16;
+  p.compare_type = kv_cache_type::f16;
   const perplexity_result side = perplexity(*l.m, l.ids, perplexity_bos(*l.tok), p);
   ASSERT_TRUE(side.has_kld);
   EXPECT_EQ(side.kld.n, n);
@@ -222,7 +222,7 @@ TEST(Perplexity, KldEqualsFloat64ReferenceAndFileEqualsSideBySide) {
   perplexity(*l.m, l.ids, perplexity_bos(*l.tok), w);
   ASSERT_TRUE(fs::exists(base));
   perplexity_params rd = p;
-  rd.compare_type.clear();
+  rd.compare_type.reset();
   rd.kl_base_in = base;
   const perplexity_result fr = perplexity(*l.m, l.ids, perplexity_bos(*l.tok), rd);
   EXPECT_DOUBLE_EQ(fr.kld.mean, side.kld.mean);
@@ -238,7 +238,7 @@ TEST(Perplexity, KldEqualsFloat64ReferenceAndFileEqualsSideBySide) {
 
   // A cache compared with itself: KL 0, same top-1 100 %, dPPL 0.
   perplexity_params self = rd;
-  self.cache.type_k = self.cache.type_v = "f16";
+  self.cache.type_k = self.cache.type_v = kv_cache_type::f16;
   self.kl_base_in = base;
   const perplexity_result sr = perplexity(*l.m, l.ids, perplexity_bos(*l.tok), self);
   EXPECT_NEAR(sr.kld.mean, 0.0, 1e-12);
@@ -320,8 +320,8 @@ TEST(Perplexity, BadInputIsRefusedUpFrontAndLeavesNoFile) {
   EXPECT_FALSE(error_of([&] { perplexity(*l.m, l.ids, bos, w); }, &code).empty());
   EXPECT_EQ(code, errc::io);
   w.kl_base_out = temp_path("out.kld");
-  w.cache.type_k = "q5_nonexistent";
-  EXPECT_NE(error_of([&] { perplexity(*l.m, l.ids, bos, w); }).find("unknown K cache type"), std::string::npos);
+  w.cache.type_k = (kv_cache_type)200;  // names are parsed by the tools; the library validates the value
+  EXPECT_NE(error_of([&] { perplexity(*l.m, l.ids, bos, w); }).find("type_k 200"), std::string::npos);
   for (const auto& e : fs::directory_iterator(fs::temp_directory_path()))
     EXPECT_EQ(e.path().filename().string().find("kvq_test_ppl_" + std::to_string(::getpid()) + "_out.kld"),
               std::string::npos)
@@ -355,9 +355,9 @@ TEST(Perplexity, TextFileErrorsNameDirectoryAndOpAndFlagsAreCheckedWithoutText) 
   p.n_chunks = 0;
   EXPECT_NE(error_of([&] { perplexity_check(*m, p); }).find("--chunks 0"), std::string::npos);
   p.n_chunks = -1;
-  p.cache.type_v = "q5_nonexistent";
-  EXPECT_NE(error_of([&] { perplexity_check(*m, p); }).find("q5_nonexistent"), std::string::npos);
-  p.cache.type_v = "f16";
+  p.cache.type_v = (kv_cache_type)201;
+  EXPECT_NE(error_of([&] { perplexity_check(*m, p); }).find("type_v 201"), std::string::npos);
+  p.cache.type_v = kv_cache_type::f16;
   p.kl_base_in = temp_path("missing.kld");
   EXPECT_NE(error_of([&] { perplexity_check(*m, p); }, &code).find("missing.kld"), std::string::npos);
   EXPECT_EQ(code, errc::io);

@@ -1,0 +1,136 @@
+// Reliability defects of issue 15 (tests written against the public API): validation before any
+// allocation, layer order of appends, the int32 bound of the 8-bit K dot.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "cache/attn_f64.h"
+#include "kvq/error.h"
+#include "kvq/kv_cache.h"
+
+namespace kvq {
+namespace {
+
+kv_cache_params params_of(kv_cache_type tk, kv_cache_type tv, int n_layer, int hd, int n_ctx) {
+  kv_cache_params p;
+  p.n_layer = n_layer;
+  p.n_kv_head = 1;
+  p.head_dim = hd;
+  p.n_ctx = n_ctx;
+  p.type_k = tk;
+  p.type_v = tv;
+  return p;
+}
+
+std::string error_of(const std::function<void()>& fn, errc* code = nullptr) {
+  try {
+    fn();
+  } catch (const error& e) {
+    if (code) *code = e.code();
+    return e.what();
+  }
+  return "";
+}
+
+// head_dim > 1024 was accepted by q4 / q8 / kivi4 and failed with an internal assertion at the
+// first append that reached the compressed body (with exact windows: mid-generation). It is
+// refused by validate(), before any allocation, naming the field and value.
+TEST(kv_cache_reliability, head_dim_above_1024_is_refused_when_the_cache_is_made) {
+  for (kv_cache_type t : {kv_cache_type::q4, kv_cache_type::q8, kv_cache_type::kivi4, kv_cache_type::q2a}) {
+    kv_cache_params p = params_of(t, t, 1, 1032, 64);
+    p.sink = 4;
+    p.exact_recent = 16;
+    errc code{};
+    const std::string m = error_of([&] { make_kv_cache(p); }, &code);
+    EXPECT_NE(m.find("head_dim 1032 > 1024"), std::string::npos) << kv_cache_type_name(t) << ": " << m;
+    EXPECT_EQ(code, errc::unsupported) << m;
+    EXPECT_EQ(error_of([&] { validate(p); }), m);
+    EXPECT_EQ(error_of([&] { kv_bytes_at_ctx(p); }), m);
+  }
+  // dense caches have no head_dim limit; 1024 itself is served by every compressed format
+  kv_cache_params d = params_of(kv_cache_type::f16, kv_cache_type::f16, 1, 1032, 8);
+  EXPECT_EQ(error_of([&] { make_kv_cache(d); }), "");
+  kv_cache_params q = params_of(kv_cache_type::q4, kv_cache_type::q4, 1, 1024, 8);
+  EXPECT_EQ(error_of([&] { make_kv_cache(q); }), "");
+}
+
+// Appending to a later layer before layer 0, or more tokens to a later layer than layer 0 holds,
+// left the cache inconsistent (n_pos 10 while layer 0 held 4); every cache refuses it.
+TEST(kv_cache_reliability, later_layers_never_run_ahead_of_earlier_ones) {
+  const int hd = 32;
+  std::vector<float> x((size_t)16 * hd, 0.25f);
+  for (kv_cache_type t : {kv_cache_type::f16, kv_cache_type::q4, kv_cache_type::kivi4, kv_cache_type::certified}) {
+    const char* name = kv_cache_type_name(t);
+    auto c = make_kv_cache(params_of(t, t, 3, hd, 64));
+    std::string m = error_of([&] { c->append(2, 0, 10, x.data(), x.data()); });
+    EXPECT_NE(m.find("layer 2 of seq 0 would hold 10 positions, more than layer 1's 0"), std::string::npos)
+        << name << ": " << m;
+    EXPECT_EQ(c->n_pos(0), 0) << name;
+    for (int il = 0; il < 3; ++il) c->append(il, 0, 4, x.data(), x.data());
+    EXPECT_EQ(c->n_pos(0), 4) << name;
+    c->append(0, 0, 4, x.data(), x.data());  // layer 0 at 8
+    m = error_of([&] { c->append(1, 0, 6, x.data(), x.data()); });
+    EXPECT_NE(m.find("more than layer 0's 8"), std::string::npos) << name << ": " << m;
+    c->append(1, 0, 4, x.data(), x.data());
+    m = error_of([&] { c->append(2, 0, 5, x.data(), x.data()); });
+    EXPECT_NE(m.find("more than layer 1's 8"), std::string::npos) << name << ": " << m;
+    c->append(2, 0, 4, x.data(), x.data());
+    EXPECT_EQ(c->n_pos(0), 8) << name;
+  }
+}
+
+// The integer Q·K dot of 8-bit K sums int16 query codes (up to kq16_max = 32258) times codes (q8a:
+// c + 128 up to 255) over a group in int32. At the largest accepted group (kq8_k_group_max = 256,
+// group = head_dim, no rotation) with every code at its extreme the result is still exact: keys of
+// all +1 (one -1 element, so q8a spans [-1, 1]) with V +1 and keys of all -1 with V -1 give an
+// output of +1 as in float64; a group of 512 (the issue's head_dim 576 too) is refused up front,
+// where it used to wrap and return -1.
+TEST(kv_cache_reliability, eight_bit_k_dot_fits_int32_at_the_largest_accepted_group) {
+  thread_pool pool(1);
+  for (kv_cache_type t : {kv_cache_type::q8, kv_cache_type::q8a}) {
+    const char* name = kv_cache_type_name(t);
+    const int hd = kq8_k_group_max;
+    kv_cache_params p = params_of(t, kv_cache_type::f16, 1, hd, 2);
+    p.group_size = hd;
+    p.rotation = rotation_kind::none;
+    std::vector<float> k((size_t)2 * hd), v((size_t)2 * hd), q(hd, 1.0f);
+    for (int i = 0; i < hd; ++i) {
+      k[i] = i == 7 ? -1.0f : 1.0f;
+      k[hd + i] = i == 7 ? 1.0f : -1.0f;
+      v[i] = 1.0f;
+      v[hd + i] = -1.0f;
+    }
+    auto c = make_kv_cache(p);
+    c->append(0, 0, 2, k.data(), v.data());
+    std::vector<float> out(hd);
+    const float scale = 1.0f / 16.0f;
+    c->attend(0, 0, 1, 1, 1, q.data(), scale, out.data(), pool);
+    const auto ref = test::attend_f64(k, v, q.data(), 1, hd, 1, 1, 1, scale);
+    EXPECT_GT(ref[0], 0.99);
+    EXPECT_LE(test::rel_err(out, ref), 1e-3) << name << " out[0] " << out[0] << " ref " << ref[0];
+    for (const auto [hd2, g] : {std::pair{512, 512}, std::pair{576, 576}, std::pair{264, 0}}) {
+      kv_cache_params big = params_of(t, kv_cache_type::f16, 1, hd2, 2);
+      big.group_size = g;
+      big.rotation = rotation_kind::none;
+      errc code{};
+      const std::string m = error_of([&] { make_kv_cache(big); }, &code);
+      EXPECT_NE(m.find("group_size " + std::to_string(g ? g : hd2) + " (head_dim " + std::to_string(hd2) + ")"),
+                std::string::npos)
+          << name << ": " << m;
+      EXPECT_NE(m.find("exceeds 256"), std::string::npos) << m;
+      EXPECT_EQ(code, errc::unsupported);
+    }
+    // 8-bit V, and 8-bit K at groups <= 256, stay accepted at head_dim 576
+    kv_cache_params ok = params_of(kv_cache_type::q4, t, 1, 576, 2);
+    ok.group_size = 576;
+    EXPECT_EQ(error_of([&] { make_kv_cache(ok); }), "");
+    ok = params_of(t, t, 1, 576, 2);
+    ok.group_size = 64;
+    EXPECT_EQ(error_of([&] { make_kv_cache(ok); }), "");
+  }
+}
+
+}  // namespace
+}  // namespace kvq
