@@ -9,24 +9,11 @@
 #include "kvq/kv_error.h"
 #include "kvq/perplexity.h"
 #include "support/data_dir.h"
+#include "support/model_text.h"
 #include "support/run_cmd.h"
 
 namespace kvq {
 namespace {
-
-struct setup {
-  std::unique_ptr<model> m;
-  std::unique_ptr<tokenizer> tok;
-  std::vector<int32_t> ids;
-};
-
-setup load(const std::string& mp, const std::string& tp) {
-  setup s;
-  s.m = model::load(mp);
-  s.tok = tokenizer::from_gguf(s.m->gguf());
-  s.ids = perplexity_tokenize(*s.tok, read_text_file(tp));
-  return s;
-}
 
 kv_cache_params fmt(const std::string& k, const std::string& v) {
   kv_cache_params c;
@@ -59,7 +46,7 @@ void attend64(const std::vector<float>& q, const std::vector<float>& k, const st
 TEST(KvError, F16EqualsFloat64ReferenceAndF32IsExact) {
   KVQ_REQUIRE_DATA(mp, "models/stories260K/stories260K.gguf");
   KVQ_REQUIRE_DATA(tp, "data/tinystories-val-794k/tinystories_val.txt");
-  setup s = load(mp, tp);
+  test::model_text s = test::load_model_text(mp, tp);
   const auto& hp = s.m->hparams();
   const int n = 48, L = hp.n_layer, H = hp.n_head, G = hp.n_kv_head, D = hp.head_dim;
 
@@ -130,7 +117,7 @@ TEST(KvError, F16EqualsFloat64ReferenceAndF32IsExact) {
 TEST(KvError, BadInput) {
   KVQ_REQUIRE_DATA(mp, "models/stories260K/stories260K.gguf");
   KVQ_REQUIRE_DATA(tp, "data/tinystories-val-794k/tinystories_val.txt");
-  setup s = load(mp, tp);
+  test::model_text s = test::load_model_text(mp, tp);
   auto msg = [&](kv_error_params p, std::span<const int32_t> ids) -> std::string {
     try {
       kv_error(*s.m, ids, 1, p);
@@ -169,7 +156,7 @@ TEST(KvError, BadInput) {
 TEST(KvError, NoTvIsMarkedAndLeavesRelErrUnchanged) {
   KVQ_REQUIRE_DATA(mp, "models/stories260K/stories260K.gguf");
   KVQ_REQUIRE_DATA(tp, "data/tinystories-val-794k/tinystories_val.txt");
-  setup s = load(mp, tp);
+  test::model_text s = test::load_model_text(mp, tp);
   kv_error_params p;
   p.n_ctx = 32;
   p.n_threads = 1;

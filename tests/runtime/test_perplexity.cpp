@@ -14,6 +14,7 @@
 #include "kvq/error.h"
 #include "kvq/perplexity.h"
 #include "support/data_dir.h"
+#include "support/model_text.h"
 #include "support/run_cmd.h"
 
 namespace kvq {
@@ -44,27 +45,13 @@ std::string temp_path(const std::string& name) {
   return (fs::temp_directory_path() / ("kvq_test_ppl_" + std::to_string(::getpid()) + "_" + name)).string();
 }
 
-struct loaded {
-  std::unique_ptr<model> m;
-  std::unique_ptr<tokenizer> tok;
-  std::vector<int32_t> ids;
-};
-
-loaded load(const std::string& model_path, const std::string& text_path) {
-  loaded l;
-  l.m = model::load(model_path);
-  l.tok = tokenizer::from_gguf(l.m->gguf());
-  l.ids = perplexity_tokenize(*l.tok, read_text_file(text_path));
-  return l;
-}
-
 // f16-cache PPL equals llama.cpp's running PPL after the same chunks (the golden logs print it
 // per chunk with 4 decimals) at -c 128, 256 and 512. The full-text numbers are in docs/quality.md.
 TEST(Perplexity, MatchesLlamaCppOnStories260K) {
   KVQ_REQUIRE_DATA(mp, kStories);
   KVQ_REQUIRE_DATA(tp, kTinyStories);
   KVQ_REQUIRE_DATA(logs, "golden/stories260K/logs/perplexity_tinystories");
-  loaded l = load(mp, tp);
+  test::model_text l = test::load_model_text(mp, tp);
   EXPECT_EQ(l.ids.size(), 393019u);  // README: 393,019 tokens including BOS
   EXPECT_EQ(l.ids[0], 1);
   for (auto [n_ctx, chunks] : {std::pair{128, 50}, {256, 25}, {512, 12}}) {
@@ -89,7 +76,7 @@ TEST(Perplexity, MatchesLlamaCppOnStories260K) {
 TEST(Perplexity, TinylitHeldOutMatchesGolden) {
   KVQ_REQUIRE_DATA(mp, "models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.gguf");
   KVQ_REQUIRE_DATA(tp, "data/tinylit-hd64-gqa4-heldout/heldout.txt");
-  loaded l = load(mp, tp);
+  test::model_text l = test::load_model_text(mp, tp);
   EXPECT_EQ(l.ids.size(), 730956u);  // golden README: 730,956 tokens
   const bool full = std::getenv("KVQ_LONG_TESTS") && std::string(std::getenv("KVQ_LONG_TESTS")) == "1";
   perplexity_params p;
@@ -113,7 +100,7 @@ TEST(Perplexity, TinylitHeldOutMatchesGolden) {
 TEST(Perplexity, ProtocolEqualsFloat64Reference) {
   KVQ_REQUIRE_DATA(mp, kStories);
   KVQ_REQUIRE_DATA(tp, kTinyStories);
-  loaded l = load(mp, tp);
+  test::model_text l = test::load_model_text(mp, tp);
   const int n_ctx = 20, n_chunk = 3, V = l.m->hparams().n_vocab;
   thread_pool pool(2);
   double sum = 0, sum2 = 0;
@@ -156,7 +143,7 @@ TEST(Perplexity, ProtocolEqualsFloat64Reference) {
 TEST(Perplexity, KldEqualsFloat64ReferenceAndFileEqualsSideBySide) {
   KVQ_REQUIRE_DATA(mp, kStories);
   KVQ_REQUIRE_DATA(tp, kTinyStories);
-  loaded l = load(mp, tp);
+  test::model_text l = test::load_model_text(mp, tp);
   const int n_ctx = 64, n_chunk = 4, V = l.m->hparams().n_vocab;
   thread_pool pool(2);
   double sum_kl = 0, sum_d = 0;
@@ -262,7 +249,7 @@ std::string error_of(F&& f, errc* code = nullptr) {
 TEST(Perplexity, BadInputIsRefusedUpFrontAndLeavesNoFile) {
   KVQ_REQUIRE_DATA(mp, kStories);
   KVQ_REQUIRE_DATA(tp, kTinyStories);
-  loaded l = load(mp, tp);
+  test::model_text l = test::load_model_text(mp, tp);
   const int32_t bos = perplexity_bos(*l.tok);
   errc code{};
 
