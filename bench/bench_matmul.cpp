@@ -1,9 +1,11 @@
 // matmul micro-benchmarks: decode matvec (n_tokens = 1) reports weight bytes/s (the roofline is
 // memory bandwidth for weights that do not fit in cache); prefill reports GFLOP/s, with OpenBLAS
-// sgemm on the same (f32) weights as a yardstick.
+// sgemm on the same (f32) weights as a yardstick when OpenBLAS is installed (KVQ_HAVE_OPENBLAS).
 //   bench_matmul --benchmark_filter=matvec
 #include <benchmark/benchmark.h>
+#if KVQ_HAVE_OPENBLAS
 #include <cblas.h>
+#endif
 
 #include <random>
 #include <vector>
@@ -98,6 +100,7 @@ BENCHMARK(prefill_f16)->Apply(prefill_args);
 BENCHMARK(prefill_q8_0)->Apply(prefill_args);
 BENCHMARK(prefill_q4_0)->Apply(prefill_args);
 
+#if KVQ_HAVE_OPENBLAS
 // Yardstick: OpenBLAS sgemm y[tok, n_out] = x[tok, n_in] * W[n_out, n_in]^T on f32 weights
 // (threads as OpenBLAS is configured: OPENBLAS_NUM_THREADS).
 void prefill_openblas_sgemm(benchmark::State& st) {
@@ -112,6 +115,7 @@ void prefill_openblas_sgemm(benchmark::State& st) {
   st.counters["GFLOP/s"] = benchmark::Counter(2e-9 * n_in * n_out * n_tok, benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(prefill_openblas_sgemm)->Args({512, 1408, 16})->Args({512, 1408, 128})->Args({512, 1408, 1})->UseRealTime();
+#endif
 
 }  // namespace
 }  // namespace kvq

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The CUDA backend in one call on a GPU machine (docs/perf.md "CUDA"): builds src/cuda, the CPU
-# oracle, tests/cuda and bench/cuda with the standalone CMake project scripts/cuda (no other
-# dependencies needed), runs the correctness tests, compute-sanitizer memcheck once on the test
-# binary, then the decode benchmark and PyTorch SDPA. Logs and JSON go to $OUT (or build-cuda-dev/out).
+# The CUDA backend in one call on a GPU machine (docs/perf.md "CUDA"): configures the main CMake
+# project with -DKVQ_BUILD_CUDA=ON (and -DKVQ_BUILD_RUNTIME=OFF: the GPU machine has no PCRE2, and
+# these targets need no tokenizer), builds test_cuda and bench_cuda_decode from the same source
+# lists as every other build, runs the correctness tests, compute-sanitizer memcheck once on the
+# test binary, then the decode benchmark and PyTorch SDPA. Logs and JSON go to $OUT (or
+# build-cuda-dev/out). Needs nvcc, CMake, Ninja, fmt, GoogleTest and Google Benchmark.
 #   scripts/cuda_bench.sh [--no-sanitize] [--no-bench] [--batch 1,8,32] [--ctx 4096,32768,131072]
-# GoogleTest sources: $GTEST_DIR, .carry/googletest, or /usr/src/googletest/googletest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-build-cuda-dev/out}
@@ -19,32 +20,31 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-gtest=${GTEST_DIR:-}
-for d in .carry/googletest /usr/src/googletest/googletest; do
-  if [ -z "$gtest" ] && [ -f "$d/src/gtest-all.cc" ]; then gtest=$(cd "$d" && pwd); fi
-done
 echo "commit: ${KVQ_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" | tee "$out/device.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem --format=csv | tee -a "$out/device.txt"
 nvcc --version | tail -2 | tee -a "$out/device.txt"
 
 t0=$(date +%s)
-cmake -S scripts/cuda -B build-cuda-dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DGTEST_DIR="$gtest" > "$out/build.log" 2>&1 &&
-  cmake --build build-cuda-dev -j"$(nproc)" >> "$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
+cmake -S . -B build-cuda-dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVQ_BUILD_CUDA=ON -DKVQ_BUILD_RUNTIME=OFF \
+  -DKVQ_BUILD_TESTS=ON -DKVQ_BUILD_BENCH=ON > "$out/build.log" 2>&1 &&
+  cmake --build build-cuda-dev -j"$(nproc)" --target test_cuda bench_cuda_decode >> "$out/build.log" 2>&1 ||
+  { tail -50 "$out/build.log"; exit 1; }
+test_bin=build-cuda-dev/tests/test_cuda bench_bin=build-cuda-dev/bench/bench_cuda_decode
 echo "build: $(( $(date +%s) - t0 )) s"
 
 status=0
-if [ -x build-cuda-dev/test_cuda ]; then
-  build-cuda-dev/test_cuda 2>&1 | tee "$out/test.log" | grep -E "^\[ rel err|FAILED|PASSED|SKIPPED|tests ran|Failure|error" || true
+if [ -x $test_bin ]; then
+  $test_bin 2>&1 | tee "$out/test.log" | grep -E "^\[ rel err|FAILED|PASSED|SKIPPED|tests ran|Failure|error" || true
   grep -q "FAILED" "$out/test.log" && status=1
   if [ $sanitize = 1 ]; then
     # memcheck once over the test binary; the 32768-token batches are left out to keep it inside minutes
-    compute-sanitizer --tool memcheck --error-exitcode 3 build-cuda-dev/test_cuda \
+    compute-sanitizer --tool memcheck --error-exitcode 3 $test_bin \
       --gtest_filter='-*_b17_*:*_l32768*' > "$out/memcheck.log" 2>&1
     echo "compute-sanitizer memcheck exit $? ($(grep -c 'PASSED\|OK \]' "$out/memcheck.log") ok lines): $(grep -E 'ERROR SUMMARY' "$out/memcheck.log" | tail -1)"
   fi
 fi
 if [ $bench = 1 ]; then
-  build-cuda-dev/bench_cuda_decode --batch "$batch" --ctx "$ctx" --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -14
+  $bench_bin --batch "$batch" --ctx "$ctx" --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -14
   PYTHONUNBUFFERED=1 python3 scripts/cuda_sdpa.py --batch "$batch" --ctx "$ctx" --json "$out/bench.json" 2>&1 | tee "$out/sdpa.log" | tail -12
 fi
 exit $status
