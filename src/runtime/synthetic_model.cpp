@@ -83,29 +83,19 @@ void write_tensor_data(const gguf_writer::byte_sink& out, const tensor_spec& t, 
       }
       flush(false);
     }
-  } else if (t.type == ggml_type::q8_0) {
-    const uint16_t d = f32_to_f16(a / 127.0f);
+  } else {  // q8_0: int8 uniform in [-127, 127] x d; q4_0: nibbles uniform in [0, 15] -> (nibble - 8) x d
+    const bool q8 = t.type == ggml_type::q8_0;
+    const uint16_t d = f32_to_f16(a / (q8 ? 127.0f : 8.0f));
     for (int64_t b = 0; b < n / 32; ++b) {
       buf.push_back((uint8_t)d);
       buf.push_back((uint8_t)(d >> 8));
-      for (int k = 0; k < 4; ++k) {
+      for (int k = 0; k < (q8 ? 4 : 2); ++k) {  // 32 bytes (q8_0) or 16 (q4_0), 8 per random word
         uint64_t x = r.next();
         for (int j = 0; j < 8; ++j, x >>= 8) {
-          int8_t q = (int8_t)(x & 0xff);
-          if (q == -128) q = -127;
-          buf.push_back((uint8_t)q);
+          uint8_t byte = (uint8_t)(x & 0xff);
+          if (q8 && byte == 0x80) byte = 0x81;  // int8 -128 -> -127
+          buf.push_back(byte);
         }
-      }
-      flush(false);
-    }
-  } else {  // q4_0: nibbles uniform in [0, 15] -> (nibble - 8) * d
-    const uint16_t d = f32_to_f16(a / 8.0f);
-    for (int64_t b = 0; b < n / 32; ++b) {
-      buf.push_back((uint8_t)d);
-      buf.push_back((uint8_t)(d >> 8));
-      for (int k = 0; k < 2; ++k) {
-        uint64_t x = r.next();
-        for (int j = 0; j < 8; ++j, x >>= 8) buf.push_back((uint8_t)(x & 0xff));
       }
       flush(false);
     }
