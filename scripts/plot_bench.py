@@ -6,21 +6,15 @@ Left: decode tokens/s (median step, log scale) per KV format; right: KV bytes he
 The x axis is symmetric-log so that depth 0 fits next to 32K; a dashed line marks the model's training
 context when some depths go past it (those points measure speed only).
 """
-import json
 import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter  # noqa: E402
+import plot_common  # matplotlib's headless backend first
+import matplotlib.pyplot as plt
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 
 def main():
-    if len(sys.argv) != 3:
-        sys.exit(__doc__)
-    with open(sys.argv[1]) as f:
-        r = json.load(f)
+    r = plot_common.read_result(__doc__)
     series = {}
     for row in r["rows"]:
         name = row["type_k"] if row["type_k"] == row["type_v"] else row["type_k"] + "/" + row["type_v"]

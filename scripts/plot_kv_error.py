@@ -5,22 +5,16 @@ usage: plot_kv_error.py RESULT.json OUT.png   (RESULT.json = the tool's --json o
 One panel per KV format; colour = relative error vs f32 on a shared log scale; the panel title
 gives the format, bytes/token and mean relative error / mean TV distance.
 """
-import json
 import math
 import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.colors import LogNorm  # noqa: E402
+import plot_common  # matplotlib's headless backend first
+import matplotlib.pyplot as plt
+from matplotlib.colors import LogNorm
 
 
 def main():
-    if len(sys.argv) != 3:
-        sys.exit(__doc__)
-    with open(sys.argv[1]) as f:
-        r = json.load(f)
+    r = plot_common.read_result(__doc__)
     fmts = r["formats"]
     L, H = r["n_layer"], r["n_head"]
     vals = [v for f in fmts for v in f["rel_err"] if v > 0]
