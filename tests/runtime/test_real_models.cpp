@@ -75,7 +75,7 @@ void check_greedy_f16(const std::string& model_file, const std::string& golden_r
     p.n_ctx = 1024;
     p.n_threads = 2;
     p.sampling.temp = 0.0f;
-    p.cache.type_k = p.cache.type_v = "f16";
+    p.cache.type_k = p.cache.type_v = kv_cache_type::f16;
     const generate_result r = generate(*m, *tok, p);
     ASSERT_EQ(r.prompt_ids, want_prompt) << id;
     size_t i = 0;
