@@ -42,6 +42,16 @@ void add_kv_flags(CLI::App* app, kv_flags& f) {
   app->add_option("--kv-kivi-group", p.kivi_group, "KIVI: tokens per per-channel K group")->capture_default_str();
   app->add_option("--kv-residual", p.kivi_residual, "KIVI: exact recent tokens kept before quantizing a group")->capture_default_str();
   app->add_flag("--kv-channel-scale", p.channel_scale, "calibrate a per-channel scale on the prompt before quantizing");
+  app->add_option_function<std::string>(
+         "--kv-k-channel-scale",
+         [&p](const std::string& v) {
+           if (v == "auto") p.k_channel_scale.reset();
+           else if (v == "on" || v == "off") p.k_channel_scale = v == "on";
+           else throw CLI::ValidationError("--kv-k-channel-scale", "must be on, off or auto, got '" + v + "'");
+         },
+         "K only: centre and scale each channel by its prompt mean and RMS before quantizing: on|off|auto "
+         "(auto: on for per-token K)")
+      ->default_str("auto");
   app->add_option("--kv-seed", p.seed, "seed of the random signs of srht/srft")->capture_default_str();
   // certified attention (include/kvq/certified.h): -ctk certified -ctv certified, or --kv-certify
   app->add_flag("--kv-certify", p.certify, "certified attention on the chosen compressed formats (same as -ctk certified)");

@@ -83,7 +83,7 @@ struct side_store {
   std::vector<uint8_t> codes;         // per layer [n_seq, n_kv_head, ring_[il], code_row]
   std::vector<uint16_t> scales;       // per layer [n_seq, n_kv_head, scale_units(ring_[il]), scale_stride]
   std::vector<uint8_t> exact;         // [n_layer, n_seq, n_kv_head, exact_cap, head_dim] exact_elem
-  std::vector<float> lambda, mu;      // [n_layer, n_kv_head, head_dim] (channel_scale), else empty
+  std::vector<float> lambda, mu;      // [n_layer, n_kv_head, head_dim] (channel_scale, K: k_channel_scale), else empty
   size_t planned = 0;                 // bytes of the four arrays above, set before any allocation
 
   size_t bytes() const {
@@ -107,6 +107,8 @@ class kv_cache_quant final : public kv_cache {
     const kv_format fk = side_format(p, false), fv = side_format(p, true);
     kivi_ = kv_traits(fk).layout == kv_layout::per_channel || kv_traits(fv).layout == kv_layout::per_channel;
     unit_ = kivi_ ? p.kivi_group : 1;
+    // K channel scale (kv_cache_params::k_channel_scale): auto = on for per-token compressed K
+    k_channel_scale_ = p.channel_scale || p.k_channel_scale.value_or(kv_traits(fk).layout == kv_layout::per_token);
     const int body_room = std::max(0, p.n_ctx - p.sink);  // positions after the sink
     // the tail keeps at least min_tail_ exact rows (clamped to the room: a longer window keeps every
     // post-sink token exact), so at most body_room - min_tail_ rows, in whole units, are compressed
@@ -174,6 +176,7 @@ class kv_cache_quant final : public kv_cache {
     if (n_win) d += "; " + std::to_string(n_win) + " sliding-window layers";
     if (kivi_) d += "; KIVI residual " + std::to_string(p_.kivi_residual);
     if (p_.channel_scale) d += "; channel scale";
+    else if (k_channel_scale_ && k_.compressed) d += "; K channel scale";
     return d;
   }
 
@@ -217,7 +220,7 @@ class kv_cache_quant final : public kv_cache {
     for (const auto* s : {&k_, &v_}) {
       b += heads * (ring * s->code_row + s->scale_units(ring) * s->scale_stride * 2 +
                     (size_t)exact_cap_ * p_.head_dim * kv_elem_bytes(s->exact_elem));
-      if (p_.channel_scale && s->compressed) b += 2 * (size_t)p_.n_kv_head * p_.head_dim * sizeof(float);
+      if ((p_.channel_scale || (s == &k_ && k_channel_scale_)) && s->compressed) b += 2 * (size_t)p_.n_kv_head * p_.head_dim * sizeof(float);
     }
     return b;
   }
@@ -285,6 +288,7 @@ class kv_cache_quant final : public kv_cache {
   kv_cache_params p_;
   bool allocate_ = true;  // false: sized only (kv_bytes_at_ctx)
   bool kivi_ = false;
+  bool k_channel_scale_ = false;  // K stored as R((x - μ_K) / λ_K) (channel_scale or k_channel_scale)
   int unit_ = 1, min_tail_ = 0, tail_cap_ = 0, exact_cap_ = 0;
   std::vector<int> window_;  // [n_layer] attn_spec::window (0: global)
   std::vector<int> ring_;    // [n_layer] body rows held per (seq, kv head): all, or a windowed layer's ring
@@ -335,7 +339,8 @@ void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, 
   }
   const size_t n_codes = s.row0[p_.n_layer] * s.code_row, n_scales = s.unit0[p_.n_layer] * s.scale_stride;
   const size_t n_exact = heads * exact_cap_ * hd * kv_elem_bytes(s.exact_elem);
-  const size_t n_lambda = p_.channel_scale && s.compressed ? (size_t)p_.n_layer * p_.n_kv_head * hd : 0;
+  const bool calibrated = p_.channel_scale || (!is_v && k_channel_scale_);
+  const size_t n_lambda = calibrated && s.compressed ? (size_t)p_.n_layer * p_.n_kv_head * hd : 0;
   s.planned = n_codes + n_scales * 2 + n_exact + 2 * n_lambda * sizeof(float);
   if (!allocate_) return;
   s.codes.assign(n_codes, 0);

@@ -229,13 +229,22 @@ TEST(CertifiedLadder, RecoversWherePlain4BitIsBadlyWrong) {
   const double ref_norm = norm_of(ref.data(), hd);
   std::vector<float> out(hd);
   // plain 4-bit: the compressed cache of the same formats, and the certified cache at a huge tol
+  // (without the K channel scale: the constant 100 of channel 0 is the offset that it, on by default
+  // for per-token K, removes; the certified cache does not use it)
   kv_cache_params pp = cert_params(1, hd, n, 0, "q4", "q4");
   pp.certify = false;
   pp.rotation = rotation_kind::none;
+  pp.k_channel_scale = false;
   auto plain = make_kv_cache(pp);
   plain->append(0, 0, n, k.data(), v.data());
   plain->attend(0, 0, n - 1, 1, 1, q.data(), 1.0f, out.data(), pool);
   EXPECT_GT(l2(out.data(), ref.data(), hd), 0.5 * ref_norm);
+  // the default (K channel scale) gets this one right without any fallback
+  pp.k_channel_scale.reset();
+  auto centred = make_kv_cache(pp);
+  centred->append(0, 0, n, k.data(), v.data());
+  centred->attend(0, 0, n - 1, 1, 1, q.data(), 1.0f, out.data(), pool);
+  EXPECT_LT(l2(out.data(), ref.data(), hd), 0.05 * ref_norm);
   for (double tol : {(double)INFINITY, 1e-3}) {
     kv_cache_params p = cert_params(1, hd, n, tol, "q4", "q4");
     p.rotation = rotation_kind::none;
