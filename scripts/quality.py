@@ -47,6 +47,20 @@ FORMATS = [
     ("K q8 / V q4", ["-ctk", "q8", "-ctv", "q4"]),
     ("K kivi4 g64 / V q4", ["-ctk", "kivi4", "-ctv", "q4", "--kv-kivi-group", "64"]),
     ("K kivi4 g64 / V q4 (srht)", ["-ctk", "kivi4", "-ctv", "q4", "--kv-kivi-group", "64", "--kv-rot", "srht"]),
+    # option sets that matter on real models (Qwen2.5's K bias offset, docs/quality.md)
+    ("q8 (K channel scale off)", ["-ctk", "q8", "-ctv", "q8", "--kv-k-channel-scale", "off"]),
+    ("q8a (K channel scale off)", ["-ctk", "q8a", "-ctv", "q8a", "--kv-k-channel-scale", "off"]),
+    ("q4 (K channel scale off)", ["-ctk", "q4", "-ctv", "q4", "--kv-k-channel-scale", "off"]),
+    ("q4 rot none", ["-ctk", "q4", "-ctv", "q4", "--kv-rot", "none"]),
+    ("q4 + channel scale", ["-ctk", "q4", "-ctv", "q4", "--kv-channel-scale"]),
+    ("q4 sink 4 recent 32", ["-ctk", "q4", "-ctv", "q4", "--kv-sink", "4", "--kv-exact-recent", "32"]),
+    ("K q4 / V q8", ["-ctk", "q4", "-ctv", "q8"]),
+    ("K q4 / V f16", ["-ctk", "q4", "-ctv", "f16"]),
+    ("K f16 / V q4", ["-ctk", "f16", "-ctv", "q4"]),
+    ("K kivi4 g64 / V q3", ["-ctk", "kivi4", "-ctv", "q3", "--kv-kivi-group", "64"]),
+    ("K q4 / V q3", ["-ctk", "q4", "-ctv", "q3"]),
+    ("q3a", ["-ctk", "q3a", "-ctv", "q3a"]),
+    ("q3 + channel scale", ["-ctk", "q3", "-ctv", "q3", "--kv-channel-scale"]),
 ]
 BASE = "f16"
 
@@ -76,6 +90,37 @@ LLAMA_BITS = {"f16": 16.0, "bf16": 16.0, "f32": 32.0, "q8_0": 8.5, "q5_1": 6.0, 
 TARGETS = [("q4", 4.5, 0.0071, 95.0), ("K kivi4 g64 / V q4", 4.5, 0.0071, 95.0),
            ("K kivi4 g64 / V q4 (srht)", 4.5, 0.0071, 95.0), ("q8", 8.5, 6e-5, 99.5),
            ("q8+hadamard", 8.5, 6e-5, 99.5)]
+
+
+def model_text(args):
+    """The text entry of --model/--golden: the golden file names the text, n_ctx and chunk count
+    (its meta and datasets); the key is the model file's name plus the dataset."""
+    g = json.load(open(args.golden))
+    ds = args.dataset or sorted(g["datasets"])[0]
+    if ds not in g["datasets"]:
+        sys.exit("quality.py: golden file %s has no dataset '%s' (has: %s)" % (args.golden, ds, ", ".join(g["datasets"])))
+    stem = os.path.splitext(os.path.basename(args.model))[0]
+    title = "%s, %s (golden: %s)" % (stem, ds, os.path.relpath(args.golden, data_path(args)).replace("../", "")
+                                     if args.golden.startswith(data_path(args)) else os.path.basename(args.golden))
+    return ("%s-%s" % (stem, ds), title, os.path.abspath(args.model), g["datasets"][ds]["text"],
+            int(g["meta"].get("n_ctx", 512)), int(golden_chunks(g, ds)), ("file", (os.path.abspath(args.golden), ds)))
+
+
+def golden_chunks(g, ds):
+    """Chunk count of a golden file: its meta's, else its f16 base row's."""
+    return g["meta"].get("chunks") or next(
+        (r.get("n_chunks") for r in g["datasets"][ds]["results"] if r["config"] == "f16_fa-on"), None)
+
+
+def stored_texts(results):
+    """Text entries run earlier with --model/--golden (their spec is kept in the results file)."""
+    out = []
+    for key, t in sorted(results.get("texts", {}).items()):
+        sp = t.get("spec")
+        if sp:
+            out.append((key, sp["title"], sp["model"], sp["text"], sp["n_ctx"], sp["chunks"],
+                        ("file", tuple(sp["golden"]))))
+    return out
 
 
 def log(msg):
@@ -142,8 +187,23 @@ def run_kvq(kvq, args, threads):
 # ---------------------------------------------------------------- golden rows (llama.cpp)
 
 def golden_rows(data, kind, dataset, n_chunks):
-    """llama.cpp rows as dicts: config, bits, ppl, ppl_err, dppl_pct, kld, p99, top1, chunks, note."""
+    """llama.cpp rows as dicts: config, bits, ppl, ppl_err, dppl_pct, kld, p99, top1, chunks, note.
+    kind "file": dataset is (path of a golden perplexity.json, dataset key), as --golden gives."""
     rows = []
+    if kind == "file":
+        path, ds = dataset
+        path = path if os.path.isabs(path) else os.path.join(data, path)
+        if not os.path.exists(path):
+            return rows, None
+        g = json.load(open(path))
+        res = g["datasets"][ds]["results"]
+        mc = golden_chunks(g, ds)
+        base = next(r for r in res if r["config"] == "f16_fa-on" and (r.get("n_chunks") or mc) == mc)
+        for r in res:
+            if (r.get("n_chunks") or mc) != mc:
+                continue  # rows of another chunk count (a draft run in the same file)
+            rows.append(golden_row(r, base, mc))
+        return rows, base
     if kind == "tinylit":
         path = os.path.join(data, "golden/tinylit-hd64-gqa4/perplexity.json")
         if not os.path.exists(path):
@@ -183,7 +243,10 @@ def golden_row(r, base, chunks):
     cfg = r["config"]
     typ = cfg.split("_fa")[0]
     is_base = cfg == "f16_fa-on"
-    return {"config": cfg + (" (base)" if is_base else ""), "type": typ, "bits": LLAMA_BITS.get(typ),
+    bits = LLAMA_BITS.get(typ)
+    if bits is None and r.get("type_k") in LLAMA_BITS and r.get("type_v") in LLAMA_BITS:  # K and V differ
+        bits = (LLAMA_BITS[r["type_k"]] + LLAMA_BITS[r["type_v"]]) / 2.0
+    return {"config": cfg + (" (base)" if is_base else ""), "type": typ, "bits": bits,
             "ppl": r.get("ppl"), "ppl_err": r.get("ppl_err"),
             "dppl_pct": None if is_base else 100.0 * (r["ppl"] / base["ppl"] - 1.0),
             "kld": r.get("kld_mean"), "kld_err": r.get("kld_mean_err"), "p99": r.get("kld_p99"),
@@ -221,6 +284,11 @@ def render_text(tkey, title, n_ctx, chunks, rows, golden, elems, fmt_flags):
         if gbase and gbase["chunks"] == bj["n_chunk"]:
             line += ", llama.cpp %.4f (%+.3f %%)" % (gbase["ppl"], 100 * (bj["ppl"] / gbase["ppl"] - 1))
         out += [line + ".", ""]
+    tops = {r["result"]["kld"].get("top_k", 0) for r in rows.values() if r.get("result") and r["result"].get("kld")}
+    if any(tops):
+        out += ["kvq's KLD on this text is over the base's top-%s tokens plus one bucket for the rest of the "
+                "vocabulary (`--kl-top-k`, a lower bound of the full KL); llama.cpp's is over the full vocabulary."
+                % "/".join(str(t) for t in sorted(tops) if t), ""]
     commits = sorted({r.get("commit", "?") for r in rows.values()})
     out += ["kvq rows from commit %s." % ", ".join("`%s`" % c for c in commits), ""]
 
@@ -324,7 +392,7 @@ def render(results, args, data, chunk_override):
                 out.append("| %s | `%s` | %s |" % (key, " ".join(legend[key][0]), legend[key][1]))
         out.append("")
 
-    for tkey, title, model, text, n_ctx, chunks, (gkind, gset) in TEXTS:
+    for tkey, title, model, text, n_ctx, chunks, (gkind, gset) in TEXTS + stored_texts(results):
         t = results.get("texts", {}).get(tkey)
         if not t:
             continue
@@ -383,7 +451,17 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default=os.environ.get("KVQ_DATA_DIR") or os.path.join(repo, "..", "shared"))
     ap.add_argument("--render-only", action="store_true", help="redraw the tables from the results file")
+    ap.add_argument("--model", help="a GGUF model to measure instead of the built-in texts (with --golden)")
+    ap.add_argument("--golden", help="llama.cpp golden perplexity.json of --model: gives the text, -c, the "
+                    "chunk count and llama.cpp's rows")
+    ap.add_argument("--dataset", help="dataset key of --golden (default: its first)")
+    ap.add_argument("--base-dir", help="keep the f16 base log-prob files here and reuse one that exists "
+                    "(its stored base row must have the same chunk count) instead of re-running the base")
     args = ap.parse_args()
+    if bool(args.model) != bool(args.golden):
+        sys.exit("quality.py: --model and --golden go together")
+    if args.model and not os.path.exists(args.model):
+        sys.exit("quality.py: model '%s' not found (scripts/fetch-models.sh)" % args.model)
     args.repo = repo
     kvq = os.path.abspath(args.kvq)
     if not args.render_only and not os.access(kvq, os.X_OK):
@@ -396,8 +474,14 @@ def main():
     bad = [f for f in want_f if f not in fmt_keys]
     if bad:
         sys.exit("quality.py: unknown format(s) %s; known: %s" % (bad, ", ".join(fmt_keys)))
-    text_keys = [t[0] for t in TEXTS]
+    texts = TEXTS + stored_texts(results)
+    if args.model:
+        mt = model_text(args)
+        texts = [t for t in texts if t[0] != mt[0]] + [mt]
+    text_keys = [t[0] for t in texts]
     want_t = text_keys if not args.texts else [x.strip() for x in args.texts.split(",") if x.strip()]
+    if args.model:
+        want_t = [mt[0]]
     bad = [t for t in want_t if t not in text_keys]
     if bad:
         sys.exit("quality.py: unknown text(s) %s; known: %s" % (bad, ", ".join(text_keys)))
@@ -407,7 +491,7 @@ def main():
         flags_of = dict(FORMATS)
         t_all = time.time()
         with tempfile.TemporaryDirectory(prefix="kvq_quality_") as tmp:
-            for tkey, title, model, text, n_ctx, chunks, _ in TEXTS:
+            for tkey, title, model, text, n_ctx, chunks, gold in texts:
                 if tkey not in want_t:
                     continue
                 mp, tp = os.path.join(data_path(args), model), os.path.join(data_path(args), text)
@@ -416,14 +500,21 @@ def main():
                     continue
                 ch = args.chunks or chunks
                 common = ["-m", mp, "-f", tp, "-c", str(n_ctx), "--chunks", str(ch)]
-                base_file = os.path.join(tmp, tkey + ".kld")
+                base_file = os.path.join(args.base_dir or tmp, tkey + ".kld")
                 tstore = results.setdefault("texts", {}).get(tkey)
                 if not tstore or tstore.get("chunks") != ch:
                     tstore = {"rows": {}}  # another chunk count: old rows no longer compare
                 tstore.update({"chunks": ch, "n_ctx": n_ctx, "chunks_override": ch != chunks})
+                if gold[0] == "file":  # a --model/--golden text: keep its spec for later renders
+                    tstore["spec"] = {"title": title, "model": model, "text": text, "n_ctx": n_ctx,
+                                      "chunks": chunks, "golden": list(gold[1])}
                 results["texts"][tkey] = tstore
-                j, err, dt = run_kvq(kvq, common + flags_of[BASE] + ["--kl-base", base_file], args.threads)
-                log("%s: base f16 %.1f s%s" % (tkey, dt, " FAILED: " + err if err else ", PPL %.4f" % j["ppl"]))
+                if args.base_dir and os.path.exists(base_file) and tstore["rows"].get(BASE, {}).get("result"):
+                    j, err, dt = tstore["rows"][BASE]["result"], None, tstore["rows"][BASE].get("seconds", 0)
+                    log("%s: base f16 reused from %s" % (tkey, base_file))
+                else:
+                    j, err, dt = run_kvq(kvq, common + flags_of[BASE] + ["--kl-base", base_file], args.threads)
+                    log("%s: base f16 %.1f s%s" % (tkey, dt, " FAILED: " + err if err else ", PPL %.4f" % j["ppl"]))
                 if err:
                     tstore["rows"][BASE] = {"flags": flags_of[BASE], "error": err, "commit": commit}
                     continue
