@@ -406,7 +406,7 @@ bench_result bench(model& m, std::span<const int32_t> tokens, const bench_params
     row.decode_speedup_vs_f16 = b->decode_tokens_per_s > 0 ? row.decode_tokens_per_s / b->decode_tokens_per_s : 0;
     row.prefill_speedup_vs_f16 =
         b->prefill_tokens_per_s > 0 ? row.prefill_tokens_per_s / b->prefill_tokens_per_s : 0;
-    row.kv_bytes_ratio_vs_f16 = row.kv_bytes_used > 0 ? (double)b->kv_bytes_used / (double)row.kv_bytes_used
+    row.kv_bytes_ratio_vs_f16 = row.depth > 0 && row.kv_bytes_used > 0 ? (double)b->kv_bytes_used / (double)row.kv_bytes_used
                                 : row.kv_bytes_per_token > 0 ? b->kv_bytes_per_token / row.kv_bytes_per_token
                                                              : 0;  // depth 0: per-token sizes
   }

@@ -61,7 +61,8 @@ TEST(Bench, RowsBytesAndRatiosOnStories260K) {
       EXPECT_LE(row.decode_ms_min, row.decode_ms_median);
       EXPECT_LE(row.decode_ms_median, row.decode_ms_max);
       if (row.depth == 0) {
-        EXPECT_EQ(row.kv_bytes_used, 0u);
+        // an empty cache: nothing, or only K's per-channel μ / λ (per-token K, on by default)
+        EXPECT_EQ(row.kv_bytes_used, make_kv_cache(cp)->bytes_used());
         EXPECT_DOUBLE_EQ(row.kv_bytes_ratio_vs_f16, r.rows[0].kv_bytes_per_token / row.kv_bytes_per_token);
       } else {
         EXPECT_GT(row.kv_bytes_used, 0u);

@@ -85,7 +85,8 @@ TEST(CliOptions, InfoRefusesBadKvOptionsAndNamesItself) {
     for (const auto& r : wj["kv_types"])
       if (r["type"] == "q4") {
         seen = true;
-        const int64_t total = (int64_t)2 * 6 * 2 * (892 * (32 + 4) + 132 * 128);
+        // + K's per-channel μ and λ (f32, per layer, kv head and channel: on by default for per-token K)
+        const int64_t total = (int64_t)2 * 6 * 2 * (892 * (32 + 4) + 132 * 128) + (int64_t)2 * 6 * 2 * 64 * 4;
         EXPECT_EQ(r["bytes_at_n_ctx"].get<int64_t>(), total) << flag << " " << r.dump();
         EXPECT_EQ(r["bytes_global_layers"].get<int64_t>(), total) << r.dump();
         EXPECT_EQ(r["bytes_window_layers"].get<int64_t>(), 0) << r.dump();
