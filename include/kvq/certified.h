@@ -190,7 +190,8 @@ class kv_cache_certified : public kv_cache {
   virtual certified_tier_bytes tier_bytes() const = 0;
   virtual certified_stats certified_statistics() const = 0;
   virtual std::vector<certified_head_info> heads() const = 0;
-  // The steps of the most recent attend call: [n_tokens, n_head] (tests and diagnostics).
+  // The steps of the most recent attend or attend_batch call: [tokens of the batch, n_head], the
+  // sequences' tokens in batch order (tests and diagnostics).
   virtual const std::vector<cert_step>& last_steps() const = 0;
   // Snapshot of the statistics, tier bytes and upgrades (see certified_report).
   virtual certified_report report() const = 0;

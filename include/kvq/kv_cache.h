@@ -138,12 +138,12 @@ class kv_cache {
                       float scale, float* out, thread_pool& pool) = 0;
 
   // attend() for several sequences of layer il in one call (e.g. one decode step of a batch), each
-  // as if attended alone (the same outputs up to the float rounding of how long contexts are split).
-  // The compressed caches thread over (sequence, kv head, query tile, body chunk) at once, so a batch
-  // of short sequences keeps every thread busy; other caches attend the sequences in turn. Each
-  // seq_id at most once per call (invalid_input otherwise). Throws as attend(); the compressed caches
-  // validate every sequence before computing any. Like every kv_cache call, one call at a time per
-  // cache (the caches keep scratch buffers).
+  // as if attended alone: the same outputs bit for bit (a sequence's split-K chunks depend on its
+  // own length and the thread count only). The CPU caches thread over (sequence, kv head, query
+  // tile, key chunk) at once through one planner (src/cache/attend_plan.h), so a batch of short
+  // sequences keeps every thread busy. Each seq_id at most once per call (invalid_input otherwise).
+  // Throws as attend(), validating every sequence before computing any. Like every kv_cache call,
+  // one call at a time per cache (the caches keep scratch buffers).
   virtual void attend_batch(int il, const attend_seq* seqs, int n_seqs, int n_head, float scale, thread_pool& pool);
 
   virtual int n_pos(int seq_id) const = 0;          // positions stored (all layers)

@@ -10,6 +10,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cache/attend_plan.h"
 #include "cache/kv_cache_certified_collect.h"
 #include "cache/kv_cache_certified_host.h"
 #include "cache/kv_cache_impl.h"
@@ -107,6 +108,7 @@ class kv_cache_certified_impl final : public kv_cache_certified {
   void append(int il, int seq_id, int n_tokens, const float* k, const float* v) override;
   void attend(int il, int seq_id, int pos0, int n_tokens, int n_head, const float* q, float scale, float* out,
               thread_pool& pool) override;
+  void attend_batch(int il, const attend_seq* seqs, int n_seqs, int n_head, float scale, thread_pool& pool) override;
   int n_pos(int seq_id) const override {
     if (seq_id < 0 || seq_id >= p_.n_seq) return 0;
     return n_[(size_t)(p_.n_layer - 1) * p_.n_seq + seq_id];
@@ -144,6 +146,8 @@ class kv_cache_certified_impl final : public kv_cache_certified {
                 double eta);
   void maybe_upgrade(int il);
   void record(int il, int n_head);
+  void attend_seqs(const char* op, int il, const attend_seq* seqs, int n_seqs, int n_head, float scale,
+                   thread_pool& pool);
 
   kv_cache_params p_;
   kv_format fk_ = kDefaultK, fv_ = kDefaultV;  // base formats
@@ -161,7 +165,9 @@ class kv_cache_certified_impl final : public kv_cache_certified {
   certified_stats cs_;
   log_hist rel_hist_, ratio_hist_;
   std::vector<std::string> upgrades_;
-  std::vector<cert_step> last_steps_;  // [n_tokens, n_head] of the last attend
+  std::vector<cert_step> last_steps_;  // [batch tokens, n_head] of the last attend / attend_batch
+  std::vector<attend_plan_seq> plan_in_;  // attend scratch (one call at a time per cache)
+  attend_planner plan_;
   // scratch
   std::vector<float> xr_, x16_, qr_;
   std::vector<double> xn_;
@@ -338,81 +344,105 @@ void kv_cache_certified_impl::truncate(int seq_id, int n_keep) {
 
 void kv_cache_certified_impl::attend(int il, int seq_id, int pos0, int n_tokens, int n_head, const float* q,
                                      float scale, float* out, thread_pool& pool) {
-  check_layer_seq("attend", il, seq_id);
-  const int n_stored = n_[(size_t)il * p_.n_seq + seq_id];
-  if (n_tokens < 1 || pos0 < 0 || (int64_t)pos0 + n_tokens > n_stored)
-    fail_input("[kv_cache] attend: queries at positions [" + std::to_string(pos0) + ", " +
-               std::to_string((int64_t)pos0 + n_tokens) + ") need appended positions, layer " + std::to_string(il) +
-               " of seq " + std::to_string(seq_id) + " holds " + std::to_string(n_stored));
+  const attend_seq one{seq_id, pos0, n_tokens, q, out};
+  attend_seqs("attend", il, &one, 1, n_head, scale, pool);
+}
+
+void kv_cache_certified_impl::attend_batch(int il, const attend_seq* seqs, int n_seqs, int n_head, float scale,
+                                           thread_pool& pool) {
+  attend_seqs("attend_batch", il, seqs, n_seqs, n_head, scale, pool);
+}
+
+void kv_cache_certified_impl::attend_seqs(const char* op, int il, const attend_seq* seqs, int n_seqs, int n_head,
+                                          float scale, thread_pool& pool) {
+  const std::string tag = std::string("[kv_cache] ") + op + ": ";
+  check_attend_batch(op, seqs, n_seqs, p_.n_seq);
+  for (int b = 0; b < n_seqs; ++b) {
+    const attend_seq& a = seqs[b];
+    check_layer_seq(op, il, a.seq_id);
+    const int n_stored = n_[(size_t)il * p_.n_seq + a.seq_id];
+    if (a.n_tokens < 1 || a.pos0 < 0 || (int64_t)a.pos0 + a.n_tokens > n_stored)
+      fail_input(tag + "queries at positions [" + std::to_string(a.pos0) + ", " +
+                 std::to_string((int64_t)a.pos0 + a.n_tokens) + ") need appended positions, layer " +
+                 std::to_string(il) + " of seq " + std::to_string(a.seq_id) + " holds " + std::to_string(n_stored));
+  }
   if (n_head < p_.n_kv_head || n_head % p_.n_kv_head != 0)
-    fail_input("[kv_cache] attend: n_head " + std::to_string(n_head) + " is not a multiple of n_kv_head " +
+    fail_input(tag + "n_head " + std::to_string(n_head) + " is not a multiple of n_kv_head " +
                std::to_string(p_.n_kv_head));
+  if (n_seqs == 0) return;
   const int hd = p_.head_dim, nh = p_.n_kv_head, ng = n_head / nh;
-  const size_t nq = (size_t)n_tokens * n_head;
+  // Work items (attend_plan.h): (sequence, kv head, query tile), one chunk each (the certificate
+  // needs every key of a query at once); the tile bounds the per-thread score scratch.
+  plan_in_.resize(n_seqs);
+  for (int b = 0; b < n_seqs; ++b) {
+    const int64_t n_max = (int64_t)seqs[b].pos0 + seqs[b].n_tokens;
+    plan_in_[b].n_tokens = seqs[b].n_tokens;
+    plan_in_[b].max_tile = (int)std::clamp<int64_t>((int64_t(1) << 19) / std::max<int64_t>(1, ng * n_max), 1, 16);
+  }
+  attend_plan_options popt;
+  popt.split = false;
+  plan_.plan(plan_in_.data(), n_seqs, nh, n_head, hd, pool.size(), popt);
+  const size_t nq = (size_t)plan_.n_tokens() * n_head;
   qr_.resize(nq * hd);
-  std::memcpy(qr_.data(), q, nq * hd * sizeof(float));
+  for (int b = 0; b < n_seqs; ++b)
+    std::memcpy(&qr_[(size_t)plan_.tok0(b) * n_head * hd], seqs[b].q, (size_t)seqs[b].n_tokens * n_head * hd * sizeof(float));
   rot_k_.forward_n(qr_.data(), (int64_t)nq);
   last_steps_.resize(nq);
-  // Work items (kv head, query tile): the tile bounds the per-thread score scratch.
-  const int64_t n_max = (int64_t)pos0 + n_tokens;
-  const int tile = (int)std::clamp<int64_t>((int64_t(1) << 19) / std::max<int64_t>(1, ng * n_max), 1, 16);
-  const int n_tiles = (n_tokens + tile - 1) / tile;
   cert_options opt;
   opt.tol = p_.certify_tol;
   opt.measure = p_.certify_measure;
-  std::atomic<int64_t> next{0};
-  const int64_t n_items = (int64_t)nh * n_tiles;
-  pool.run_on_all([&](int, int) {
+  // always threaded: certified items are heavy (scores, bounds, exact fallbacks)
+  plan_.run(pool, thread_pool::min_parallel_work, [&](const attend_item& w) {
     thread_local std::vector<cert_segment> segs;
     thread_local std::vector<cert_step> steps;
-    for (int64_t item = next.fetch_add(1); item < n_items; item = next.fetch_add(1)) {
-      const int h = (int)(item / n_tiles), tl = (int)(item % n_tiles);
-      const int ta = tl * tile, tb = std::min(n_tokens, ta + tile);
-      const size_t hi = head_index(il, seq_id, h);
-      segs.clear();
-      cert_kv_view kv;
-      for (auto [view, rows, rot] : {std::tuple{&kv.k, &k_[hi], &rot_k_}, std::tuple{&kv.v, &v_[hi], &rot_v_}}) {
-        view->err = rows->err.data();
-        view->rot = rot;
-        view->n_segs = (int)rows->segs.size();
-      }
-      for (const auto* rows : {&k_[hi], &v_[hi]})
-        for (const auto& g : rows->segs) {
-          cert_segment cs;
-          cs.row_begin = g.row_begin;
-          cs.format = g.format;
-          cs.codes = rows->codes.data() + g.code_off;
-          cs.code_stride = (int64_t)kv_code_bytes(g.format, hd);
-          cs.scales = rows->scales.data() + g.scale_off;
-          cs.scale_stride = kv_row_scale_count(g.format, hd, group_);
-          cs.group = group_;
-          cs.rotated = kv_traits(g.format).layout != kv_layout::dense;
-          segs.push_back(cs);
-        }
-      kv.k.segs = segs.data();
-      kv.v.segs = segs.data() + kv.k.n_segs;
-      kv.host.k = host_row(il, seq_id, h, 0);
-      kv.host.v = kv.host.k + hd;
-      kv.host.row_stride = 2 * hd;
-      kv.n_pos = n_stored;
-      kv.head_dim = hd;
-      cert_query_view qv;
-      const size_t off = ((size_t)ta * n_head + (size_t)h * ng) * hd;
-      qv.q = q + off;
-      qv.q_rot = qr_.data() + off;
-      qv.stride_t = (int64_t)n_head * hd;
-      qv.n_tokens = tb - ta;
-      qv.n_group = ng;
-      qv.head_dim = hd;
-      qv.pos0 = pos0 + ta;
-      qv.spec.scale = scale;
-      qv.spec.window = kv_layer_window(p_, il);  // honoured; the tiers still keep every position (no ring)
-      qv.spec.softcap = p_.attn_softcap;
-      steps.resize((size_t)(tb - ta) * ng);
-      attn_certified_ref(kv, qv, opt, out + off, steps.data());
-      for (int t = ta; t < tb; ++t)
-        for (int g = 0; g < ng; ++g) last_steps_[(size_t)t * n_head + h * ng + g] = steps[(size_t)(t - ta) * ng + g];
+    const attend_seq& a = seqs[w.seq];
+    const int h = w.kv_head, ta = w.ta, tb = w.tb;
+    const size_t hi = head_index(il, a.seq_id, h);
+    segs.clear();
+    cert_kv_view kv;
+    for (auto [view, rows, rot] : {std::tuple{&kv.k, &k_[hi], &rot_k_}, std::tuple{&kv.v, &v_[hi], &rot_v_}}) {
+      view->err = rows->err.data();
+      view->rot = rot;
+      view->n_segs = (int)rows->segs.size();
     }
+    for (const auto* rows : {&k_[hi], &v_[hi]})
+      for (const auto& g : rows->segs) {
+        cert_segment cs;
+        cs.row_begin = g.row_begin;
+        cs.format = g.format;
+        cs.codes = rows->codes.data() + g.code_off;
+        cs.code_stride = (int64_t)kv_code_bytes(g.format, hd);
+        cs.scales = rows->scales.data() + g.scale_off;
+        cs.scale_stride = kv_row_scale_count(g.format, hd, group_);
+        cs.group = group_;
+        cs.rotated = kv_traits(g.format).layout != kv_layout::dense;
+        segs.push_back(cs);
+      }
+    kv.k.segs = segs.data();
+    kv.v.segs = segs.data() + kv.k.n_segs;
+    kv.host.k = host_row(il, a.seq_id, h, 0);
+    kv.host.v = kv.host.k + hd;
+    kv.host.row_stride = 2 * hd;
+    kv.n_pos = n_[(size_t)il * p_.n_seq + a.seq_id];
+    kv.head_dim = hd;
+    cert_query_view qv;
+    const size_t off = ((size_t)ta * n_head + (size_t)h * ng) * hd;
+    const size_t qbase = (size_t)plan_.tok0(w.seq) * n_head * hd;  // the sequence's queries in qr_
+    qv.q = a.q + off;
+    qv.q_rot = qr_.data() + qbase + off;
+    qv.stride_t = (int64_t)n_head * hd;
+    qv.n_tokens = tb - ta;
+    qv.n_group = ng;
+    qv.head_dim = hd;
+    qv.pos0 = a.pos0 + ta;
+    qv.spec.scale = scale;
+    qv.spec.window = kv_layer_window(p_, il);  // honoured; the tiers still keep every position (no ring)
+    qv.spec.softcap = p_.attn_softcap;
+    steps.resize((size_t)(tb - ta) * ng);
+    attn_certified_ref(kv, qv, opt, a.out + off, steps.data());
+    cert_step* dst = &last_steps_[(size_t)plan_.tok0(w.seq) * n_head];
+    for (int t = ta; t < tb; ++t)
+      for (int g = 0; g < ng; ++g) dst[(size_t)t * n_head + h * ng + g] = steps[(size_t)(t - ta) * ng + g];
   });
   record(il, n_head);
 }

@@ -3,8 +3,10 @@
 // p % ring.
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
+#include "cache/attend_plan.h"
 #include "cache/kv_cache_impl.h"
 #include "kvq/error.h"
 #include "kvq/f16.h"
@@ -86,63 +88,13 @@ class kv_cache_dense final : public kv_cache {
 
   void attend(int il, int seq_id, int pos0, int n_tokens, int n_head, const float* q, float scale,
               float* out, thread_pool& pool) override {
-    check_layer_seq("attend", il, seq_id);
-    const int have = pos_[(size_t)il * p_.n_seq + seq_id];
-    if (n_tokens < 1 || pos0 < 0 || (int64_t)pos0 + n_tokens > have)
-      fail_input("[kv_cache] attend: queries at positions [" + std::to_string(pos0) + ", " +
-                 std::to_string((int64_t)pos0 + n_tokens) + ") need appended positions, layer " +
-                 std::to_string(il) + " of seq " + std::to_string(seq_id) + " holds " + std::to_string(have));
-    if (n_head < p_.n_kv_head || n_head % p_.n_kv_head != 0)
-      fail_input("[kv_cache] attend: n_head " + std::to_string(n_head) + " is not a multiple of n_kv_head " +
-                 std::to_string(p_.n_kv_head));
-    attn_spec spec;
-    spec.scale = scale;
-    spec.window = window_[il];
-    spec.softcap = p_.attn_softcap;
-    check_ring_holds(p_, "attend", il, seq_id, spec.key_range(pos0).lo, first_[(size_t)il * p_.n_seq + seq_id]);
-    const int hd = p_.head_dim, n_group = n_head / p_.n_kv_head, ring = ring_[il];
-    const int64_t n_items = (int64_t)p_.n_kv_head * n_tokens;
-    const int64_t keys = spec.window > 0 ? std::min<int64_t>(spec.window, (int64_t)pos0 + n_tokens) : (int64_t)pos0 + n_tokens;
-    const int64_t work = n_items * keys * hd * n_group * 2;  // multiply-adds
-    pool.parallel_for(n_items, work, [&](int64_t item, int) {
-      const int h = (int)(item / n_tokens), t = (int)(item % n_tokens);
-      kv_dense_view kv;
-      kv.type_k = ek_;
-      kv.type_v = ev_;
-      kv.row_stride = hd;
-      kv.head_dim = hd;
-      attn_query_view qv;
-      qv.q = q + ((int64_t)t * n_head + (int64_t)h * n_group) * hd;
-      qv.stride_t = (int64_t)n_head * hd;
-      qv.n_tokens = 1;
-      qv.n_group = n_group;
-      qv.head_dim = hd;
-      qv.pos0 = pos0 + t;
-      qv.spec = spec;
-      attn_state st[64];
-      float* o = out + ((int64_t)t * n_head + (int64_t)h * n_group) * hd;
-      for (int g0 = 0; g0 < n_group; g0 += 64) {
-        const int ng = std::min(64, n_group - g0);
-        for (int g = 0; g < ng; ++g) st[g] = attn_state::empty(o + (int64_t)(g0 + g) * hd, hd);
-        attn_query_view qg = qv;
-        qg.q += (int64_t)g0 * hd;
-        qg.n_group = ng;
-        // the keys of the query, in at most two contiguous pieces of the ring
-        const key_span span = spec.key_range(pos0 + t);
-        for (int a = span.lo; a < span.hi;) {
-          const int slot = a % ring, b = std::min(span.hi, a + ring - slot);
-          kv.k = k_.data() + row_index(il, seq_id, h, a) * hd * kv_elem_bytes(ek_);
-          kv.v = v_.data() + row_index(il, seq_id, h, a) * hd * kv_elem_bytes(ev_);
-          kv.pos_begin = a;
-          kv.n_pos = b - a;
-          attn_dense(kv, qg, st);
-          a = b;
-        }
-        for (int g = 0; g < ng; ++g) st[g].finalize(st[g].o);
-      }
-    });
+    const attend_seq one{seq_id, pos0, n_tokens, q, out};
+    attend_seqs("attend", il, &one, 1, n_head, scale, pool);
   }
-
+  void attend_batch(int il, const attend_seq* seqs, int n_seqs, int n_head, float scale,
+                    thread_pool& pool) override {
+    attend_seqs("attend_batch", il, seqs, n_seqs, n_head, scale, pool);
+  }
   int n_pos(int seq_id) const override {
     if (seq_id < 0 || seq_id >= p_.n_seq) return 0;
     return pos_[(size_t)(p_.n_layer - 1) * p_.n_seq + seq_id];
@@ -178,6 +130,78 @@ class kv_cache_dense final : public kv_cache {
       fail_input(std::string("[kv_cache] ") + op + ": seq_id " + std::to_string(seq_id) + " out of range [0, " +
                  std::to_string(p_.n_seq) + ")");
   }
+  // attend / attend_batch through the planner (attend_plan.h): items (sequence, kv head, query
+  // tile, key chunk), the chunks splitting the positions the sequence's queries see (split-K).
+  void attend_seqs(const char* op, int il, const attend_seq* seqs, int n_seqs, int n_head, float scale,
+                   thread_pool& pool) {
+    const std::string tag = std::string("[kv_cache] ") + op + ": ";
+    check_attend_batch(op, seqs, n_seqs, p_.n_seq);
+    attn_spec spec;
+    spec.scale = scale;
+    spec.window = window_[il];
+    spec.softcap = p_.attn_softcap;
+    for (int b = 0; b < n_seqs; ++b) {
+      const attend_seq& a = seqs[b];
+      check_layer_seq(op, il, a.seq_id);
+      const int have = pos_[(size_t)il * p_.n_seq + a.seq_id];
+      if (a.n_tokens < 1 || a.pos0 < 0 || (int64_t)a.pos0 + a.n_tokens > have)
+        fail_input(tag + "queries at positions [" + std::to_string(a.pos0) + ", " +
+                   std::to_string((int64_t)a.pos0 + a.n_tokens) + ") need appended positions, layer " +
+                   std::to_string(il) + " of seq " + std::to_string(a.seq_id) + " holds " + std::to_string(have));
+      check_ring_holds(p_, op, il, a.seq_id, spec.key_range(a.pos0).lo, first_[(size_t)il * p_.n_seq + a.seq_id]);
+    }
+    if (n_head < p_.n_kv_head || n_head % p_.n_kv_head != 0)
+      fail_input(tag + "n_head " + std::to_string(n_head) + " is not a multiple of n_kv_head " +
+                 std::to_string(p_.n_kv_head));
+    if (n_seqs == 0) return;
+    const int hd = p_.head_dim, nh = p_.n_kv_head, ng = n_head / nh, ring = ring_[il];
+    plan_in_.resize(n_seqs);
+    int64_t work = 0;  // multiply-adds: decides whether threads pay at all
+    for (int b = 0; b < n_seqs; ++b) {
+      const attend_seq& a = seqs[b];
+      plan_in_[b].n_tokens = a.n_tokens;
+      plan_in_[b].split_lo = spec.key_range(a.pos0).lo;
+      plan_in_[b].split_hi = a.pos0 + a.n_tokens;
+      const int64_t keys = plan_in_[b].split_hi - plan_in_[b].split_lo;
+      work += (int64_t)a.n_tokens * n_head * keys * hd * 2;
+    }
+    plan_.plan(plan_in_.data(), n_seqs, nh, n_head, hd, pool.size());
+    plan_.run(pool, work, [&](const attend_item& w) {
+      const attend_seq& a = seqs[w.seq];
+      attn_query_view qv;
+      qv.q = a.q + ((int64_t)w.ta * n_head + (int64_t)w.kv_head * ng) * hd;
+      qv.stride_t = (int64_t)n_head * hd;
+      qv.n_tokens = w.tb - w.ta;
+      qv.n_group = ng;
+      qv.head_dim = hd;
+      qv.pos0 = a.pos0 + w.ta;
+      qv.spec = spec;
+      attn_state* sts = plan_.begin(w, a.out);
+      // the chunk's keys that the tile's queries see, in at most two contiguous pieces of the ring
+      const int lo = std::max(w.row_lo, spec.key_range(a.pos0 + w.ta).lo);
+      const int hi = std::min(w.row_hi, a.pos0 + w.tb);
+      if (hi <= lo) return;
+      plan_.accumulate(w, sts, [&](attn_state* ls) {
+        kv_dense_view kv;
+        kv.type_k = ek_;
+        kv.type_v = ev_;
+        kv.row_stride = hd;
+        kv.head_dim = hd;
+        for (int r = lo; r < hi;) {
+          const int r1 = std::min(hi, r + ring - r % ring);
+          kv.k = k_.data() + row_index(il, a.seq_id, w.kv_head, r) * hd * kv_elem_bytes(ek_);
+          kv.v = v_.data() + row_index(il, a.seq_id, w.kv_head, r) * hd * kv_elem_bytes(ev_);
+          kv.pos_begin = r;
+          kv.n_pos = r1 - r;
+          attn_dense(kv, qv, ls);
+          r = r1;
+        }
+      });
+    });
+    const int n_tok = plan_.n_tokens();
+    pool.parallel_for(n_tok, (int64_t)n_tok * n_head * hd * 8,
+                      [&](int64_t tg, int) { plan_.finish_token((int)tg, seqs[plan_.seq_of_token((int)tg)].out); });
+  }
   // Row of position pos: layer il's rows start at row0_[il], then [n_seq, n_kv_head, ring]
   int64_t row_index(int il, int seq, int h, int pos) const {
     return (int64_t)row0_[il] + ((int64_t)seq * p_.n_kv_head + h) * ring_[il] + pos % ring_[il];
@@ -192,6 +216,8 @@ class kv_cache_dense final : public kv_cache {
   std::vector<uint8_t> v_;      // per layer [n_seq, n_kv_head, ring, head_dim] of ev_
   std::vector<int> pos_;        // [n_layer, n_seq] positions stored per layer
   std::vector<int> first_;      // [n_layer, n_seq] oldest position still held (ring layers)
+  std::vector<attend_plan_seq> plan_in_;  // attend scratch (one call at a time per cache)
+  attend_planner plan_;
 };
 
 }  // namespace

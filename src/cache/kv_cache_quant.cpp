@@ -13,11 +13,11 @@
 // at least window - 1 + n_ubatch): body row r lives in slot r % ring, and rows [body_lo, n_comp)
 // are held (docs/formats.md, "Sliding-window layers").
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "cache/attend_plan.h"
 #include "cache/kv_cache_impl.h"
 #include "kvq/error.h"
 #include "kvq/f16.h"
@@ -51,21 +51,6 @@ void store_elems(uint8_t* p, kv_elem e, const float* x, int n) {
 }
 kv_elem elem_of(kv_format f) {
   return f == kv_format::f32 ? kv_elem::f32 : f == kv_format::bf16 ? kv_elem::bf16 : kv_elem::f16;
-}
-
-// Runs fn(item, thread) for item in [0, n) with dynamic scheduling (causal prefill items differ
-// in cost).
-template <class Fn>
-void parallel_dynamic(thread_pool& pool, int64_t n, int64_t work, Fn&& fn) {
-  if (n <= 0) return;
-  if (work < thread_pool::min_parallel_work) {  // small (decode of a tiny model): stay on this thread
-    for (int64_t i = 0; i < n; ++i) fn(i, 0);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  pool.run_on_all([&](int tid, int) {
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i, tid);
-  });
 }
 
 struct side_store {
@@ -297,17 +282,11 @@ class kv_cache_quant final : public kv_cache {
   std::vector<uint8_t> lambda_set_;  // [n_layer]
   // scratch of append / attend (one call at a time per cache)
   std::vector<float> xk_, xv_, pend_;
-  std::vector<float> qr_, q8s_, ows_;
+  std::vector<float> qr_, q8s_;
   std::vector<int8_t> q8_;
   std::vector<int16_t> q16_;  // the query of 8-bit K (quantize_q16_ref)
-  std::vector<attn_state> states_;
-  struct seq_plan {  // attend_batch: one sequence's work items and state rows
-    int tile = 1, n_tiles = 1, n_chunks = 1, chunk_rows = 0;
-    int body0 = 0;  // first body row any query of the sequence sees, rounded down to a unit
-    int64_t item0 = 0, state0 = 0, ows0 = 0;
-  };
-  std::vector<seq_plan> plan_;
-  std::vector<int> tok0_;  // attend_batch: first batch token of each sequence, [n_seqs + 1]
+  std::vector<attend_plan_seq> plan_in_;
+  attend_planner plan_;
 };
 
 void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, bool is_v, size_t heads) {
@@ -584,16 +563,31 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
   if (n_seqs == 0) return;
   const int hd = p_.head_dim, nh = p_.n_kv_head, ng = n_head / nh;
   const bool k_int8 = k_.t->layout == kv_layout::per_token;
-  // The batch's tokens are numbered across sequences: sequence b holds tokens [tok0_[b], tok0_[b + 1]).
-  tok0_.assign(n_seqs + 1, 0);
-  for (int b = 0; b < n_seqs; ++b) tok0_[b + 1] = tok0_[b] + seqs[b].n_tokens;
-  const int n_tok = tok0_[n_seqs];
+  // 1. Work items (attend_plan.h): (sequence, kv head, query tile, body chunk); the chunks split a
+  // sequence's body rows [body0, n_comp), body0 the first unit any of its queries sees.
+  const attn_spec spec = spec_of(il, scale);
+  plan_in_.resize(n_seqs);
+  int64_t work = 0;  // multiply-adds of the batch: decides whether threads pay at all
+  for (int b = 0; b < n_seqs; ++b) {
+    const seq_state& sq = st(il, seqs[b].seq_id);
+    const int lo = std::max(0, spec.key_range(seqs[b].pos0).lo - p_.sink);
+    plan_in_[b].n_tokens = seqs[b].n_tokens;
+    plan_in_[b].split_lo = std::min(lo, sq.n_comp) / unit_ * unit_;
+    plan_in_[b].split_hi = sq.n_comp;
+    const int64_t keys = spec.window > 0 ? std::min<int64_t>(spec.window, sq.n) : sq.n;
+    work += (int64_t)seqs[b].n_tokens * n_head * keys * hd * 2;
+  }
+  attend_plan_options opt;
+  opt.chunk_align = std::max(32, unit_);
+  plan_.plan(plan_in_.data(), n_seqs, nh, n_head, hd, pool.size(), opt);
+  // The batch's tokens are numbered across sequences: sequence b holds [tok0(b), tok0(b + 1)).
+  const int n_tok = plan_.n_tokens();
   const size_t nq = (size_t)n_tok * n_head;
-  // 1. Q rotated once (and scaled by λ_K), then, when K is per-token quantized, int8 (int16 for
+  // 2. Q rotated once (and scaled by λ_K), then, when K is per-token quantized, int8 (int16 for
   // 8-bit K) with one scale per K group.
   qr_.resize(nq * hd);
   for (int b = 0; b < n_seqs; ++b)
-    std::memcpy(&qr_[(size_t)tok0_[b] * n_head * hd], seqs[b].q, (size_t)seqs[b].n_tokens * n_head * hd * sizeof(float));
+    std::memcpy(&qr_[(size_t)plan_.tok0(b) * n_head * hd], seqs[b].q, (size_t)seqs[b].n_tokens * n_head * hd * sizeof(float));
   const int qg = k_int8 ? k_.group : hd, nqg = hd / qg;  // one query scale per K group
   const bool q16 = k_int8 && k_.t->bits == 8;             // 8-bit K: an int16 query
   if (k_int8) {
@@ -619,66 +613,12 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
       }
     }
   });
-  // 2. Work items: (sequence, kv head, query tile, body chunk), numbered sequence by sequence.
-  // Decode-like batches too small to keep the threads busy split long bodies (split-K).
-  const int chunk_align = std::max(32, unit_);
-  const int64_t want = 4LL * pool.size();
-  plan_.resize(n_seqs);
-  // Chunks of at least `target` body rows: the batch's (item, body row) work spread over about
-  // `want` items, so one long sequence among short ones is split too (never below 1024 rows).
-  // `work` (multiply-adds of the batch) decides whether threads pay at all.
-  int64_t body_work = 0, work = 0;
-  const attn_spec spec = spec_of(il, scale);
-  for (int b = 0; b < n_seqs; ++b) {
-    const int nt = seqs[b].n_tokens, tile = nt <= 16 ? nt : 16;
-    const seq_state& sq = st(il, seqs[b].seq_id);
-    plan_[b].tile = tile;
-    plan_[b].n_tiles = (nt + tile - 1) / tile;
-    // body rows [body0, n_comp) are what the sequence's queries can see (all of them: global layers)
-    const int lo = std::max(0, spec.key_range(seqs[b].pos0).lo - p_.sink);
-    plan_[b].body0 = std::min(lo, sq.n_comp) / unit_ * unit_;
-    const int body_len = sq.n_comp - plan_[b].body0;
-    body_work += (int64_t)nh * plan_[b].n_tiles * body_len;
-    const int64_t keys = spec.window > 0 ? std::min<int64_t>(spec.window, sq.n) : sq.n;
-    work += (int64_t)nt * n_head * keys * hd * 2;
-  }
-  const int64_t target = std::max<int64_t>(1024, body_work / want);
-  int64_t n_items = 0, state_rows = 0, ows_rows = 0;
-  for (int b = 0; b < n_seqs; ++b) {
-    seq_plan& pl = plan_[b];
-    const int n_comp = st(il, seqs[b].seq_id).n_comp - pl.body0;  // body rows the chunks cover
-    int n_chunks = 1;
-    if (n_comp >= 2 * 1024) n_chunks = (int)std::min<int64_t>((n_comp + target - 1) / target, n_comp / 1024);
-    pl.chunk_rows = n_comp;
-    if (n_chunks > 1) {
-      pl.chunk_rows = ((n_comp + n_chunks - 1) / n_chunks + chunk_align - 1) / chunk_align * chunk_align;
-      n_chunks = (n_comp + pl.chunk_rows - 1) / pl.chunk_rows;
-    }
-    pl.n_chunks = n_chunks;
-    pl.item0 = n_items;
-    n_items += (int64_t)nh * pl.n_tiles * n_chunks;
-    pl.state0 = state_rows;  // [n_chunks][n_tokens * n_head] of this sequence
-    state_rows += (int64_t)n_chunks * seqs[b].n_tokens * n_head;
-    pl.ows0 = ows_rows;  // chunks 1.. accumulate their o here
-    ows_rows += (int64_t)(n_chunks - 1) * seqs[b].n_tokens * n_head;
-  }
-  states_.resize((size_t)state_rows);
-  ows_.resize((size_t)ows_rows * hd);
   const bool dequant = p_.attn == attn_path::dequant;
-  parallel_dynamic(pool, n_items, work, [&](int64_t it, int) {
-    // the sequence of item `it`: the last whose first item is <= it
-    const int b = (int)(std::upper_bound(plan_.begin(), plan_.begin() + n_seqs, it,
-                                         [](int64_t v, const seq_plan& p) { return v < p.item0; }) -
-                        plan_.begin()) - 1;
-    const attend_seq& a = seqs[b];
-    const seq_plan& pl = plan_[b];
+  plan_.run(pool, work, [&](const attend_item& w) {
+    const attend_seq& a = seqs[w.seq];
     const seq_state& sq = st(il, a.seq_id);
-    const int64_t item = it - pl.item0;
-    const int n_chunks = pl.n_chunks, n_tiles = pl.n_tiles, chunk_rows = pl.chunk_rows;
-    const int c = (int)(item % n_chunks), tl = (int)(item / n_chunks % n_tiles), h = (int)(item / n_chunks / n_tiles);
-    const int ta = tl * pl.tile, tb = std::min(a.n_tokens, ta + pl.tile);
-    const size_t nqs = (size_t)a.n_tokens * n_head;  // this sequence's (token, head) queries
-    const size_t qbase = (size_t)tok0_[b] * n_head;    // its first query in the batch buffers
+    const int h = w.kv_head, ta = w.ta, tb = w.tb;
+    const size_t qbase = (size_t)plan_.tok0(w.seq) * n_head;  // the sequence's first query in the batch buffers
     const size_t hi = head_index(il, a.seq_id, h);
     const int pos0 = a.pos0;
     attn_query_view qv;
@@ -696,35 +636,14 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
       qv.q8_scale_stride_t = (int64_t)n_head * nqg;
       qv.q8_group = qg;
     }
-    attn_state* sts = &states_[(size_t)pl.state0 + (size_t)c * nqs];
-    for (int t = ta; t < tb; ++t)
-      for (int g = 0; g < ng; ++g) {
-        const size_t i = (size_t)t * n_head + (size_t)h * ng + g;
-        float* o = c == 0 ? a.out + i * hd : &ows_[((size_t)pl.ows0 + (size_t)(c - 1) * nqs + i) * hd];
-        sts[i] = attn_state::empty(o, hd);
-      }
-    // states of this tile, contiguous per token: [t][g] -> sts[t * n_head + h * ng + g]
-    thread_local std::vector<attn_state> local;
-    thread_local std::vector<float> local_o;
-    const int nloc = (tb - ta) * ng;
-    local.resize(nloc);
-    local_o.resize((size_t)nloc * hd);
-    auto run_into_local = [&](auto&& fn) {
-      for (int i = 0; i < nloc; ++i) local[i] = attn_state::empty(&local_o[(size_t)i * hd], hd);
-      fn(local.data());
-    };
-    auto merge_local = [&](attn_state* dst_base) {
-      for (int t = ta; t < tb; ++t)
-        for (int g = 0; g < ng; ++g) dst_base[(size_t)t * n_head + (size_t)h * ng + g].merge(local[(t - ta) * ng + g]);
-    };
+    attn_state* sts = plan_.begin(w, a.out);
     const int n_sink = std::min(sq.n, p_.sink), n_tail = tail_len(sq);
-    // compressed body chunk c, from the first unit this tile's queries see, in at most two pieces
+    // compressed body chunk, from the first unit this tile's queries see, in at most two pieces
     // of a sliding-window layer's ring (pieces start on unit boundaries: the ring is whole units)
     const int tile_lo = std::max(0, spec.key_range(pos0 + ta).lo - p_.sink) / unit_ * unit_;
-    const int r0 = std::max(pl.body0 + c * chunk_rows, tile_lo);
-    const int r1 = std::min(sq.n_comp, pl.body0 + (c + 1) * chunk_rows);
+    const int r0 = std::max(w.row_lo, tile_lo), r1 = w.row_hi;
     if (r1 > r0 && p_.sink + r0 <= pos0 + tb - 1) {
-      run_into_local([&](attn_state* ls) {
+      plan_.accumulate(w, sts, [&](attn_state* ls) {
         for (int a0 = r0; a0 < r1;) {
           const int ring = ring_[il], a1 = std::min(r1, a0 + ring - a0 % ring);
           kv_quant_view kv;
@@ -743,11 +662,10 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
           a0 = a1;
         }
       });
-      merge_local(sts);
     }
     // the exact windows (sink and tail), merged into chunk 0
-    if (c == 0 && (n_sink > 0 || n_tail > 0)) {
-      run_into_local([&](attn_state* ls) {
+    if (w.chunk == 0 && (n_sink > 0 || n_tail > 0)) {
+      plan_.accumulate(w, sts, [&](attn_state* ls) {
         kv_dense_view dv;
         dv.type_k = k_.exact_elem;
         dv.type_v = v_.exact_elem;
@@ -768,22 +686,14 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
           attn_dense(dv, qv, ls);
         }
       });
-      merge_local(sts);
     }
   });
-  // 3. merge the chunks, normalise, undo λ_V and the V rotation once per head
+  // 4. merge the chunks, normalise, undo λ_V and the V rotation once per head
   pool.parallel_for(n_tok, (int64_t)nq * hd * 8, [&](int64_t tg, int) {
-    const int b = (int)(std::upper_bound(tok0_.begin(), tok0_.begin() + n_seqs, (int)tg) - tok0_.begin()) - 1;
-    const seq_plan& pl = plan_[b];
-    const int t = (int)tg - tok0_[b];
-    const size_t nqs = (size_t)seqs[b].n_tokens * n_head;
+    const int b = plan_.seq_of_token((int)tg);
+    const int t = (int)tg - plan_.tok0(b);
     float* out = seqs[b].out;
-    for (int hq = 0; hq < n_head; ++hq) {
-      const size_t i = (size_t)t * n_head + hq;
-      attn_state& s0 = states_[(size_t)pl.state0 + i];
-      for (int c = 1; c < pl.n_chunks; ++c) s0.merge(states_[(size_t)pl.state0 + (size_t)c * nqs + i]);
-      s0.finalize(out + i * hd);
-    }
+    plan_.finish_token((int)tg, out);
     v_.rot.inverse_n(out + (size_t)t * n_head * hd, n_head);
     if (!v_.lambda.empty())
       for (int hq = 0; hq < n_head; ++hq) {
