@@ -85,7 +85,7 @@ void write_file_atomic(const std::string& path, const std::string& text) {
 // "-c tk", so these are rewritten to their long names before parsing.
 static std::vector<std::string> rewrite_llama_style_flags(int argc, char** argv) {
   static const std::map<std::string, std::string> alias = {
-      {"-ctk", "--cache-type-k"}, {"-ctv", "--cache-type-v"}};
+      {"-ctk", "--cache-type-k"}, {"-ctv", "--cache-type-v"}, {"-np", "--parallel"}};
   std::vector<std::string> args;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];

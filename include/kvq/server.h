@@ -1,0 +1,52 @@
+// kvq server: an OpenAI-compatible HTTP server (POST /v1/completions, /v1/chat/completions with
+// server-sent-event streaming, GET /v1/models, /health, /metrics, POST /tokenize, /detokenize,
+// /apply-template) over one model, one KV cache of n_parallel sequence slots and one scheduler
+// thread doing continuous batching: each step is one model::forward over the tokens of every
+// active sequence (one decode token each, plus fixed-size prefill chunks of new prompts), and new
+// requests join between steps (Yu et al. 2022, "Orca", OSDI '22, §3: iteration-level scheduling).
+// HTTP through cpp-httplib, JSON through nlohmann-json. The API follows OpenAI's
+// (https://platform.openai.com/docs/api-reference/completions) and llama.cpp's llama-server
+// (tools/server/README.md: top_k, min_p, /tokenize, /detokenize, /apply-template, /props).
+#pragma once
+#include <memory>
+#include <string>
+
+#include "kvq/kv_cache.h"
+
+namespace kvq {
+
+struct server_params {
+  std::string model_path;
+  std::string model_alias;          // id reported by /v1/models ("" = the file name)
+  std::string host = "127.0.0.1";   // bind address (loopback by default)
+  int port = 8080;                  // 0: any free port (server::port() tells which)
+  std::string api_key;              // "" = no authentication; else "Authorization: Bearer KEY"
+  int n_ctx = 0;                    // positions per sequence slot; 0: min(training context, 4096)
+  int n_parallel = 4;               // sequence slots decoded together
+  int n_batch = 128;                // prompt tokens per prefill chunk (and most prefill tokens per step)
+  int n_queue = 64;                 // requests waiting for a slot before 503 + Retry-After
+  int n_threads = 0;                // compute threads (0: all)
+  int n_http_threads = 0;           // HTTP worker threads (0: n_parallel + n_queue + 4)
+  // Every forward holds >= 2 tokens and 0 or >= 2 output rows (a pad token in a spare slot
+  // otherwise), so the weight products always take the multi-token kernels and a request's tokens
+  // do not depend on what else is in the batch (the one-token SIMD decode kernels round
+  // differently; docs/server.md). Off: a lone decode token takes the one-token kernels.
+  bool batch_invariant = true;
+  std::string chat_template_file;   // "" = the model's tokenizer.chat_template
+  kv_cache_params cache;            // types and options; shapes, n_ctx and n_seq come from the model
+};
+
+// A running server. create() loads the model, checks the chat template (an unknown template is an
+// unsupported error naming its first line; a model without one serves completions and answers
+// chat requests with HTTP 500 saying so), allocates the cache and binds the socket; errors are
+// kvq::error (io: cannot bind; invalid_input / unsupported: model, cache or template).
+class server {
+ public:
+  static std::unique_ptr<server> create(const server_params& p);
+  virtual ~server() = default;
+  virtual int port() const = 0;        // the bound port
+  virtual void run() = 0;              // serves until stop(); returns after the threads have ended
+  virtual void stop() = 0;             // thread-safe; not async-signal-safe
+};
+
+}  // namespace kvq

@@ -1,0 +1,234 @@
+#include "server/api.h"
+
+#include <cmath>
+
+namespace kvq::server_detail {
+
+using nlohmann::json;
+
+void fail_request(const std::string& param, const std::string& message, const std::string& code) {
+  throw api_error(400, message, "invalid_request_error", param, code);
+}
+
+json error_body(const api_error& e) {
+  json err = {{"message", e.what()}, {"type", e.type}, {"param", nullptr}, {"code", nullptr}};
+  if (!e.param.empty()) err["param"] = e.param;
+  if (!e.code.empty()) err["code"] = e.code;
+  return {{"error", err}};
+}
+
+json parse_json_body(const std::string& text) {
+  try {
+    return json::parse(text);
+  } catch (const json::parse_error& e) {
+    fail_request("", std::string("request body is not valid JSON: ") + e.what(), "invalid_json");
+  }
+}
+
+namespace {
+
+const char* type_name(const json& v) { return v.type_name(); }
+
+// The field when present and not null.
+const json* field(const json& body, const char* key) {
+  const auto it = body.find(key);
+  return it == body.end() || it->is_null() ? nullptr : &*it;
+}
+
+int64_t get_int(const json& v, const char* key) {
+  if (!v.is_number_integer())
+    fail_request(key, std::string("'") + key + "' must be an integer, got " + type_name(v) + " " + v.dump(), "invalid_type");
+  if (v.is_number_unsigned() && v.get<uint64_t>() > (uint64_t)INT64_MAX)
+    fail_request(key, std::string("'") + key + "' is out of range: " + v.dump(), "invalid_value");
+  return v.get<int64_t>();
+}
+
+double get_number(const json& v, const char* key) {
+  if (!v.is_number())
+    fail_request(key, std::string("'") + key + "' must be a number, got " + type_name(v) + " " + v.dump(), "invalid_type");
+  return v.get<double>();
+}
+
+bool get_bool(const json& v, const char* key) {
+  if (!v.is_boolean())
+    fail_request(key, std::string("'") + key + "' must be a boolean, got " + type_name(v) + " " + v.dump(), "invalid_type");
+  return v.get<bool>();
+}
+
+chat_message parse_message(const json& m, size_t i) {
+  const std::string where = "messages[" + std::to_string(i) + "]";
+  if (!m.is_object()) fail_request(where, where + " must be an object, got " + type_name(m), "invalid_type");
+  chat_message r;
+  const json* role = field(m, "role");
+  if (!role || !role->is_string()) fail_request(where + ".role", where + ".role must be a string", "invalid_type");
+  r.role = role->get<std::string>();
+  if (r.role != "system" && r.role != "user" && r.role != "assistant" && r.role != "developer")
+    fail_request(where + ".role", where + ".role '" + r.role + "' is not supported (system, user, assistant)",
+                 "invalid_value");
+  if (r.role == "developer") r.role = "system";  // OpenAI's newer name for the system role
+  const json* content = field(m, "content");
+  if (!content) fail_request(where + ".content", where + ".content is missing", "invalid_type");
+  if (content->is_string()) {
+    r.parts = {content->get<std::string>()};
+  } else if (content->is_array()) {
+    r.content_is_string = false;
+    for (size_t j = 0; j < content->size(); ++j) {
+      const json& part = (*content)[j];
+      const std::string pw = where + ".content[" + std::to_string(j) + "]";
+      const json* type = part.is_object() ? field(part, "type") : nullptr;
+      const json* text = part.is_object() ? field(part, "text") : nullptr;
+      if (!type || *type != "text" || !text || !text->is_string())
+        fail_request(pw, pw + " must be {\"type\": \"text\", \"text\": string} (only text parts are supported)",
+                     "invalid_value");
+      r.parts.push_back(text->get<std::string>());
+    }
+    if (r.parts.empty()) fail_request(where + ".content", where + ".content is an empty list", "invalid_value");
+  } else {
+    fail_request(where + ".content", where + ".content must be a string or a list of text parts, got " +
+                                         type_name(*content), "invalid_type");
+  }
+  return r;
+}
+
+}  // namespace
+
+completion_request parse_completion_request(const json& body, bool chat) {
+  if (!body.is_object())
+    fail_request("", std::string("request body must be a JSON object, got ") + type_name(body), "invalid_type");
+  completion_request r;
+  r.chat = chat;
+  if (chat) {
+    const json* msgs = field(body, "messages");
+    if (!msgs) fail_request("messages", "'messages' is required", "missing_field");
+    if (!msgs->is_array()) fail_request("messages", std::string("'messages' must be a list, got ") + type_name(*msgs), "invalid_type");
+    if (msgs->empty()) fail_request("messages", "'messages' must not be empty", "invalid_value");
+    for (size_t i = 0; i < msgs->size(); ++i) r.messages.push_back(parse_message((*msgs)[i], i));
+  } else {
+    const json* p = field(body, "prompt");
+    if (!p) fail_request("prompt", "'prompt' is required", "missing_field");
+    if (p->is_string()) {
+      r.prompt = p->get<std::string>();
+    } else if (p->is_array() && p->size() == 1 && (*p)[0].is_string()) {
+      r.prompt = (*p)[0].get<std::string>();
+    } else if (p->is_array() && !p->empty() && (*p)[0].is_number()) {
+      r.prompt_is_ids = true;
+      for (const json& t : *p) {
+        if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
+          fail_request("prompt", "'prompt' token ids must be non-negative integers, got " + t.dump(), "invalid_value");
+        r.prompt_ids.push_back((int32_t)t.get<int64_t>());
+      }
+    } else if (p->is_array() && p->size() > 1) {
+      fail_request("prompt", "'prompt' as a list of " + std::to_string(p->size()) +
+                                 " prompts is not supported (one prompt per request)", "invalid_value");
+    } else {
+      fail_request("prompt", std::string("'prompt' must be a string or a list of token ids, got ") + type_name(*p) +
+                                 " " + p->dump(), "invalid_type");
+    }
+  }
+  const json* mt = field(body, "max_tokens");
+  const char* mt_name = "max_tokens";
+  if (chat && !mt && (mt = field(body, "max_completion_tokens"))) mt_name = "max_completion_tokens";
+  if (mt) {
+    const int64_t v = get_int(*mt, mt_name);
+    if (v < 1) fail_request(mt_name, std::string("'") + mt_name + "' must be >= 1, got " + std::to_string(v), "invalid_value");
+    r.max_tokens = (int)std::min<int64_t>(v, INT32_MAX);
+  } else if (!chat) {
+    r.max_tokens = 16;  // OpenAI's default for completions
+  }
+  if (const json* n = field(body, "n")) {
+    const int64_t v = get_int(*n, "n");
+    if (v != 1) fail_request("n", "'n' must be 1 (kvq server returns one choice), got " + std::to_string(v), "invalid_value");
+  }
+  if (const json* v = field(body, "temperature")) {
+    const double t = get_number(*v, "temperature");
+    if (!(t >= 0)) fail_request("temperature", "'temperature' must be >= 0, got " + v->dump(), "invalid_value");
+    r.sampling.temp = (float)t;
+  }
+  if (const json* v = field(body, "top_p")) {
+    const double t = get_number(*v, "top_p");
+    if (!(t > 0 && t <= 1)) fail_request("top_p", "'top_p' must be in (0, 1], got " + v->dump(), "invalid_value");
+    r.sampling.top_p = (float)t;
+  }
+  if (const json* v = field(body, "top_k")) r.sampling.top_k = (int)std::clamp<int64_t>(get_int(*v, "top_k"), -1, INT32_MAX);
+  if (const json* v = field(body, "min_p")) {
+    const double t = get_number(*v, "min_p");
+    if (!(t >= 0 && t <= 1)) fail_request("min_p", "'min_p' must be in [0, 1], got " + v->dump(), "invalid_value");
+    r.sampling.min_p = (float)t;
+  }
+  if (const json* v = field(body, "seed")) {
+    const int64_t s = get_int(*v, "seed");
+    if (s < 0 || s > 0xFFFFFFFFLL) fail_request("seed", "'seed' must be in [0, 4294967295], got " + std::to_string(s), "invalid_value");
+    r.sampling.seed = (uint64_t)s;
+  }
+  if (const json* v = field(body, "stop")) {
+    if (v->is_string()) {
+      r.stop = {v->get<std::string>()};
+    } else if (v->is_array()) {
+      for (const json& s : *v) {
+        if (!s.is_string()) fail_request("stop", "'stop' entries must be strings, got " + s.dump(), "invalid_type");
+        r.stop.push_back(s.get<std::string>());
+      }
+    } else {
+      fail_request("stop", std::string("'stop' must be a string or a list of strings, got ") + type_name(*v), "invalid_type");
+    }
+    if (r.stop.size() > 4) fail_request("stop", "'stop' has " + std::to_string(r.stop.size()) + " strings, at most 4", "invalid_value");
+    for (const auto& s : r.stop)
+      if (s.empty()) fail_request("stop", "'stop' strings must not be empty", "invalid_value");
+  }
+  if (const json* v = field(body, "stream")) r.stream = get_bool(*v, "stream");
+  if (const json* v = field(body, "stream_options")) {
+    if (!v->is_object()) fail_request("stream_options", "'stream_options' must be an object", "invalid_type");
+    if (const json* u = field(*v, "include_usage")) r.include_usage = get_bool(*u, "stream_options.include_usage");
+  }
+  if (const json* v = field(body, "ignore_eos")) r.ignore_eos = get_bool(*v, "ignore_eos");
+  return r;
+}
+
+size_t utf8_incomplete_tail(const std::string& s) {
+  // Walk back over at most 3 continuation bytes to a lead byte; incomplete if the lead announces
+  // more bytes than are present.
+  const size_t n = s.size();
+  for (size_t k = 1; k <= std::min<size_t>(4, n); ++k) {
+    const unsigned char c = (unsigned char)s[n - k];
+    if ((c & 0xC0) == 0x80) continue;  // continuation byte
+    const size_t need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+    return need > k ? k : 0;
+  }
+  return 0;
+}
+
+bool text_stream::append(const std::string& piece) {
+  if (stopped_) return true;
+  const size_t old = text_.size();
+  text_ += piece;
+  size_t cut = std::string::npos;
+  for (const auto& s : stop_) {
+    const size_t from = old >= s.size() ? old - s.size() + 1 : 0;
+    const size_t at = text_.find(s, from);
+    if (at != std::string::npos) cut = std::min(cut, at);
+  }
+  if (cut == std::string::npos) return false;
+  text_.resize(std::max(cut, sent_));  // what was sent stays (it cannot contain the stop string)
+  stopped_ = true;
+  return true;
+}
+
+std::string text_stream::take(bool final) {
+  size_t end = text_.size();
+  if (!final && !stopped_) {
+    size_t hold = utf8_incomplete_tail(text_);
+    for (const auto& s : stop_)  // a suffix that may be the start of a stop string
+      for (size_t k = std::min(s.size() - 1, text_.size()); k > hold; --k)
+        if (text_.compare(text_.size() - k, k, s, 0, k) == 0) {
+          hold = k;
+          break;
+        }
+    end = text_.size() - hold;
+  }
+  if (end <= sent_) return {};
+  std::string r = text_.substr(sent_, end - sent_);
+  sent_ = end;
+  return r;
+}
+
+}  // namespace kvq::server_detail

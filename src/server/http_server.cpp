@@ -1,0 +1,378 @@
+// kvq server's HTTP side (cpp-httplib): routes, authentication, OpenAI response shapes, SSE
+// streaming, Prometheus metrics. The scheduler (scheduler.h) does the model work.
+#include <httplib.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+
+#include "kvq/error.h"
+#include "kvq/generate.h"
+#include "kvq/server.h"
+#include "server/api.h"
+#include "server/chat_template.h"
+#include "server/scheduler.h"
+
+namespace kvq {
+namespace server_detail {
+namespace {
+
+using nlohmann::json;
+using clock_type = std::chrono::system_clock;
+
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+int64_t unix_now() {
+  return std::chrono::duration_cast<std::chrono::seconds>(clock_type::now().time_since_epoch()).count();
+}
+
+class http_server final : public server {
+ public:
+  explicit http_server(const server_params& p);
+  int port() const override { return port_; }
+  void run() override;
+  void stop() override { http_.stop(); }
+
+ private:
+  void routes();
+  void send_error(httplib::Response& res, const api_error& e) const;
+  void completion(const httplib::Request& req, httplib::Response& res, bool chat);
+  json usage(int n_prompt, int n_generated) const {
+    return {{"prompt_tokens", n_prompt}, {"completion_tokens", n_generated}, {"total_tokens", n_prompt + n_generated}};
+  }
+  std::string metrics_text() const;
+
+  server_params p_;
+  std::unique_ptr<model> model_;
+  std::unique_ptr<tokenizer> tok_;
+  std::optional<chat_template> template_;
+  std::string template_text_, template_note_;  // the template's text; why chat is unavailable
+  std::string model_id_;
+  std::unique_ptr<scheduler> sched_;
+  httplib::Server http_;
+  int port_ = 0;
+  std::atomic<uint64_t> next_id_{1};
+  std::atomic<uint64_t> http_requests_{0}, http_errors_{0};
+};
+
+http_server::http_server(const server_params& p) : p_(p) {
+  model_ = model::load(p_.model_path);
+  tok_ = tokenizer::from_gguf(model_->gguf());
+  model_id_ = p_.model_alias.empty() ? std::filesystem::path(p_.model_path).filename().string() : p_.model_alias;
+
+  if (!p_.chat_template_file.empty()) {
+    std::ifstream f(p_.chat_template_file, std::ios::binary);
+    if (!f) fail(errc::io, "[server] cannot open --chat-template-file '" + p_.chat_template_file + "'");
+    std::stringstream ss;
+    ss << f.rdbuf();
+    template_text_ = ss.str();
+  } else if (auto t = model_->gguf().try_string("tokenizer.chat_template")) {
+    template_text_ = *t;
+  }
+  const std::string bos_text = tok_->bos() >= 0 ? tok_->token_text(tok_->bos()) : "";
+  if (!template_text_.empty()) template_ = chat_template::from_text(template_text_, bos_text);  // throws for unknown
+  else template_note_ = p_.model_path + " has no tokenizer.chat_template (give one with --chat-template-file)";
+
+  scheduler_params sp;
+  sp.n_ctx = resolve_n_ctx(*model_, p_.n_ctx, "server");
+  sp.n_parallel = p_.n_parallel;
+  sp.n_batch = p_.n_batch;
+  sp.n_queue = p_.n_queue;
+  sp.n_threads = p_.n_threads;
+  sp.batch_invariant = p_.batch_invariant;
+  sp.cache = p_.cache;
+  sched_ = std::make_unique<scheduler>(*model_, *tok_, sp);
+
+  const int n_http = p_.n_http_threads > 0 ? p_.n_http_threads : p_.n_parallel + p_.n_queue + 4;
+  http_.new_task_queue = [n_http] { return new httplib::ThreadPool((size_t)n_http); };
+  http_.set_payload_max_length(16u << 20);
+  http_.set_read_timeout(30);
+  http_.set_write_timeout(30);
+  http_.set_keep_alive_timeout(2);  // idle keep-alive connections hold an HTTP thread (and delay stop())
+  routes();
+  if (p_.port == 0) {
+    port_ = http_.bind_to_any_port(p_.host);
+    if (port_ < 0) fail(errc::io, "[server] cannot bind " + p_.host + " (any port)");
+  } else {
+    if (!http_.bind_to_port(p_.host, p_.port))
+      fail(errc::io, "[server] cannot bind " + p_.host + ":" + std::to_string(p_.port) + " (in use, or not a local address?)");
+    port_ = p_.port;
+  }
+  std::fprintf(stderr, "[server] model %s (%s), n_ctx %d per slot, %d slots, prefill chunk %d, KV cache %s%s\n",
+               model_id_.c_str(), model_->hparams().arch.c_str(), sp.n_ctx, sp.n_parallel, sp.n_batch,
+               sched_->cache_describe().c_str(), sp.batch_invariant ? ", batch-invariant" : "");
+  std::fprintf(stderr, "[server] chat template: %s\n",
+               template_ ? chat_format_name(template_->format()) : template_note_.c_str());
+}
+
+void http_server::run() {
+  std::fprintf(stderr, "[server] listening on http://%s:%d\n", p_.host.c_str(), port_);
+  std::fflush(stderr);
+  http_.listen_after_bind();
+}
+
+void http_server::send_error(httplib::Response& res, const api_error& e) const {
+  res.status = e.status;
+  if (e.status == 503) res.set_header("Retry-After", "1");
+  res.set_content(dump(error_body(e)), "application/json");
+}
+
+void http_server::routes() {
+  http_.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    ++http_requests_;
+    if (p_.api_key.empty() || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
+    if (req.get_header_value("Authorization") == "Bearer " + p_.api_key)
+      return httplib::Server::HandlerResponse::Unhandled;
+    send_error(res, api_error(401, req.has_header("Authorization") ? "invalid API key" : "missing API key (Authorization: Bearer KEY)",
+                              "authentication_error", "", "invalid_api_key"));
+    return httplib::Server::HandlerResponse::Handled;
+  });
+  http_.set_exception_handler([this](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+    try {
+      std::rethrow_exception(ep);
+    } catch (const api_error& e) {
+      send_error(res, e);
+    } catch (const error& e) {
+      const bool input = e.code() == errc::invalid_input;
+      send_error(res, api_error(input ? 400 : 500, e.what(), input ? "invalid_request_error" : "server_error"));
+    } catch (const std::exception& e) {
+      send_error(res, api_error(500, std::string("internal error: ") + e.what(), "server_error"));
+    } catch (...) {
+      send_error(res, api_error(500, "internal error", "server_error"));
+    }
+  });
+  http_.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return;
+    if (res.status == 404) send_error(res, api_error(404, "no route " + req.method + " " + req.path, "invalid_request_error", "", "not_found"));
+    else if (res.status == 413) send_error(res, api_error(413, "request body too large", "invalid_request_error", "", "payload_too_large"));
+    else send_error(res, api_error(res.status, "HTTP " + std::to_string(res.status), "invalid_request_error"));
+  });
+  http_.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
+    if (res.status < 400) return;
+    ++http_errors_;
+    std::string msg;
+    try {
+      msg = json::parse(res.body).at("error").at("message").get<std::string>();
+    } catch (...) {
+    }
+    std::fprintf(stderr, "[server] %s %s -> %d %s\n", req.method.c_str(), req.path.c_str(), res.status, msg.c_str());
+  });
+
+  http_.Get("/health", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content(R"({"status":"ok"})", "application/json");
+  });
+  http_.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    const auto& hp = model_->hparams();
+    json m = {{"id", model_id_}, {"object", "model"}, {"created", unix_now()}, {"owned_by", "kvq"},
+              {"meta", {{"arch", hp.arch}, {"n_vocab", hp.n_vocab}, {"n_ctx_train", hp.n_ctx_train},
+                        {"n_params", hp.n_params}, {"n_ctx", sched_->params().n_ctx}}}};
+    res.set_content(dump({{"object", "list"}, {"data", json::array({m})}}), "application/json");
+  });
+  http_.Get("/props", [this](const httplib::Request&, httplib::Response& res) {
+    json j = {{"model", model_id_}, {"n_ctx", sched_->params().n_ctx}, {"n_parallel", p_.n_parallel},
+              {"kv_cache", sched_->cache_describe()}, {"chat_template", template_text_},
+              {"chat_format", template_ ? chat_format_name(template_->format()) : nullptr},
+              {"bos_token", tok_->bos() >= 0 ? tok_->token_text(tok_->bos()) : ""}};
+    res.set_content(dump(j), "application/json");
+  });
+  http_.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics_text(), "text/plain; version=0.0.4");
+  });
+  http_.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    const json body = parse_json_body(req.body);
+    if (!body.is_object() || !body.contains("content") || !body["content"].is_string())
+      fail_request("content", "'content' must be a string", "invalid_type");
+    bool add_special = false, with_pieces = false;
+    if (body.contains("add_special")) {
+      if (!body["add_special"].is_boolean()) fail_request("add_special", "'add_special' must be a boolean", "invalid_type");
+      add_special = body["add_special"];
+    }
+    if (body.contains("with_pieces")) {
+      if (!body["with_pieces"].is_boolean()) fail_request("with_pieces", "'with_pieces' must be a boolean", "invalid_type");
+      with_pieces = body["with_pieces"];
+    }
+    const auto ids = tok_->encode(body["content"].get<std::string>(), add_special && tok_->add_bos_default(), true);
+    json tokens = json::array();
+    for (int32_t id : ids)
+      tokens.push_back(with_pieces ? json{{"id", id}, {"piece", tok_->token_to_piece(id)}} : json(id));
+    res.set_content(dump({{"tokens", tokens}}), "application/json");
+  });
+  http_.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    const json body = parse_json_body(req.body);
+    if (!body.is_object() || !body.contains("tokens") || !body["tokens"].is_array())
+      fail_request("tokens", "'tokens' must be a list of token ids", "invalid_type");
+    std::vector<int32_t> ids;
+    for (const json& t : body["tokens"]) {
+      if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= tok_->n_vocab())
+        fail_request("tokens", "token id " + t.dump() + " is not in [0, " + std::to_string(tok_->n_vocab()) + ")", "invalid_value");
+      ids.push_back((int32_t)t.get<int64_t>());
+    }
+    res.set_content(dump({{"content", tok_->decode(ids)}}), "application/json");
+  });
+  http_.Post("/apply-template", [this](const httplib::Request& req, httplib::Response& res) {
+    const json body = parse_json_body(req.body);
+    const completion_request r = parse_completion_request(body, true);
+    if (!template_) throw api_error(500, template_note_, "server_error", "", "no_chat_template");
+    bool agp = true;
+    if (body.contains("add_generation_prompt") && body["add_generation_prompt"].is_boolean()) agp = body["add_generation_prompt"];
+    try {
+      res.set_content(dump({{"prompt", template_->render(r.messages, agp)}}), "application/json");
+    } catch (const error& e) {
+      fail_request("messages", e.what(), "invalid_value");
+    }
+  });
+  http_.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) { completion(req, res, false); });
+  http_.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) { completion(req, res, true); });
+}
+
+void http_server::completion(const httplib::Request& req, httplib::Response& res, bool chat) {
+  const completion_request r = parse_completion_request(parse_json_body(req.body), chat);
+  seq_request sr;
+  if (chat) {
+    if (!template_) throw api_error(500, template_note_, "server_error", "", "no_chat_template");
+    std::string prompt;
+    try {
+      prompt = template_->render(r.messages, true);
+    } catch (const error& e) {
+      fail_request("messages", e.what(), "invalid_value");
+    }
+    // A template that writes BOS itself (Gemma's {{ bos_token }}) gets no second one.
+    const bool has_bos = !template_->bos_text().empty() && prompt.rfind(template_->bos_text(), 0) == 0;
+    sr.prompt = tok_->encode(prompt, !has_bos && tok_->add_bos_default(), true);
+  } else if (r.prompt_is_ids) {
+    sr.prompt = r.prompt_ids;
+  } else {
+    sr.prompt = tok_->encode(r.prompt, tok_->add_bos_default(), true);
+  }
+  sr.max_tokens = r.max_tokens;
+  sr.sampling = r.sampling;
+  sr.stop = r.stop;
+  sr.ignore_eos = r.ignore_eos;
+  const int n_prompt = (int)sr.prompt.size();
+  std::shared_ptr<seq_job> job = sched_->submit(sr);  // throws 400 / 503
+
+  const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_++);
+  const int64_t created = unix_now();
+  auto finish_reason = [](const seq_update& u) -> json {
+    if (u.finish_reason == "stop" || u.finish_reason == "length") return u.finish_reason;
+    return u.finish_reason.empty() ? json(nullptr) : json(u.finish_reason);
+  };
+  auto chunk = [=, this](const json& choice) {
+    return json{{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"}, {"created", created},
+                {"model", model_id_}, {"choices", json::array({choice})}};
+  };
+
+  if (!r.stream) {
+    std::string text;
+    seq_update u;
+    for (;;) {
+      u = job->poll(std::chrono::milliseconds(200));
+      text += u.text;
+      if (u.done) break;
+    }
+    if (u.finish_reason == "error") throw api_error(500, "generation failed: " + u.error, "server_error");
+    json choice = {{"index", 0}, {"finish_reason", finish_reason(u)}, {"logprobs", nullptr}};
+    if (chat) choice["message"] = {{"role", "assistant"}, {"content", text}};
+    else choice["text"] = text;
+    json j = {{"id", id}, {"object", chat ? "chat.completion" : "text_completion"}, {"created", created},
+              {"model", model_id_}, {"choices", json::array({choice})}, {"usage", usage(n_prompt, u.n_generated)}};
+    res.set_content(dump(j), "application/json");
+    return;
+  }
+
+  // Server-sent events: one data line per chunk, then "data: [DONE]". A failed write (client gone)
+  // or the connection ending early cancels the request and frees its slot.
+  const bool include_usage = r.include_usage;
+  auto first = std::make_shared<bool>(true);
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [=, this](size_t, httplib::DataSink& sink) {
+        auto send = [&](const json& j) {
+          const std::string s = "data: " + dump(j) + "\n\n";
+          return sink.write(s.data(), s.size());
+        };
+        if (chat && *first) {  // OpenAI's first chat chunk carries the role
+          *first = false;
+          if (!send(chunk({{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"finish_reason", nullptr}}))) {
+            job->cancel();
+            return false;
+          }
+        }
+        const seq_update u = job->poll(std::chrono::milliseconds(100));
+        if (!u.text.empty()) {
+          json choice = {{"index", 0}, {"finish_reason", nullptr}};
+          if (chat) choice["delta"] = {{"content", u.text}};
+          else choice["text"] = u.text, choice["logprobs"] = nullptr;
+          if (!send(chunk(choice))) {
+            job->cancel();
+            return false;
+          }
+        } else if (!u.done && !sink.is_writable()) {
+          job->cancel();
+          return false;
+        }
+        if (!u.done) return true;
+        if (u.finish_reason == "error") {
+          api_error e(500, "generation failed: " + u.error, "server_error");
+          send(error_body(e));
+        } else {
+          json choice = {{"index", 0}, {"finish_reason", finish_reason(u)}};
+          if (chat) choice["delta"] = json::object();
+          else choice["text"] = "", choice["logprobs"] = nullptr;
+          send(chunk(choice));
+          if (include_usage) {
+            json j = chunk(choice);
+            j["choices"] = json::array();
+            j["usage"] = usage(n_prompt, u.n_generated);
+            send(j);
+          }
+        }
+        const std::string done = "data: [DONE]\n\n";
+        sink.write(done.data(), done.size());
+        sink.done();
+        return true;
+      },
+      [job](bool success) {
+        if (!success) job->cancel();
+      });
+}
+
+std::string http_server::metrics_text() const {
+  const scheduler_metrics m = sched_->metrics();
+  std::string s;
+  auto metric = [&](const char* name, const char* type, const char* help, double v) {
+    char num[32];
+    std::snprintf(num, sizeof num, "%.17g", v);
+    s += std::string("# HELP kvq_") + name + " " + help + "\n# TYPE kvq_" + name + " " + type + "\nkvq_" + name +
+         " " + num + "\n";
+  };
+  metric("http_requests_total", "counter", "HTTP requests received", (double)http_requests_.load());
+  metric("http_errors_total", "counter", "HTTP responses with status >= 400", (double)http_errors_.load());
+  metric("requests_total", "counter", "generation requests accepted", (double)m.requests);
+  metric("requests_finished_total", "counter", "generation requests finished (stop or length)", (double)m.finished);
+  metric("requests_cancelled_total", "counter", "generation requests cancelled (client disconnected)", (double)m.cancelled);
+  metric("requests_failed_total", "counter", "generation requests ended by an error", (double)m.failed);
+  metric("prompt_tokens_total", "counter", "prompt tokens admitted", (double)m.prompt_tokens);
+  metric("tokens_generated_total", "counter", "tokens generated", (double)m.generated_tokens);
+  metric("steps_total", "counter", "scheduler steps (one forward each)", (double)m.steps);
+  metric("batch_tokens_total", "counter", "tokens run through the model, pad tokens included", (double)m.batch_tokens);
+  metric("pad_tokens_total", "counter", "pad tokens added for batch invariance", (double)m.pad_tokens);
+  metric("sequences_active", "gauge", "requests holding a sequence slot", (double)m.active);
+  metric("sequences_queued", "gauge", "requests waiting for a slot", (double)m.queued);
+  metric("kv_cache_bytes_used", "gauge", "KV cache bytes holding stored positions", (double)m.kv_bytes_used);
+  metric("kv_cache_bytes", "gauge", "KV cache bytes allocated", (double)m.kv_bytes);
+  return s;
+}
+
+}  // namespace
+}  // namespace server_detail
+
+std::unique_ptr<server> server::create(const server_params& p) {
+  return std::make_unique<server_detail::http_server>(p);
+}
+
+}  // namespace kvq

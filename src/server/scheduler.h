@@ -1,0 +1,139 @@
+// Continuous batching over one KV cache of n_parallel sequence slots (Orca's iteration-level
+// scheduling, Yu et al. 2022, OSDI '22, §3): one thread runs steps; each step is ONE
+// model::forward over a batch that holds one decode token of every generating sequence and
+// prefill chunks of new prompts. A prompt is cut into chunks of n_batch tokens at fixed offsets
+// (0, n_batch, 2 n_batch, ...), at most n_batch prefill tokens per step (whole chunks, oldest
+// request first), so a long prompt never stalls the decoding sequences for more than one chunk.
+// Requests wait in a FIFO queue for a free slot and join between steps; a slot is cleared when its
+// request ends (finished, cancelled or failed).
+//
+// Batch invariance: a sequence's chunking does not depend on the others, every kv_cache keeps
+// sequences apart, and with batch_invariant every forward has >= 2 tokens and 0 or >= 2 logits
+// rows (a pad token in the spare slot n_parallel otherwise), so the weight products never take the
+// one-token kernels, whose SIMD sums round differently from the multi-token tiles. A greedy
+// request then returns the same tokens alone or among others (tests/server/test_scheduler.cpp).
+// The compressed caches' K channel scale (kv_cache_params::k_channel_scale: μ_K and λ_K of a
+// layer's first append, shared by all sequences) is calibrated once at start-up on a fixed text
+// (calibration_text()), so it does not depend on which request came first either.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvq/kv_cache.h"
+#include "kvq/model.h"
+#include "kvq/sampling.h"
+#include "kvq/thread_pool.h"
+#include "kvq/tokenizer.h"
+
+namespace kvq::server_detail {
+
+struct scheduler_params {
+  int n_ctx = 0;          // positions per slot (resolved, > 0)
+  int n_parallel = 4;     // slots
+  int n_batch = 128;      // prefill chunk (tokens) and most prefill tokens per step
+  int n_queue = 64;       // waiting requests before submit() refuses
+  int n_threads = 0;      // compute threads (0: all)
+  bool batch_invariant = true;
+  bool record_logits = false;  // tests: seq_update::logits_hash of every sampled row
+  kv_cache_params cache;  // types and options (shapes come from the model)
+};
+
+struct seq_request {
+  std::vector<int32_t> prompt;  // token ids, 1 <= size < n_ctx
+  int max_tokens = -1;          // < 0: until end of generation or a full context
+  sampling_params sampling;
+  std::vector<std::string> stop;
+  bool ignore_eos = false;
+};
+
+// What a request has produced so far; the scheduler writes, the HTTP thread reads (poll).
+struct seq_update {
+  std::string text;               // new text since the last poll (stop strings cut, whole UTF-8 characters)
+  bool done = false;
+  std::string finish_reason;      // "stop" (end of generation or a stop string), "length", "cancelled", "error"
+  std::string error;              // finish_reason "error": the message
+  int n_prompt = 0, n_generated = 0;
+  std::vector<int32_t> ids;       // every generated id so far (not cut at a stop string)
+  std::vector<uint64_t> logits_hash;  // record_logits: FNV-1a of each sampled logits row's bytes
+};
+
+class seq_job {
+ public:
+  // Waits up to `timeout` for new text or the end; returns the accumulated update (text since the
+  // last poll). 
+  seq_update poll(std::chrono::milliseconds timeout);
+  // Asks the scheduler to end this request (client gone); its slot is freed before the next step.
+  void cancel();
+  bool cancelled() const { return cancelled_.load(); }
+
+ private:
+  friend class scheduler;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  seq_update pending_;  // text accumulates until polled; the rest is the current state
+  bool changed_ = false;
+  std::atomic<bool> cancelled_{false};
+  class scheduler* owner_ = nullptr;
+};
+
+struct scheduler_metrics {
+  uint64_t requests = 0, finished = 0, cancelled = 0, failed = 0;
+  uint64_t prompt_tokens = 0, generated_tokens = 0;
+  uint64_t steps = 0, batch_tokens = 0, pad_tokens = 0;
+  int active = 0, queued = 0;
+  size_t kv_bytes_used = 0, kv_bytes = 0;
+};
+
+class scheduler {
+ public:
+  // Creates the cache (n_seq = n_parallel, + 1 pad slot when batch_invariant) and starts the
+  // thread. Throws invalid_input for n_parallel < 1, n_batch < 1, n_queue < 0, and what
+  // make_kv_cache throws.
+  scheduler(model& m, const tokenizer& tok, const scheduler_params& p);
+  ~scheduler();  // stops the thread; unfinished requests end with finish_reason "cancelled"
+
+  // Queues a request. Throws api_error 503 (with retry) when n_queue requests already wait, and
+  // 400 when the prompt is empty or does not leave room for one generated token (>= n_ctx).
+  std::shared_ptr<seq_job> submit(const seq_request& r);
+  scheduler_metrics metrics() const;
+  const scheduler_params& params() const { return p_; }
+  std::string cache_describe() const { return cache_describe_; }
+
+  // The fixed text the compressed caches' channel statistics are calibrated on.
+  static const char* calibration_text();
+
+ private:
+  struct slot;
+  void loop();
+  void wake();
+  friend class seq_job;
+
+  model& m_;
+  const tokenizer& tok_;
+  scheduler_params p_;
+  std::unique_ptr<kv_cache> cache_;
+  std::string cache_describe_;
+  thread_pool pool_;
+  std::vector<std::unique_ptr<slot>> slots_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<std::shared_ptr<seq_job>, seq_request>> waiting_;
+  bool stop_ = false;
+  std::thread thread_;
+
+  std::atomic<uint64_t> n_requests_{0}, n_finished_{0}, n_cancelled_{0}, n_failed_{0};
+  std::atomic<uint64_t> n_prompt_tokens_{0}, n_generated_tokens_{0}, n_steps_{0}, n_batch_tokens_{0}, n_pad_{0};
+  std::atomic<int> n_active_{0};
+  std::atomic<size_t> kv_bytes_used_{0}, kv_bytes_{0};
+};
+
+}  // namespace kvq::server_detail

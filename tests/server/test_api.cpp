@@ -1,0 +1,175 @@
+// OpenAI request parsing and validation, the error body, and the streamed text's stop strings.
+#include <gtest/gtest.h>
+
+#include "server/api.h"
+
+namespace kvq::server_detail {
+namespace {
+
+using nlohmann::json;
+
+// The api_error a body raises (status 0 when it parses).
+api_error error_of(const json& body, bool chat) {
+  try {
+    parse_completion_request(body, chat);
+  } catch (const api_error& e) {
+    return e;
+  }
+  return api_error(0, "", "");
+}
+
+TEST(ServerApi, ParsesOpenAiFields) {
+  const auto r = parse_completion_request(
+      json::parse(R"({"model":"x","prompt":"hi","max_tokens":7,"temperature":0,"top_p":0.5,"top_k":3,
+                      "min_p":0.1,"seed":42,"stop":["a","bc"],"stream":true,"stream_options":{"include_usage":true},
+                      "n":1,"user":"ignored","presence_penalty":null})"),
+      false);
+  EXPECT_EQ(r.prompt, "hi");
+  EXPECT_EQ(r.max_tokens, 7);
+  EXPECT_EQ(r.sampling.temp, 0.0f);
+  EXPECT_EQ(r.sampling.top_p, 0.5f);
+  EXPECT_EQ(r.sampling.top_k, 3);
+  EXPECT_FLOAT_EQ(r.sampling.min_p, 0.1f);
+  EXPECT_EQ(r.sampling.seed, 42u);
+  EXPECT_EQ(r.stop, (std::vector<std::string>{"a", "bc"}));
+  EXPECT_TRUE(r.stream);
+  EXPECT_TRUE(r.include_usage);
+}
+
+TEST(ServerApi, Defaults) {
+  const auto c = parse_completion_request(json::parse(R"({"prompt":"hi"})"), false);
+  EXPECT_EQ(c.max_tokens, 16);  // OpenAI's completions default
+  EXPECT_FALSE(c.stream);
+  EXPECT_EQ(c.sampling.seed, 0xFFFFFFFFu);  // random
+  const auto chat = parse_completion_request(json::parse(R"({"messages":[{"role":"user","content":"q"}]})"), true);
+  EXPECT_EQ(chat.max_tokens, -1);  // until end of generation
+  ASSERT_EQ(chat.messages.size(), 1u);
+  EXPECT_EQ(chat.messages[0].parts, std::vector<std::string>{"q"});
+  const auto mct = parse_completion_request(
+      json::parse(R"({"messages":[{"role":"developer","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],"max_completion_tokens":3})"),
+      true);
+  EXPECT_EQ(mct.max_tokens, 3);
+  EXPECT_EQ(mct.messages[0].role, "system");
+  EXPECT_FALSE(mct.messages[0].content_is_string);
+  EXPECT_EQ(mct.messages[0].parts, (std::vector<std::string>{"a", "b"}));
+}
+
+TEST(ServerApi, PromptAsTokenIds) {
+  const auto r = parse_completion_request(json::parse(R"({"prompt":[1,2,3]})"), false);
+  EXPECT_TRUE(r.prompt_is_ids);
+  EXPECT_EQ(r.prompt_ids, (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(parse_completion_request(json::parse(R"({"prompt":["one"]})"), false).prompt, "one");
+}
+
+TEST(ServerApi, RejectsBadInputWithFieldAndStatus) {
+  struct bad { const char* body; bool chat; const char* param; };
+  const bad cases[] = {
+      {R"([1,2])", false, ""},
+      {R"({})", false, "prompt"},
+      {R"({"prompt":5})", false, "prompt"},
+      {R"({"prompt":["a","b"]})", false, "prompt"},
+      {R"({"prompt":[1,-2]})", false, "prompt"},
+      {R"({"prompt":"x","max_tokens":0})", false, "max_tokens"},
+      {R"({"prompt":"x","max_tokens":-5})", false, "max_tokens"},
+      {R"({"prompt":"x","max_tokens":"10"})", false, "max_tokens"},
+      {R"({"prompt":"x","max_tokens":1.5})", false, "max_tokens"},
+      {R"({"prompt":"x","temperature":"hot"})", false, "temperature"},
+      {R"({"prompt":"x","temperature":-1})", false, "temperature"},
+      {R"({"prompt":"x","top_p":0})", false, "top_p"},
+      {R"({"prompt":"x","top_p":1.5})", false, "top_p"},
+      {R"({"prompt":"x","min_p":2})", false, "min_p"},
+      {R"({"prompt":"x","seed":-1})", false, "seed"},
+      {R"({"prompt":"x","seed":4294967296})", false, "seed"},
+      {R"({"prompt":"x","n":2})", false, "n"},
+      {R"({"prompt":"x","stop":7})", false, "stop"},
+      {R"({"prompt":"x","stop":["a",1]})", false, "stop"},
+      {R"({"prompt":"x","stop":["a","b","c","d","e"]})", false, "stop"},
+      {R"({"prompt":"x","stop":""})", false, "stop"},
+      {R"({"prompt":"x","stream":"yes"})", false, "stream"},
+      {R"({"prompt":"x","stream_options":{"include_usage":1}})", false, "stream_options.include_usage"},
+      {R"({"prompt":"x"})", true, "messages"},
+      {R"({"messages":{}})", true, "messages"},
+      {R"({"messages":[]})", true, "messages"},
+      {R"({"messages":["hi"]})", true, "messages[0]"},
+      {R"({"messages":[{"role":"user"}]})", true, "messages[0].content"},
+      {R"({"messages":[{"role":"wizard","content":"x"}]})", true, "messages[0].role"},
+      {R"({"messages":[{"role":"user","content":5}]})", true, "messages[0].content"},
+      {R"({"messages":[{"role":"user","content":[{"type":"image_url"}]}]})", true, "messages[0].content[0]"},
+  };
+  for (const bad& c : cases) {
+    const api_error e = error_of(json::parse(c.body), c.chat);
+    EXPECT_EQ(e.status, 400) << c.body;
+    EXPECT_EQ(e.type, "invalid_request_error") << c.body;
+    EXPECT_EQ(e.param, c.param) << c.body;
+    EXPECT_FALSE(std::string(e.what()).empty()) << c.body;
+  }
+}
+
+TEST(ServerApi, MalformedJsonAndErrorBody) {
+  try {
+    parse_json_body("{\"prompt\": ");
+    FAIL() << "no error";
+  } catch (const api_error& e) {
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.code, "invalid_json");
+    const json b = error_body(e);
+    EXPECT_TRUE(b["error"]["message"].is_string());
+    EXPECT_EQ(b["error"]["type"], "invalid_request_error");
+    EXPECT_TRUE(b["error"]["param"].is_null());
+    EXPECT_EQ(b["error"]["code"], "invalid_json");
+  }
+}
+
+TEST(ServerApi, Utf8IncompleteTail) {
+  EXPECT_EQ(utf8_incomplete_tail("abc"), 0u);
+  EXPECT_EQ(utf8_incomplete_tail("a\xC3"), 1u);          // é cut after its lead byte
+  EXPECT_EQ(utf8_incomplete_tail("a\xC3\xA9"), 0u);
+  EXPECT_EQ(utf8_incomplete_tail("\xE2\x9C"), 2u);       // ✓ (E2 9C 93) cut
+  EXPECT_EQ(utf8_incomplete_tail("\xF0\x9F\x98"), 3u);   // 😀 cut
+  EXPECT_EQ(utf8_incomplete_tail("\xF0\x9F\x98\x80"), 0u);
+}
+
+// The text a client receives: the concatenation of every take(), then take(true).
+std::string stream_all(text_stream& s, const std::vector<std::string>& pieces, std::vector<std::string>* sent = nullptr) {
+  std::string out;
+  for (const auto& p : pieces) {
+    const bool stop = s.append(p);
+    const std::string t = s.take(false);
+    if (sent) sent->push_back(t);
+    out += t;
+    if (stop) break;
+  }
+  return out + s.take(true);
+}
+
+TEST(ServerApi, StopStringsAcrossTokens) {
+  {
+    text_stream s({"\n\n", "END"});
+    std::vector<std::string> sent;
+    EXPECT_EQ(stream_all(s, {"def f", "():\n", "    return 1", "\n", "\nmore"}, &sent), "def f():\n    return 1");
+    EXPECT_TRUE(s.stopped());
+    EXPECT_EQ(sent[1], "():");  // the trailing "\n" is held back: it may start "\n\n"
+  }
+  {
+    text_stream s({"END"});
+    EXPECT_EQ(stream_all(s, {"abc E", "N", "D tail"}), "abc ");
+  }
+  {
+    text_stream s({"END"});  // a held-back prefix that turns out not to be a stop string is sent
+    EXPECT_EQ(stream_all(s, {"abc E", "N", "x"}), "abc ENx");
+    EXPECT_FALSE(s.stopped());
+  }
+  {
+    text_stream s({"stop"});  // the earliest stop string wins within one piece
+    EXPECT_EQ(stream_all(s, {"a stop b stop"}), "a ");
+  }
+  {
+    text_stream s({});  // a character split across tokens is sent whole
+    std::vector<std::string> sent;
+    EXPECT_EQ(stream_all(s, {"h\xC3", "\xA9llo"}, &sent), "h\xC3\xA9llo");
+    EXPECT_EQ(sent[0], "h");
+  }
+}
+
+}  // namespace
+}  // namespace kvq::server_detail

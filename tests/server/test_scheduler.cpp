@@ -1,0 +1,160 @@
+// Continuous batching on the real Qwen2.5-Coder model: a greedy request returns the same tokens
+// alone as among 15 others (prompts of different lengths, one chunked over several prefill steps,
+// requests joining while others decode), for an f16 and a q4 cache; stop and length endings;
+// cancelled requests free their slots.
+#include <gtest/gtest.h>
+
+#include <chrono>
+
+#include "kvq/generate.h"
+#include "server/api.h"
+#include "server/scheduler.h"
+#include "support/data_dir.h"
+
+namespace kvq::server_detail {
+namespace {
+
+constexpr const char* kQwen = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+
+seq_update wait_done(seq_job& j) {
+  seq_update all;
+  for (;;) {
+    seq_update u = j.poll(std::chrono::milliseconds(1000));
+    all.text += u.text;
+    all.ids = u.ids;
+    all.logits_hash = u.logits_hash;
+    all.n_generated = u.n_generated;
+    all.finish_reason = u.finish_reason;
+    all.error = u.error;
+    if (u.done) return all;
+  }
+}
+
+std::vector<std::string> prompts16() {
+  std::vector<std::string> p = {
+      "def fibonacci(n):", "The capital of France is", "import numpy as np\n", "// C++ quicksort\n",
+      "Once upon a time", "SELECT name FROM", "class Stack:\n    def __init__(self):", "1, 2, 3, 5, 8,",
+      "<html><body>", "fn main() {", "The theory of relativity", "#include <stdio.h>\nint main",
+      "def is_prime(n):\n    \"\"\"Return True", "Translate to French: cat ->", "git commit -m", ""};
+  // one prompt longer than two prefill chunks (n_batch 16 below)
+  p.back() = "# A long comment that takes several prefill chunks to read: the scheduler cuts it into "
+             "fixed pieces of n_batch tokens while the other sequences keep decoding.\ndef solve(";
+  return p;
+}
+
+void check_batch_invariance(const char* type) {
+  KVQ_REQUIRE_MODEL(path, kQwen);
+  auto m = model::load(path);
+  auto tok = tokenizer::from_gguf(m->gguf());
+  scheduler_params sp;
+  sp.n_ctx = 128;
+  sp.n_parallel = 16;
+  sp.n_batch = 16;
+  sp.n_threads = 2;
+  sp.cache.type_k = sp.cache.type_v = parse_kv_cache_type(type);
+  sp.record_logits = true;
+  scheduler s(*m, *tok, sp);
+  std::vector<seq_request> reqs;
+  for (const auto& p : prompts16()) {
+    seq_request r;
+    r.prompt = tok->encode(p, tok->add_bos_default(), true);
+    r.max_tokens = 4;
+    r.sampling.temp = 0;
+    r.ignore_eos = true;
+    reqs.push_back(r);
+  }
+  ASSERT_GT(reqs.back().prompt.size(), 2u * sp.n_batch);
+  std::vector<seq_update> alone;
+  for (const auto& r : reqs) alone.push_back(wait_done(*s.submit(r)));
+  // All 16 at once, then again with half of them joining while the first half decodes.
+  for (int pass = 0; pass < 2; ++pass) {
+    std::vector<std::shared_ptr<seq_job>> jobs;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      if (pass == 1 && i == reqs.size() / 2) std::this_thread::sleep_for(std::chrono::milliseconds(150));
+      jobs.push_back(s.submit(reqs[i]));
+    }
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      const seq_update u = wait_done(*jobs[i]);
+      EXPECT_EQ(u.finish_reason, "length");
+      EXPECT_EQ(u.ids, alone[i].ids) << type << " pass " << pass << " request " << i;
+      // bit-identical logits, not only the same argmax
+      EXPECT_EQ(u.logits_hash, alone[i].logits_hash) << type << " pass " << pass << " request " << i;
+    }
+  }
+  const scheduler_metrics mt = s.metrics();
+  EXPECT_EQ(mt.active, 0);
+  EXPECT_EQ(mt.finished, 48u);
+  EXPECT_GT(mt.batch_tokens, mt.steps * 4);  // the batched passes really were batched
+}
+
+TEST(Scheduler, GreedyTokensDoNotDependOnTheBatchF16) { check_batch_invariance("f16"); }
+TEST(Scheduler, GreedyTokensDoNotDependOnTheBatchQ4) { check_batch_invariance("q4"); }
+
+TEST(Scheduler, EndsAndCancels) {
+  KVQ_REQUIRE_MODEL(path, kQwen);
+  auto m = model::load(path);
+  auto tok = tokenizer::from_gguf(m->gguf());
+  scheduler_params sp;
+  sp.n_ctx = 24;
+  sp.n_parallel = 2;
+  sp.n_batch = 8;
+  sp.n_queue = 1;
+  sp.n_threads = 2;
+  scheduler s(*m, *tok, sp);
+  seq_request r;
+  r.prompt = tok->encode("def fibonacci(n):", false, true);
+  r.sampling.temp = 0;
+  r.ignore_eos = true;
+  r.max_tokens = 4;
+  const seq_update u = wait_done(*s.submit(r));
+  EXPECT_EQ(u.finish_reason, "length");
+  EXPECT_EQ(u.n_generated, 4);
+  EXPECT_EQ(u.text, tok->decode(u.ids));
+  // A full context ends with "length": 24 - 5 prompt tokens leave 19 positions + 1 last token.
+  r.max_tokens = -1;
+  const seq_update full = wait_done(*s.submit(r));
+  EXPECT_EQ(full.finish_reason, "length");
+  EXPECT_EQ(full.n_generated, 24 - (int)r.prompt.size() + 1);
+  // A stop string taken from the greedy text ends it before the string.
+  r.max_tokens = 16;
+  const std::string ref = full.text;
+  ASSERT_GT(ref.size(), 12u);
+  r.stop = {ref.substr(8, 4)};
+  const seq_update st = wait_done(*s.submit(r));
+  EXPECT_EQ(st.finish_reason, "stop");
+  EXPECT_EQ(st.text, ref.substr(0, ref.find(r.stop[0])));
+  r.stop.clear();
+  // Prompt too long for the context, empty prompt: 400 naming the prompt.
+  seq_request big = r;
+  big.prompt.assign(24, r.prompt[0]);
+  try {
+    s.submit(big);
+    FAIL() << "no error";
+  } catch (const api_error& e) {
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.code, "context_length_exceeded");
+  }
+  big.prompt.clear();
+  EXPECT_THROW(s.submit(big), api_error);
+  // Two slots + a queue of one: the fourth waiting request is refused with 503; cancelling frees slots.
+  r.max_tokens = -1;
+  std::vector<std::shared_ptr<seq_job>> jobs;
+  for (int i = 0; i < 3; ++i) jobs.push_back(s.submit(r));
+  try {
+    s.submit(r);
+    FAIL() << "no 503";
+  } catch (const api_error& e) {
+    EXPECT_EQ(e.status, 503);
+  }
+  for (auto& j : jobs) j->cancel();
+  for (auto& j : jobs) {
+    const seq_update c = wait_done(*j);
+    EXPECT_TRUE(c.finish_reason == "cancelled" || c.finish_reason == "length") << c.finish_reason;
+  }
+  EXPECT_EQ(s.metrics().active, 0);
+  EXPECT_EQ(s.metrics().queued, 0);
+  EXPECT_EQ(s.metrics().kv_bytes_used, 0u);
+}
+
+}  // namespace
+}  // namespace kvq::server_detail

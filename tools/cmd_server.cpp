@@ -1,0 +1,64 @@
+// kvq server: OpenAI-compatible HTTP serving with continuous batching (include/kvq/server.h).
+#include <csignal>
+#include <cstdio>
+#include <pthread.h>
+#include <thread>
+
+#include "cli.h"
+#include "kvq/server.h"
+
+namespace kvq::cli {
+namespace {
+
+struct server_opts {
+  server_params p;
+  kv_flags kv;  // p.cache, parsed when the command runs
+  std::string batch_invariant = "on";
+};
+
+int run_server(server_opts& o) {
+  o.p.cache = o.kv.params();
+  o.p.batch_invariant = o.batch_invariant == "on";
+  // SIGINT / SIGTERM stop the server from a thread of their own (httplib's stop() is not
+  // async-signal-safe); a client that hangs up must not kill the process with SIGPIPE.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);  // before any thread starts: they inherit the mask
+  std::signal(SIGPIPE, SIG_IGN);
+  auto srv = server::create(o.p);
+  std::thread([set, s = srv.get()] {
+    int sig = 0;
+    sigwait(&set, &sig);
+    std::fprintf(stderr, "[server] signal %d: stopping\n", sig);
+    s->stop();
+  }).detach();
+  srv->run();
+  return 0;
+}
+
+const registrar reg{{"server", "OpenAI-compatible HTTP server with continuous batching", [](CLI::App* app) {
+  auto o = std::make_shared<server_opts>();
+  server_params& p = o->p;
+  app->add_option("-m,--model", p.model_path, "GGUF model file")->required();
+  app->add_option("-c,--ctx-size", p.n_ctx, "context size of each sequence slot in tokens (0: min(model, 4096))")->capture_default_str();
+  app->add_option("--parallel", p.n_parallel, "sequence slots decoded together (alias -np)")->capture_default_str()->check(CLI::Range(1, 256));
+  app->add_option("-b,--batch-size", p.n_batch, "prompt tokens per prefill chunk (and per step)")->capture_default_str()->check(CLI::Range(1, 65536));
+  app->add_option("--queue", p.n_queue, "requests waiting for a slot before 503")->capture_default_str()->check(CLI::Range(0, 100000));
+  app->add_option("--host", p.host, "address to bind (127.0.0.1: this machine only)")->capture_default_str();
+  app->add_option("--port", p.port, "TCP port (0: any free port, printed at start)")->capture_default_str()->check(CLI::Range(0, 65535));
+  app->add_option("--api-key", p.api_key, "require 'Authorization: Bearer KEY' (all routes but /health)");
+  app->add_option("-a,--alias", p.model_alias, "model id reported by /v1/models (default: the file name)");
+  app->add_option("--chat-template-file", p.chat_template_file, "chat template text to use instead of the model's");
+  app->add_option("-t,--threads", p.n_threads, "compute threads (0: all)")->capture_default_str()->check(CLI::Range(0, 1024));
+  app->add_option("--threads-http", p.n_http_threads, "HTTP threads (0: parallel + queue + 4)")->capture_default_str()->check(CLI::Range(0, 100000));
+  app->add_option("--batch-invariant", o->batch_invariant,
+                  "on: a request's tokens do not depend on the other requests in the batch (pads one-token steps)")
+      ->capture_default_str()->check(CLI::IsMember({"on", "off"}));
+  add_kv_flags(app, o->kv);
+  return [o] { return run_server(*o); };
+}}};
+
+}  // namespace
+}  // namespace kvq::cli
