@@ -9,7 +9,7 @@
 #include <numeric>
 #include <vector>
 
-#include "kvq/certified.h"
+#include "kvq/attn_certified.h"
 #include "kvq/error.h"
 #include "kvq/f16.h"
 

@@ -16,7 +16,7 @@
 #include "kernels/attn_quant_tiers.h"
 #include "kv_side_util.h"
 #include "kvq/attention.h"
-#include "kvq/certified.h"
+#include "kvq/attn_certified.h"
 #include "kvq/cpu.h"
 #include "kvq/f16.h"
 #include "kvq/quant.h"
