@@ -1,14 +1,54 @@
 // Printing the certified-cache reports (include/kvq/certified.h) of kvq generate / perplexity /
 // bench: stderr lines in text mode, a "certified" JSON object. The statistics come from the
-// library (certified_collector); this header only formats them.
+// library (perplexity_result::certified, generate_result::certified, bench_result::certified);
+// this header only formats them.
 #pragma once
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <string>
 #include <vector>
 
 #include "kvq/certified.h"
 
 namespace kvq::cli {
+
+// The report as text lines (no trailing newline on the last), each starting with `prefix`:
+// the cache, steps certified / partly / fully recomputed (counts and %), bound / ||output||,
+// (measure) bound / actual error median and p99, tier bytes, upgrades (the first 16).
+inline std::string format_certified_report(const certified_report& r, const std::string& prefix = "") {
+  const certified_stats& s = r.stats;
+  const certified_tier_bytes& t = r.tiers;
+  const double n = s.steps ? (double)s.steps : 1.0;
+  char buf[1024];
+  std::string out = prefix + r.describe + "\n";
+  std::snprintf(buf, sizeof buf,
+                "steps %llu (layer x query head x token): certified %llu (%.3f%%), partly recomputed %llu (%.3f%%, "
+                "%.1f tokens each), fully recomputed %llu (%.3f%%)\n",
+                (unsigned long long)s.steps, (unsigned long long)s.certified, 100.0 * s.certified / n,
+                (unsigned long long)s.partial, 100.0 * s.partial / n,
+                s.partial ? (double)s.tokens_recomputed / s.partial : 0.0, (unsigned long long)s.exact,
+                100.0 * s.exact / n);
+  out += prefix + buf;
+  std::snprintf(buf, sizeof buf, "bound / ||output||: median %.3g, p99 %.3g\n", s.rel_bound_median, s.rel_bound_p99);
+  out += prefix + buf;
+  if (r.measure) {
+    std::snprintf(buf, sizeof buf,
+                  "bound / actual error: median %.3g, p99 %.3g, min %.3g (%llu steps with an error), violations %llu\n",
+                  s.ratio_median, s.ratio_p99, s.ratio_min, (unsigned long long)s.measured,
+                  (unsigned long long)s.violations);
+    out += prefix + buf;
+  }
+  std::snprintf(buf, sizeof buf,
+                "tiers: fast %.1f KiB used (peak %.1f, %.0f bytes/token), host %.1f KiB used (peak %.1f, %.0f "
+                "bytes/token, %s)\n",
+                t.fast_used / 1024.0, t.fast_used_peak / 1024.0, r.fast_bytes_per_token, t.host_used / 1024.0,
+                t.host_used_peak / 1024.0, r.host_bytes_per_token, t.host_file_backed ? "file-backed" : "in RAM");
+  out += prefix + buf;
+  out += prefix + "adaptive precision: " + std::to_string(s.heads_upgraded) + " upgrade(s)";
+  for (size_t i = 0; i < r.upgrades.size() && i < 16; ++i) out += (i ? ", " : ": ") + r.upgrades[i];
+  if (r.upgrades.size() > 16) out += ", ...";
+  return out;
+}
 
 inline nlohmann::json certified_json(const certified_report& r) {
   const certified_stats& s = r.stats;

@@ -239,12 +239,11 @@ int run_bench(bench_opts& o) {
   mi.cpu = cpu_model_name();
   mi.n_cpu = (int)::sysconf(_SC_NPROCESSORS_ONLN);
   mi.load_start = load_average();
-  certified_collector certified;  // certified cache statistics (tools/certified_report.h)
   const bench_result r = bench(*m, ids, o.p, prog);
   mi.load_end = load_average();
   if (!o.no_progress && ::isatty(2)) std::fprintf(stderr, "\r\033[K");
   nlohmann::json j = to_json(o, r, mi);
-  add_certified_json(j, certified.reports(), /*as_array=*/true);
+  add_certified_json(j, r.certified, /*as_array=*/true);
 
   // Results first, the plot after: a plot failure must not lose a long run.
   if (o.json) {
@@ -273,7 +272,7 @@ int run_bench(bench_opts& o) {
     for (const auto& w : r.rows) beyond = beyond || w.beyond_train_ctx;
     if (beyond)
       std::printf("\n* timed positions go past the training context (%d): speed only\n", r.n_ctx_train);
-    print_certified_reports(certified.reports());
+    print_certified_reports(r.certified);
   }
   std::fflush(stdout);
   if (!o.plot.empty()) {

@@ -22,7 +22,6 @@ int run_generate(generate_opts& o) {
   o.p.cache = o.kv.params();
   auto m = model::load(o.model_path);
   auto tok = tokenizer::from_gguf(m->gguf());
-  certified_collector certified;  // certified cache statistics (tools/certified_report.h)
   generate_result r;
   if (o.json) {
     r = generate(*m, *tok, o.p);
@@ -67,7 +66,7 @@ int run_generate(generate_opts& o) {
     j["kv_compression_vs_f16"] = ratio;
     j["kv_bytes_allocated"] = r.kv_bytes;
     j["kv_bytes_used"] = r.kv_bytes_used;
-    add_certified_json(j, certified.reports());
+    add_certified_json(j, r.certified);
     std::printf("%s\n", json_text(j).c_str());
   } else {
     std::fprintf(stderr,
@@ -77,7 +76,7 @@ int run_generate(generate_opts& o) {
                  r.prompt_ids.size(), r.ids.size(), r.stop_reason.c_str(), (unsigned long long)r.seed,
                  r.prefill_tokens_per_s, r.decode_tokens_per_s, r.kv_describe.c_str(), r.kv_bytes_per_token,
                  r.kv_bytes_per_token_f16, ratio, r.kv_bytes_used, r.kv_bytes, r.n_ctx);
-    print_certified_reports(certified.reports());
+    print_certified_reports(r.certified);
   }
   return 0;
 }

@@ -84,15 +84,14 @@ int run_perplexity(perplexity_opts& o) {
   if (!o.no_progress)
     std::fprintf(stderr, "[kvq] %s: %zu tokens; chunks of %d tokens, last %d positions scored\n",
                  o.text_path.c_str(), ids.size(), o.p.n_ctx, o.p.n_ctx - 1 - o.p.n_ctx / 2);
-  certified_collector certified;  // certified cache statistics (tools/certified_report.h)
   const perplexity_result r = perplexity(*m, ids, perplexity_bos(*tok), o.p, progress_bar(!o.no_progress));
   if (o.json) {
     nlohmann::json j = to_json(o, r);
-    add_certified_json(j, certified.reports());
+    add_certified_json(j, r.certified);
     std::printf("%s\n", json_text(j).c_str());
     return 0;
   }
-  print_certified_reports(certified.reports());
+  print_certified_reports(r.certified);
   std::printf("model %s, KV cache %s (%.1f bytes/token, f16 %.1f)\n", o.model_path.c_str(), r.kv_describe.c_str(),
               r.kv_bytes_per_token, r.kv_bytes_per_token_f16);
   std::printf("%d chunks of %d tokens, %lld scored tokens, %.1f s (%.0f tok/s)\n", r.n_chunk, r.n_ctx,

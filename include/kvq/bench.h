@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "kvq/certified.h"
 #include "kvq/gguf.h"
 #include "kvq/kv_cache.h"
 #include "kvq/model.h"
@@ -85,6 +86,9 @@ struct bench_result {
   int n_ctx = 0;           // cache size used (max depth + timed tokens)
   int n_ctx_train = 0;     // training context the rows were marked against
   std::vector<bench_row> rows;  // format-major, depth-minor
+  // One report per certified format's cache, in the order of the formats, taken after the
+  // deepest depth (append_certified_report, certified.h); empty when no format is certified.
+  std::vector<certified_report> certified;
 };
 
 // Called with a short description of the step being run ("q4 depth 4096: fill").

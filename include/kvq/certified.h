@@ -60,11 +60,6 @@ struct certified_report {
   std::vector<std::string> upgrades;   // adaptive precision, in order: "layer 2 kv head 1 V q4->q8"
 };
 
-// The report as text lines (no trailing newline on the last), each starting with `prefix`:
-// the cache, steps certified / partly / fully recomputed (counts and %), bound / ||output||,
-// (measure) bound / actual error median and p99, tier bytes, upgrades.
-std::string format_certified_report(const certified_report& r, const std::string& prefix = "");
-
 // Per (layer, kv head): the precision new tokens are stored at and the bound history.
 struct certified_head_info {
   int layer = 0, kv_head = 0;
@@ -83,8 +78,6 @@ class kv_cache_certified : public kv_cache {
   virtual const std::vector<cert_step>& last_steps() const = 0;
   // Snapshot of the statistics, tier bytes and upgrades (see certified_report).
   virtual certified_report report() const = 0;
-  // Multi-line human summary: format_certified_report(report()) with a final newline.
-  virtual std::string summary() const = 0;
 };
 
 // True when p asks for a certified cache: type_k or type_v is "certified", or p.certify with at
@@ -103,29 +96,11 @@ double kv_bytes_per_token_certified(const kv_cache_params& p);
 // The certified interface of c, or nullptr when c is another cache.
 const kv_cache_certified* as_certified(const kv_cache& c);
 
-// Collects the report of every certified cache that make_kv_cache / make_kv_cache_certified
-// creates, on any thread, while the collector exists. perplexity(), generate() and bench()
-// create and destroy their caches inside the call; a tool wraps the call in a collector and
-// prints reports() afterwards:
-//   certified_collector col;
-//   const perplexity_result r = perplexity(m, ids, bos, p);
-//   for (const certified_report& c : col.reports()) ...
-// Collectors may nest (each receives every cache). Thread safety: reports() snapshots a cache
-// that is still alive through its report(), so call it while no collected cache is in attend /
-// append on another thread (e.g. after the library call returned).
-class certified_collector {
- public:
-  certified_collector();
-  ~certified_collector();
-  certified_collector(const certified_collector&) = delete;
-  certified_collector& operator=(const certified_collector&) = delete;
-  // One report per cache, in creation order: a destroyed cache as it was when destroyed, a live
-  // one as it is now. Caches that never stored a token (made only to validate params) are left out.
-  std::vector<certified_report> reports() const;
-  struct state;
-
- private:
-  std::shared_ptr<state> state_;
-};
+// Appends c's report() to out when c is a certified cache that has stored a token; a cache that
+// never stored one (made only to validate params) adds nothing. perplexity(), generate() and
+// bench() call it for each cache they create, in creation order, just before the cache is
+// destroyed, and return the reports in their results (perplexity_result::certified, ...), which
+// the tools print (tools/certified_report.h).
+void append_certified_report(const kv_cache& c, std::vector<certified_report>& out);
 
 }  // namespace kvq

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "kvq/certified.h"
 #include "kvq/kv_cache.h"
 #include "kvq/model.h"
 #include "kvq/sampling.h"
@@ -38,6 +39,9 @@ struct generate_result {
   double kv_bytes_per_token = 0;     // asymptotic storage per token (all layers, K+V)
   double kv_bytes_per_token_f16 = 0; // the same for an f16 cache, for the ratio
   std::string kv_describe;
+  // The report of the cache when it is certified (append_certified_report, certified.h), taken
+  // after the last token; empty otherwise.
+  std::vector<certified_report> certified;
 };
 
 // on_piece: called with each generated token's text as it is produced (may be empty).

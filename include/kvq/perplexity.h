@@ -47,6 +47,7 @@
 #include <string>
 #include <vector>
 
+#include "kvq/certified.h"
 #include "kvq/kv_cache.h"
 #include "kvq/model.h"
 #include "kvq/tokenizer.h"
@@ -97,6 +98,9 @@ struct perplexity_result {
   double kv_bytes_per_token = 0, kv_bytes_per_token_f16 = 0;
   double seconds = 0, tokens_per_s = 0;  // wall time of the evaluation (all caches evaluated)
   std::vector<double> chunk_ppl;         // running PPL after each chunk (as llama.cpp prints)
+  // One report per certified cache the call created (the cache under test, then the --compare
+  // one), taken after the last chunk (append_certified_report, certified.h); empty otherwise.
+  std::vector<certified_report> certified;
 };
 
 // Called after each chunk: chunks done, total, tokens evaluated so far (all caches), seconds.

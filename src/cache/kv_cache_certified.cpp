@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "cache/attend_plan.h"
-#include "cache/kv_cache_certified_collect.h"
 #include "cache/kv_cache_certified_host.h"
 #include "cache/kv_cache_impl.h"
 #include "kvq/certified.h"
@@ -95,14 +94,6 @@ struct head_adapt {  // per (layer, kv head)
 class kv_cache_certified_impl final : public kv_cache_certified {
  public:
   explicit kv_cache_certified_impl(const kv_cache_params& p);
-  ~kv_cache_certified_impl() override {
-    if (collected_) cert_collect::detach(this);
-  }
-  // Registers with the live certified_collector objects (make_kv_cache_certified only).
-  void collect() {
-    collected_ = true;
-    cert_collect::attach(this);
-  }
 
   const kv_cache_params& params() const override { return p_; }
   void append(int il, int seq_id, int n_tokens, const float* k, const float* v) override;
@@ -128,7 +119,6 @@ class kv_cache_certified_impl final : public kv_cache_certified {
   std::vector<certified_head_info> heads() const override;
   const std::vector<cert_step>& last_steps() const override { return last_steps_; }
   certified_report report() const override;
-  std::string summary() const override { return format_certified_report(report()) + "\n"; }
 
   // Fast-tier bytes of one row (codes, scales, ε).
   double row_bytes(kv_format f) const {
@@ -158,7 +148,6 @@ class kv_cache_certified_impl final : public kv_cache_certified {
   std::vector<int> n_;             // [n_layer, n_seq] positions stored
   std::vector<head_adapt> adapt_;  // [n_layer, n_kv_head]
   std::unique_ptr<host_region> host_;
-  bool collected_ = false;
   size_t fast_peak_ = 0, host_peak_ = 0;  // largest used bytes of each tier after an append
   // statistics
   kv_cache_stats base_stats_;
@@ -577,41 +566,6 @@ certified_report kv_cache_certified_impl::report() const {
 
 }  // namespace
 
-std::string format_certified_report(const certified_report& r, const std::string& prefix) {
-  const certified_stats& s = r.stats;
-  const certified_tier_bytes& t = r.tiers;
-  const double n = s.steps ? (double)s.steps : 1.0;
-  char buf[1024];
-  std::string out = prefix + r.describe + "\n";
-  std::snprintf(buf, sizeof buf,
-                "steps %llu (layer x query head x token): certified %llu (%.3f%%), partly recomputed %llu (%.3f%%, "
-                "%.1f tokens each), fully recomputed %llu (%.3f%%)\n",
-                (unsigned long long)s.steps, (unsigned long long)s.certified, 100.0 * s.certified / n,
-                (unsigned long long)s.partial, 100.0 * s.partial / n,
-                s.partial ? (double)s.tokens_recomputed / s.partial : 0.0, (unsigned long long)s.exact,
-                100.0 * s.exact / n);
-  out += prefix + buf;
-  std::snprintf(buf, sizeof buf, "bound / ||output||: median %.3g, p99 %.3g\n", s.rel_bound_median, s.rel_bound_p99);
-  out += prefix + buf;
-  if (r.measure) {
-    std::snprintf(buf, sizeof buf,
-                  "bound / actual error: median %.3g, p99 %.3g, min %.3g (%llu steps with an error), violations %llu\n",
-                  s.ratio_median, s.ratio_p99, s.ratio_min, (unsigned long long)s.measured,
-                  (unsigned long long)s.violations);
-    out += prefix + buf;
-  }
-  std::snprintf(buf, sizeof buf,
-                "tiers: fast %.1f KiB used (peak %.1f, %.0f bytes/token), host %.1f KiB used (peak %.1f, %.0f "
-                "bytes/token, %s)\n",
-                t.fast_used / 1024.0, t.fast_used_peak / 1024.0, r.fast_bytes_per_token, t.host_used / 1024.0,
-                t.host_used_peak / 1024.0, r.host_bytes_per_token, t.host_file_backed ? "file-backed" : "in RAM");
-  out += prefix + buf;
-  out += prefix + "adaptive precision: " + std::to_string(s.heads_upgraded) + " upgrade(s)";
-  for (size_t i = 0; i < r.upgrades.size() && i < 16; ++i) out += (i ? ", " : ": ") + r.upgrades[i];
-  if (r.upgrades.size() > 16) out += ", ...";
-  return out;
-}
-
 bool is_certified(const kv_cache_params& p) {
   if (p.type_k == kv_cache_type::certified || p.type_v == kv_cache_type::certified) return true;
   if (!p.certify) return false;
@@ -624,9 +578,7 @@ bool is_certified(const kv_cache_params& p) {
 
 std::unique_ptr<kv_cache_certified> make_kv_cache_certified(const kv_cache_params& p) {
   validate(p);
-  auto c = std::make_unique<kv_cache_certified_impl>(p);
-  c->collect();
-  return c;
+  return std::make_unique<kv_cache_certified_impl>(p);
 }
 
 double kv_bytes_per_token_certified(const kv_cache_params& p) {
@@ -637,5 +589,14 @@ double kv_bytes_per_token_certified(const kv_cache_params& p) {
 }
 
 const kv_cache_certified* as_certified(const kv_cache& c) { return dynamic_cast<const kv_cache_certified*>(&c); }
+
+void append_certified_report(const kv_cache& c, std::vector<certified_report>& out) {
+  const kv_cache_certified* cc = as_certified(c);
+  if (!cc) return;
+  certified_report r = cc->report();
+  // a cache that never stored a token was made to validate params
+  if (r.stats.steps == 0 && r.tiers.host_used_peak == 0) return;
+  out.push_back(std::move(r));
+}
 
 }  // namespace kvq

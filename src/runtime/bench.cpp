@@ -390,6 +390,7 @@ bench_result bench(model& m, std::span<const int32_t> tokens, const bench_params
     }
     for (auto& fr : rows)
       for (auto& w : fr) r.rows.push_back(w);
+    for (const auto& c : caches) append_certified_report(*c, r.certified);
   } catch (const error& e) {
     rethrow_as_bench(e, "");
   } catch (const std::bad_alloc&) {

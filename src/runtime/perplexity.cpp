@@ -374,6 +374,8 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
                         base_in->header().value("type_v", "?") + ")";
   }
   if (base_out) base_out->commit();
+  append_certified_report(*cache, r.certified);
+  if (ref_cache) append_certified_report(*ref_cache, r.certified);
   return r;
 }
 

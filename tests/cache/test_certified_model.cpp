@@ -178,9 +178,12 @@ TEST_F(CertifiedModel, Stories260KBoundsHoldAndTolZeroIsF16) {
   EXPECT_EQ(s.steps, (uint64_t)n_chunks * n_ctx * hp.n_layer * hp.n_head);
   EXPECT_EQ(s.certified + s.partial + s.exact, s.steps);
   EXPECT_GT(s.measured, s.steps / 2);
-  EXPECT_EQ(s.violations, 0u) << c->summary();
+  EXPECT_EQ(s.violations, 0u) << s.measured << " steps measured";
   EXPECT_GE(s.ratio_min, 1.0);
-  std::printf("%s", c->summary().c_str());
+  std::printf("[certified] %s: steps %llu: certified %llu, partly recomputed %llu, fully recomputed %llu; "
+              "bound / actual error median %.3g, p99 %.3g, min %.3g\n",
+              c->describe().c_str(), (unsigned long long)s.steps, (unsigned long long)s.certified,
+              (unsigned long long)s.partial, (unsigned long long)s.exact, s.ratio_median, s.ratio_p99, s.ratio_min);
   // tol 0: exact attention over the f16 originals, i.e. the f16 cache up to f32 rounding. Checked
   // in lock step, where it is a local claim: every output row of c1 is within the f32 rounding
   // allowance of the f16 cache's row for the same K, V and query (measured: at most 0.03 of the
