@@ -5,7 +5,9 @@
 //   quantized:      x is quantized per token to 8-bit blocks (q8_0 / q8_1: 32 values, q8_k: 256
 //                   values; f32 scale, round to nearest even), then integer block dot products
 //                   scaled in f32 (ggml's vec_dot scheme). The error against exact math is bounded
-//                   by sum_i |w_i| * amax(x block)/254 plus f32 rounding.
+//                   by sum_i |w_i| * amax(x block)/254 plus f32 rounding. Every SIMD tier returns
+//                   the scalar tier's bits (the reference dots' order, dot_ref.h), for decode and
+//                   for any prefill batch.
 #pragma once
 #include <cstdint>
 #include <vector>

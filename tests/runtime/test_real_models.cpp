@@ -133,13 +133,12 @@ TEST(RealModels, Qwen25GreedyF16MatchesLlamaCpp) {
 // blocks, fp16-table GELU, fp16 Q and V accumulation in flash attention) keeps kvq's choice at p1
 // and p3 but moves the logit differences by up to 0.4. So the issue's 1e-3 rule cannot hold on this
 // model; the test asserts the fragile rule above instead (reported to the lead for a decision).
+// How fragile: the weight products of every ISA tier are bit-identical (test_matmul), but the dense
+// attention tiers differ from their scalar reference by rounding (about 1e-6 relative), and under
+// KVQ_ISA=scalar this test leaves llama.cpp's tokens at 18, 0 and 22 with gaps 0.099, 0.082 and
+// 0.945 (p3 over the 0.6 bound; Qwen2.5's p2 diverges at token 2, gap 0.013). The goldens are
+// asserted on the default (SIMD) tiers, which kvq runs.
 TEST(RealModels, Gemma3GreedyF16MatchesLlamaCpp) {
-  // Known defect (open, issue 14): the AVX2 / AVX-512 one-token weight dots diverge from the scalar
-  // reference on Gemma 3 (prompt 3 picks 1995 where the scalar tier and llama.cpp pick 2060), so this
-  // test runs on the scalar tier only; ctest registers it as RealModels.Gemma3GreedyF16Scalar.
-  const char* isa = std::getenv("KVQ_ISA");
-  if (!isa || std::string(isa) != "scalar")
-    GTEST_SKIP() << "runs with KVQ_ISA=scalar (ctest: RealModels.Gemma3GreedyF16Scalar); SIMD decode tiers diverge";
   check_greedy_f16(kGemmaFile, "golden/gemma-3-270m-q4_k_m/generation.json", tie_rule::fragile);
 }
 

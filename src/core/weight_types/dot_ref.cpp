@@ -1,6 +1,7 @@
 // Scalar reference dots of every quantized weight type against its activation blocks.
 #include "core/weight_types/dot_ref.h"
 
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 
@@ -25,17 +26,24 @@ inline uint32_t load_u32(const uint8_t* p) {
 
 using unpack_fn = void (*)(const void*, int64_t, int8_t*, float*, float*);
 
-// Symmetric legacy types against q8_0 activations.
+// Symmetric legacy types against q8_0 activations, in llama.cpp's x86 order (ggml_vec_dot_q8_0_q8_0
+// and q4_0 / q5_0 in arch/x86/quants.c, which produced the golden outputs): 8 f32 lanes, lane j
+// += (d_w * d_x) * (exact integer sum of elements 4j..4j+3) by a fused multiply-add per block, then
+// the lanes summed as hsum_float_8 does. The AVX2 / AVX-512 row kernels (matmul_simd.inc) compute
+// exactly this, so every tier, decode and prefill give the same bits. (The generic order, one f32
+// sum of per-block products, differs by rounding, and Gemma 3 270M turns such differences into
+// different greedy tokens and a 1 % different chunk perplexity.)
 template <unpack_fn U>
 float dot_sym(int64_t n, const void* w, const void* x) {
   const auto* xq = static_cast<const block_q8_x*>(x);
   int8_t q[32];
-  float acc = 0, d, m;
+  float acc[8] = {}, d, m;
   for (int64_t k = 0; k < n / 32; ++k) {
     U(w, k, q, &d, &m);
-    acc += (float)dot_i8(q, xq[k].qs, 32) * (d * xq[k].d);
+    const float dd = d * xq[k].d;
+    for (int j = 0; j < 8; ++j) acc[j] = std::fma((float)dot_i8(q + 4 * j, xq[k].qs + 4 * j, 4), dd, acc[j]);
   }
-  return acc;
+  return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
 // Legacy types with a minimum against q8_1 activations.

@@ -1,8 +1,8 @@
 // Reference (scalar) dot products of one weight row with one activation row quantized to the
 // type's vec_dot_type (act_blocks.h): integer products per block, then f32 scaling, as llama.cpp's
-// ggml_vec_dot_*_generic. n: elements (a whole number of weight blocks). These are the oracle the
-// AVX2 / AVX-512 tiers are tested against.
-//   legacy x q8_0:  sum_b (d_w * d_x) * sum_i q_i x_i
+// ggml_vec_dot_*_generic (q4_0, q5_0, q8_0, iq4_nl: its x86 order, below). n: elements (a whole
+// number of weight blocks). These are the oracle the AVX2 / AVX-512 tiers equal bit for bit.
+//   legacy x q8_0:  8 f32 lanes, lane j = sum_b fma(d_w * d_x, sum_{i=4j..4j+3} q_i x_i), hsum
 //   q4_1 / q5_1:    sum_b (d_w * d_x) * sum_i q_i x_i + m_w * s_x
 //   K-quants:       sum_B d_x * (d * sum_j sc_j sum_i q_i x_i - dmin * sum_j m_j bsum_j)
 #pragma once

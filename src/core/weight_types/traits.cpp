@@ -17,8 +17,8 @@ using detail::matmul_rows_vec_dot;
 
 // Quantized types whose tiers differ only in the dot: the generic matrix-matrix loop over vec_dot.
 // The 32-value symmetric types (q4_0, q5_0, q8_0, iq4_nl) have their SIMD tiers in the rows kernels
-// (matmul_simd.inc: one row at a time for decode, 4 rows x 2 or 4 tokens for prefill), so their
-// vec_dot stays the reference on every tier.
+// (matmul_simd.inc: 4 rows at a time for decode, 4 rows x 2 or 4 tokens for prefill), which return
+// the reference dot's bits; their vec_dot stays the reference on every tier.
 #define KVQ_ROWS_VEC_DOT {matmul_rows_vec_dot, matmul_rows_vec_dot, matmul_rows_vec_dot}
 #define KVQ_ROWS_TILED_Q8_0 {matmul_rows_vec_dot, matmul_rows_avx2, matmul_rows_avx512}
 
