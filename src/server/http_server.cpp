@@ -91,7 +91,6 @@ http_server::http_server(const server_params& p) : p_(p) {
   http_.set_payload_max_length(16u << 20);
   http_.set_read_timeout(30);
   http_.set_write_timeout(30);
-  http_.set_keep_alive_timeout(2);  // idle keep-alive connections hold an HTTP thread (and delay stop())
   routes();
   if (p_.port == 0) {
     port_ = http_.bind_to_any_port(p_.host);

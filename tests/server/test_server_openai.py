@@ -119,7 +119,11 @@ def wait_idle(srv, seconds=20):
 
 
 def test_f16(srv):
-    c = srv.client()
+    with srv.client() as c:
+        test_f16_with(srv, c)
+
+
+def test_f16_with(srv, c):
     models = c.models.list()
     check(models.data[0].id == MODEL_FILE, f"/v1/models lists {MODEL_FILE}")
     _, health, _ = srv.http("GET", "/health")
@@ -217,7 +221,11 @@ def test_f16(srv):
 
 
 def test_concurrent(srv, label):
-    c = srv.client()
+    with srv.client() as c:
+        test_concurrent_with(srv, c, label)
+
+
+def test_concurrent_with(srv, c, label):
     alone = [greedy(c, p) for p in PROMPTS[:4]]
     with cf.ThreadPoolExecutor(4) as ex:
         t0 = time.time()
