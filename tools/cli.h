@@ -39,6 +39,11 @@ struct kv_flags {
 // --kv-kivi-group, --kv-residual, --kv-channel-scale, --kv-seed; certified attention: --kv-certify,
 // --kv-tol, --kv-host-dir, --kv-certify-measure, --kv-certify-no-adapt.
 void add_kv_flags(CLI::App* app, kv_flags& f);
+// add_kv_flags for a command that compares several formats: `explicit_kv` becomes true when the
+// user gives -ctk or -ctv (the command then runs just that pair instead of its format list).
+void add_kv_flags(CLI::App* app, kv_flags& f, bool& explicit_kv);
+// --json (one JSON object on stdout) and --no-progress, as the measuring commands take them.
+void add_report_flags(CLI::App* app, bool& json, bool& no_progress);
 
 // Writes `text` to `path` atomically (temp file + rename), so a failure never leaves a
 // half-written file. Throws kvq::error(io).

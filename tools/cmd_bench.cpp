@@ -313,11 +313,8 @@ const registrar reg{{"bench", "decode/prefill speed and KV memory of KV formats 
                   "refuse depths whose caches (all formats together) exceed this (0: half the available memory; -1: no limit)")
       ->capture_default_str();
   app->add_option("--plot", o->plot, "write a PNG of decode tok/s and KV memory against depth");
-  app->add_flag("--json", o->json, "print one JSON object");
-  app->add_flag("--no-progress", o->no_progress, "no progress on stderr");
-  add_kv_flags(app, o->kv);
-  for (const char* name : {"--cache-type-k", "--cache-type-v"})
-    app->get_option(name)->each([o](const std::string&) { o->explicit_kv = true; });
+  add_report_flags(app, o->json, o->no_progress);
+  add_kv_flags(app, o->kv, o->explicit_kv);
   app->get_option("--weights")->each([o](const std::string&) { o->weights_given = true; });
   app->get_option("--shape-layers")->each([o](const std::string&) { o->shape_layers_given = true; });
   return [o] { return run_bench(*o); };

@@ -91,19 +91,10 @@ std::vector<std::string> split_list(const std::string& s) {
 }
 
 nlohmann::json to_json(const kv_error_opts& o, const kv_error_result& r) {
-  nlohmann::json j;
-  j["model"] = o.model_path;
-  j["text"] = o.text_path;
-  j["n_layer"] = r.n_layer;
-  j["n_head"] = r.n_head;
-  j["n_kv_head"] = r.n_kv_head;
-  j["head_dim"] = r.head_dim;
-  j["n_ctx"] = r.n_ctx;
-  j["n_chunk"] = r.n_chunk;
-  j["n_queries"] = r.n_queries;
-  j["tv"] = r.has_tv;
-  j["seconds"] = r.seconds;
-  j["formats"] = nlohmann::json::array();
+  nlohmann::json j{{"model", o.model_path},   {"text", o.text_path},   {"n_layer", r.n_layer},
+                   {"n_head", r.n_head},        {"n_kv_head", r.n_kv_head}, {"head_dim", r.head_dim},
+                   {"n_ctx", r.n_ctx},          {"n_chunk", r.n_chunk},   {"n_queries", r.n_queries},
+                   {"tv", r.has_tv},            {"seconds", r.seconds},   {"formats", nlohmann::json::array()}};
   for (const auto& f : r.formats) {
     nlohmann::json w = nlohmann::json::array();
     for (const auto& h : f.worst) {
@@ -215,12 +206,8 @@ const registrar reg{{"kv-error", "attention error of KV formats replayed on real
                   "comma-separated formats, each used for K and V (default: every type but f32; 'all' the same)");
   app->add_option("--plot", o->plot, "write a PNG heat map (layer x head) of the relative error");
   app->add_flag("--no-tv", o->no_tv, "skip the attention-probability TV distance (ceil(n_ctx/head_dim) extra passes)");
-  app->add_flag("--json", o->json, "print one JSON object");
-  app->add_flag("--no-progress", o->no_progress, "no progress on stderr");
-  add_kv_flags(app, o->kv);
-  // An explicit -ctk/-ctv (without --types) replays just that pair.
-  for (const char* name : {"--cache-type-k", "--cache-type-v"})
-    app->get_option(name)->each([o](const std::string&) { o->explicit_kv = true; });
+  add_report_flags(app, o->json, o->no_progress);
+  add_kv_flags(app, o->kv, o->explicit_kv);  // an explicit -ctk/-ctv (without --types) replays just that pair
   return [o] { return run_kv_error(*o); };
 }}};
 

@@ -41,25 +41,24 @@ perplexity_progress progress_bar(bool enabled) {
 }
 
 nlohmann::json to_json(const perplexity_opts& o, const perplexity_result& r) {
-  nlohmann::json j;
-  j["model"] = o.model_path;
-  j["text"] = o.text_path;
-  j["n_ctx"] = r.n_ctx;
-  j["n_batch"] = r.n_batch;
-  j["n_tokens"] = r.n_tokens;
-  j["n_chunk"] = r.n_chunk;
-  j["n_scored_per_chunk"] = r.n_scored_per_chunk;
-  j["n_scored"] = r.ppl.n_scored;
-  j["kv_type_k"] = kv_cache_type_name(o.p.cache.type_k);
-  j["kv_type_v"] = kv_cache_type_name(o.p.cache.type_v);
-  j["kv_cache"] = r.kv_describe;
-  j["kv_bytes_per_token"] = r.kv_bytes_per_token;
-  j["kv_bytes_per_token_f16"] = r.kv_bytes_per_token_f16;
-  j["ppl"] = r.ppl.ppl;
-  j["ppl_err"] = r.ppl.ppl_err;
-  j["nll_mean"] = r.ppl.nll_mean;
-  j["seconds"] = r.seconds;
-  j["tokens_per_s"] = r.tokens_per_s;
+  nlohmann::json j{{"model", o.model_path},
+                   {"text", o.text_path},
+                   {"n_ctx", r.n_ctx},
+                   {"n_batch", r.n_batch},
+                   {"n_tokens", r.n_tokens},
+                   {"n_chunk", r.n_chunk},
+                   {"n_scored_per_chunk", r.n_scored_per_chunk},
+                   {"n_scored", r.ppl.n_scored},
+                   {"kv_type_k", kv_cache_type_name(o.p.cache.type_k)},
+                   {"kv_type_v", kv_cache_type_name(o.p.cache.type_v)},
+                   {"kv_cache", r.kv_describe},
+                   {"kv_bytes_per_token", r.kv_bytes_per_token},
+                   {"kv_bytes_per_token_f16", r.kv_bytes_per_token_f16},
+                   {"ppl", r.ppl.ppl},
+                   {"ppl_err", r.ppl.ppl_err},
+                   {"nll_mean", r.ppl.nll_mean},
+                   {"seconds", r.seconds},
+                   {"tokens_per_s", r.tokens_per_s}};
   if (r.has_kld) {
     const kld_stats& k = r.kld;
     j["kld"] = {{"base", k.base_desc}, {"top_k", k.top_k}, {"n", k.n},

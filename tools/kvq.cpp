@@ -62,6 +62,17 @@ void add_kv_flags(CLI::App* app, kv_flags& f) {
                          "certified: keep every head at its formats (no adaptive precision)");
 }
 
+void add_kv_flags(CLI::App* app, kv_flags& f, bool& explicit_kv) {
+  add_kv_flags(app, f);
+  for (const char* name : {"--cache-type-k", "--cache-type-v"})
+    app->get_option(name)->each([&explicit_kv](const std::string&) { explicit_kv = true; });
+}
+
+void add_report_flags(CLI::App* app, bool& json, bool& no_progress) {
+  app->add_flag("--json", json, "print one JSON object");
+  app->add_flag("--no-progress", no_progress, "no progress on stderr");
+}
+
 void write_file_atomic(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp";
   {

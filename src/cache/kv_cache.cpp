@@ -261,6 +261,26 @@ void check_append_order(int il, int seq_id, int n_tokens, int n_layer, int n_ctx
                std::to_string((int64_t)held + n_tokens) + " positions, n_ctx is " + std::to_string(n_ctx));
 }
 
+void check_layer_seq(const kv_cache_params& p, const char* op, int il, int seq_id) {
+  if (il < 0 || il >= p.n_layer)
+    fail_input(std::string("[kv_cache] ") + op + ": layer " + std::to_string(il) + " out of range [0, " +
+               std::to_string(p.n_layer) + ")");
+  if (seq_id < 0 || seq_id >= p.n_seq)
+    fail_input(std::string("[kv_cache] ") + op + ": seq_id " + std::to_string(seq_id) + " out of range [0, " +
+               std::to_string(p.n_seq) + ")");
+}
+
+void fail_attend_positions(const char* op, int il, const attend_seq& a, int held) {
+  fail_input(std::string("[kv_cache] ") + op + ": queries at positions [" + std::to_string(a.pos0) + ", " +
+             std::to_string((int64_t)a.pos0 + a.n_tokens) + ") need appended positions, layer " + std::to_string(il) +
+             " of seq " + std::to_string(a.seq_id) + " holds " + std::to_string(held));
+}
+
+void fail_attend_heads(const char* op, int n_head, int n_kv_head) {
+  fail_input(std::string("[kv_cache] ") + op + ": n_head " + std::to_string(n_head) +
+             " is not a multiple of n_kv_head " + std::to_string(n_kv_head));
+}
+
 void check_attend_batch(const char* op, const attend_seq* seqs, int n_seqs, int n_seq) {
   const std::string tag = std::string("[kv_cache] ") + op + ": ";
   if (n_seqs < 0 || (n_seqs > 0 && seqs == nullptr))

@@ -182,12 +182,7 @@ kv_cache_certified_impl::kv_cache_certified_impl(const kv_cache_params& p) : p_(
 }
 
 void kv_cache_certified_impl::check_layer_seq(const char* op, int il, int seq_id) const {
-  if (il < 0 || il >= p_.n_layer)
-    fail_input(std::string("[kv_cache] ") + op + ": layer " + std::to_string(il) + " out of range [0, " +
-               std::to_string(p_.n_layer) + ")");
-  if (seq_id < 0 || seq_id >= p_.n_seq)
-    fail_input(std::string("[kv_cache] ") + op + ": seq_id " + std::to_string(seq_id) + " out of range [0, " +
-               std::to_string(p_.n_seq) + ")");
+  kvq::check_layer_seq(p_, op, il, seq_id);
 }
 
 std::string kv_cache_certified_impl::describe() const {
@@ -344,20 +339,7 @@ void kv_cache_certified_impl::attend_batch(int il, const attend_seq* seqs, int n
 
 void kv_cache_certified_impl::attend_seqs(const char* op, int il, const attend_seq* seqs, int n_seqs, int n_head,
                                           float scale, thread_pool& pool) {
-  const std::string tag = std::string("[kv_cache] ") + op + ": ";
-  check_attend_batch(op, seqs, n_seqs, p_.n_seq);
-  for (int b = 0; b < n_seqs; ++b) {
-    const attend_seq& a = seqs[b];
-    check_layer_seq(op, il, a.seq_id);
-    const int n_stored = n_[(size_t)il * p_.n_seq + a.seq_id];
-    if (a.n_tokens < 1 || a.pos0 < 0 || (int64_t)a.pos0 + a.n_tokens > n_stored)
-      fail_input(tag + "queries at positions [" + std::to_string(a.pos0) + ", " +
-                 std::to_string((int64_t)a.pos0 + a.n_tokens) + ") need appended positions, layer " +
-                 std::to_string(il) + " of seq " + std::to_string(a.seq_id) + " holds " + std::to_string(n_stored));
-  }
-  if (n_head < p_.n_kv_head || n_head % p_.n_kv_head != 0)
-    fail_input(tag + "n_head " + std::to_string(n_head) + " is not a multiple of n_kv_head " +
-               std::to_string(p_.n_kv_head));
+  check_attend_seqs(p_, op, il, seqs, n_seqs, n_head, [&](int seq) { return n_[(size_t)il * p_.n_seq + seq]; });
   if (n_seqs == 0) return;
   const int hd = p_.head_dim, nh = p_.n_kv_head, ng = n_head / nh;
   // Work items (attend_plan.h): (sequence, kv head, query tile), one chunk each (the certificate

@@ -122,37 +122,19 @@ class kv_cache_dense final : public kv_cache {
   }
 
  private:
-  void check_layer_seq(const char* op, int il, int seq_id) const {
-    if (il < 0 || il >= p_.n_layer)
-      fail_input(std::string("[kv_cache] ") + op + ": layer " + std::to_string(il) + " out of range [0, " +
-                 std::to_string(p_.n_layer) + ")");
-    if (seq_id < 0 || seq_id >= p_.n_seq)
-      fail_input(std::string("[kv_cache] ") + op + ": seq_id " + std::to_string(seq_id) + " out of range [0, " +
-                 std::to_string(p_.n_seq) + ")");
-  }
+  void check_layer_seq(const char* op, int il, int seq_id) const { kvq::check_layer_seq(p_, op, il, seq_id); }
   // attend / attend_batch through the planner (attend_plan.h): items (sequence, kv head, query
   // tile, key chunk), the chunks splitting the positions the sequence's queries see (split-K).
   void attend_seqs(const char* op, int il, const attend_seq* seqs, int n_seqs, int n_head, float scale,
                    thread_pool& pool) {
-    const std::string tag = std::string("[kv_cache] ") + op + ": ";
-    check_attend_batch(op, seqs, n_seqs, p_.n_seq);
+    check_attend_seqs(p_, op, il, seqs, n_seqs, n_head, [&](int seq) { return pos_[(size_t)il * p_.n_seq + seq]; });
     attn_spec spec;
     spec.scale = scale;
     spec.window = window_[il];
     spec.softcap = p_.attn_softcap;
-    for (int b = 0; b < n_seqs; ++b) {
-      const attend_seq& a = seqs[b];
-      check_layer_seq(op, il, a.seq_id);
-      const int have = pos_[(size_t)il * p_.n_seq + a.seq_id];
-      if (a.n_tokens < 1 || a.pos0 < 0 || (int64_t)a.pos0 + a.n_tokens > have)
-        fail_input(tag + "queries at positions [" + std::to_string(a.pos0) + ", " +
-                   std::to_string((int64_t)a.pos0 + a.n_tokens) + ") need appended positions, layer " +
-                   std::to_string(il) + " of seq " + std::to_string(a.seq_id) + " holds " + std::to_string(have));
-      check_ring_holds(p_, op, il, a.seq_id, spec.key_range(a.pos0).lo, first_[(size_t)il * p_.n_seq + a.seq_id]);
-    }
-    if (n_head < p_.n_kv_head || n_head % p_.n_kv_head != 0)
-      fail_input(tag + "n_head " + std::to_string(n_head) + " is not a multiple of n_kv_head " +
-                 std::to_string(p_.n_kv_head));
+    for (int b = 0; b < n_seqs; ++b)
+      check_ring_holds(p_, op, il, seqs[b].seq_id, spec.key_range(seqs[b].pos0).lo,
+                       first_[(size_t)il * p_.n_seq + seqs[b].seq_id]);
     if (n_seqs == 0) return;
     const int hd = p_.head_dim, nh = p_.n_kv_head, ng = n_head / nh, ring = ring_[il];
     plan_in_.resize(n_seqs);

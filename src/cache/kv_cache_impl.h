@@ -25,6 +25,28 @@ void check_append_order(int il, int seq_id, int n_tokens, int n_layer, int n_ctx
 // Validates the sequence list of kv_cache::attend_batch: seq_id in [0, n_seq), each at most once.
 // op ("attend" or "attend_batch") starts the error message.
 void check_attend_batch(const char* op, const attend_seq* seqs, int n_seqs, int n_seq);
+// invalid_input unless il is in [0, p.n_layer) and seq_id in [0, p.n_seq); op starts the message.
+void check_layer_seq(const kv_cache_params& p, const char* op, int il, int seq_id);
+// The errors of check_attend_seqs (out of line: the messages).
+[[noreturn]] void fail_attend_positions(const char* op, int il, const attend_seq& a, int held);
+[[noreturn]] void fail_attend_heads(const char* op, int n_head, int n_kv_head);
+// Validates an attend / attend_batch call of layer il before any work: the sequence list
+// (check_attend_batch), each sequence's layer and seq_id, its queries [pos0, pos0 + n_tokens)
+// within the held(seq_id) positions layer il holds, and n_head a multiple of p.n_kv_head.
+template <class Held>
+void check_attend_seqs(const kv_cache_params& p, const char* op, int il, const attend_seq* seqs, int n_seqs,
+                       int n_head, Held&& held) {
+  check_attend_batch(op, seqs, n_seqs, p.n_seq);
+  for (int b = 0; b < n_seqs; ++b) {
+    const attend_seq& a = seqs[b];
+    check_layer_seq(p, op, il, a.seq_id);
+    const int have = held(a.seq_id);
+    if (a.n_tokens < 1 || a.pos0 < 0 || (int64_t)a.pos0 + a.n_tokens > have)
+      fail_attend_positions(op, il, a, have);
+  }
+  if (n_head < p.n_kv_head || n_head % p.n_kv_head != 0) fail_attend_heads(op, n_head, p.n_kv_head);
+}
+
 // Dense element type of a baseline cache type, or kv_elem::count when not dense.
 kv_elem dense_elem_of(kv_cache_type t);
 

@@ -255,14 +255,7 @@ class kv_cache_quant final : public kv_cache {
     const size_t per_layer = (size_t)p_.n_seq * p_.n_kv_head, il = hi / per_layer, units = s.scale_units(ring_[il]);
     return s.scales.data() + (s.unit0[il] + hi % per_layer * units + (units ? unit % units : unit)) * s.scale_stride;
   }
-  void check_layer_seq(const char* op, int il, int seq_id) const {
-    if (il < 0 || il >= p_.n_layer)
-      fail_input(std::string("[kv_cache] ") + op + ": layer " + std::to_string(il) + " out of range [0, " +
-                 std::to_string(p_.n_layer) + ")");
-    if (seq_id < 0 || seq_id >= p_.n_seq)
-      fail_input(std::string("[kv_cache] ") + op + ": seq_id " + std::to_string(seq_id) + " out of range [0, " +
-                 std::to_string(p_.n_seq) + ")");
-  }
+  void check_layer_seq(const char* op, int il, int seq_id) const { kvq::check_layer_seq(p_, op, il, seq_id); }
   // x[n_tokens, n_kv_head, head_dim] -> transformed (rotated, / λ, f16-rounded) into xs.
   void transform_side(side_store& s, int il, int seq_id, int pos, int n_tokens, const float* x, float* xs);
   void calibrate_channels(side_store& s, int il, int n_tokens, const float* x);
@@ -543,23 +536,14 @@ void kv_cache_quant::attend_batch(int il, const attend_seq* seqs, int n_seqs, in
 
 void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs, int n_seqs, int n_head, float scale,
                                  thread_pool& pool) {
-  const std::string tag = std::string("[kv_cache] ") + op + ": ";
-  check_attend_batch(op, seqs, n_seqs, p_.n_seq);
+  check_attend_seqs(p_, op, il, seqs, n_seqs, n_head, [&](int seq) { return st(il, seq).n; });
   for (int b = 0; b < n_seqs; ++b) {
-    const attend_seq& a = seqs[b];
-    check_layer_seq(op, il, a.seq_id);
-    const seq_state& sq = st(il, a.seq_id);
-    if (a.n_tokens < 1 || a.pos0 < 0 || (int64_t)a.pos0 + a.n_tokens > sq.n)
-      fail_input(tag + "queries at positions [" + std::to_string(a.pos0) + ", " +
-                 std::to_string((int64_t)a.pos0 + a.n_tokens) + ") need appended positions, layer " +
-                 std::to_string(il) + " of seq " + std::to_string(a.seq_id) + " holds " + std::to_string(sq.n));
     // the body rows the first query needs (later queries need later rows) must still be in the ring
-    const int need = spec_of(il, 1.0f).key_range(a.pos0).lo - p_.sink;
-    if (need < sq.n_comp) check_ring_holds(p_, op, il, a.seq_id, p_.sink + std::max(0, need), p_.sink + sq.body_lo);
+    const seq_state& sq = st(il, seqs[b].seq_id);
+    const int need = spec_of(il, 1.0f).key_range(seqs[b].pos0).lo - p_.sink;
+    if (need < sq.n_comp)
+      check_ring_holds(p_, op, il, seqs[b].seq_id, p_.sink + std::max(0, need), p_.sink + sq.body_lo);
   }
-  if (n_head < p_.n_kv_head || n_head % p_.n_kv_head != 0)
-    fail_input(tag + "n_head " + std::to_string(n_head) + " is not a multiple of n_kv_head " +
-               std::to_string(p_.n_kv_head));
   if (n_seqs == 0) return;
   const int hd = p_.head_dim, nh = p_.n_kv_head, ng = n_head / nh;
   const bool k_int8 = k_.t->layout == kv_layout::per_token;

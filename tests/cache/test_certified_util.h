@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cache/attn_f64.h"
+#include "cache/cache_params.h"
 #include "kvq/certified.h"
 #include "kvq/f16.h"
 
@@ -26,13 +27,7 @@ inline std::vector<float> gauss(std::mt19937& rng, size_t n, float sd, int hd = 
 
 inline kv_cache_params cert_params(int n_kv_head, int hd, int n_ctx, double tol, const std::string& tk = "certified",
                                    const std::string& tv = "certified") {
-  kv_cache_params p;
-  p.n_layer = 1;
-  p.n_kv_head = n_kv_head;
-  p.head_dim = hd;
-  p.n_ctx = n_ctx;
-  p.type_k = parse_kv_cache_type(tk);
-  p.type_v = parse_kv_cache_type(tv, "V");
+  kv_cache_params p = test::one_layer_params(tk, tv, hd, n_kv_head, n_ctx);
   p.certify = true;
   p.certify_tol = tol;
   p.certify_adapt = false;

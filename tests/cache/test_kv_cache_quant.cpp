@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cache/attn_f64.h"
+#include "cache/cache_params.h"
 #include "cache/kv_cache_impl.h"
 #include "kvq/error.h"
 #include "kvq/kv_cache.h"
@@ -94,14 +95,7 @@ std::vector<float> queries(int n_tokens, int n_head, int hd, uint32_t seed, floa
 }
 
 kv_cache_params base_params(const std::string& tk, const std::string& tv, int hd, int nh, int n_ctx) {
-  kv_cache_params p;
-  p.n_layer = 1;
-  p.n_kv_head = nh;
-  p.head_dim = hd;
-  p.n_ctx = n_ctx;
-  p.type_k = parse_kv_cache_type(tk);
-  p.type_v = parse_kv_cache_type(tv, "V");
-  return p;
+  return test::one_layer_params(tk, tv, hd, nh, n_ctx);
 }
 
 std::vector<float> attend(kv_cache& c, int pos0, int n_tokens, int n_head, const std::vector<float>& q,

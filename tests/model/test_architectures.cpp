@@ -9,9 +9,14 @@
 #include "kvq/error.h"
 #include "kvq/model.h"
 #include "kvq/gguf_writer.h"
+#include "support/forward_logits.h"
 
 namespace kvq {
 namespace {
+
+using test::forward_logits;
+using test::max_abs_diff;
+using test::max_diff;
 
 struct tiny_cfg {
   std::string arch = "llama";
@@ -127,22 +132,19 @@ std::vector<double> reference_logits(const tiny_cfg& c, tiny_weights& w, const s
         for (int i = 0; i < H * D; ++i) q[t][i] += W(b + "attn_q.bias")[i];
         for (int i = 0; i < KV * D; ++i) k[t][i] += W(b + "attn_k.bias")[i], v[t][i] += W(b + "attn_v.bias")[i];
       }
-      for (int hh = 0; hh < H; ++hh) {
-        if (c.arch == "qwen3") {
-          std::vector<double> s(q[t].begin() + hh * D, q[t].begin() + (hh + 1) * D);
-          s = rms(s, W(b + "attn_q_norm.weight"));
-          std::copy(s.begin(), s.end(), q[t].begin() + hh * D);
+      // per head: RMSNorm (qwen3's q/k norm), then RoPE
+      auto norm_rope = [&](std::vector<double>& x, int n_heads, const std::string& norm) {
+        for (int hh = 0; hh < n_heads; ++hh) {
+          if (c.arch == "qwen3") {
+            std::vector<double> s(x.begin() + hh * D, x.begin() + (hh + 1) * D);
+            s = rms(s, W(b + norm));
+            std::copy(s.begin(), s.end(), x.begin() + hh * D);
+          }
+          rope(&x[hh * D], t);
         }
-        rope(&q[t][hh * D], t);
-      }
-      for (int hh = 0; hh < KV; ++hh) {
-        if (c.arch == "qwen3") {
-          std::vector<double> s(k[t].begin() + hh * D, k[t].begin() + (hh + 1) * D);
-          s = rms(s, W(b + "attn_k_norm.weight"));
-          std::copy(s.begin(), s.end(), k[t].begin() + hh * D);
-        }
-        rope(&k[t][hh * D], t);
-      }
+      };
+      norm_rope(q[t], H, "attn_q_norm.weight");
+      norm_rope(k[t], KV, "attn_k_norm.weight");
     }
     for (int t = 0; t < n; ++t) {
       std::vector<double> att(H * D, 0.0);
@@ -211,15 +213,8 @@ TEST_P(ArchTest, ForwardMatchesFloat64Reference) {
   cp.type_k = cp.type_v = kv_cache_type::f32;
   auto cache = make_kv_cache(cp);
   thread_pool pool(2);
-  std::vector<float> logits(toks.size() * c.n_vocab);
-  m->forward(std::span<const int32_t>(toks.data(), 4), 0, 0, *cache, pool, logits.data(), true);
-  m->forward(std::span<const int32_t>(toks.data() + 4, 3), 4, 0, *cache, pool, logits.data() + 4 * c.n_vocab, true);
-  double max_err = 0, max_ref = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    max_err = std::max(max_err, std::fabs(ref[i] - logits[i]));
-    max_ref = std::max(max_ref, std::fabs(ref[i]));
-  }
-  EXPECT_LT(max_err, 2e-4 * std::max(1.0, max_ref)) << c.arch << ": max |dlogit| " << max_err;
+  const max_diff d = max_abs_diff(ref, forward_logits(*m, *cache, pool, toks, {4, 3}));
+  EXPECT_LT(d.err, 2e-4 * std::max(1.0, d.ref)) << c.arch << ": max |dlogit| " << d.err;
   std::filesystem::remove(path);
 }
 
@@ -331,27 +326,21 @@ TEST(ModelLoad, Errors) {
     wr.write(path);
     expect_load_error(path, "mamba");
   }
-  {  // missing tensor
+  // a llama header with shapes and no tensors, plus head_count_kv when > 0
+  auto header_only = [&](int head_count_kv) {
     gguf_writer wr;
     wr.set_str("general.architecture", "llama");
     wr.set_u32("llama.embedding_length", 32);
     wr.set_u32("llama.block_count", 1);
     wr.set_u32("llama.feed_forward_length", 48);
     wr.set_u32("llama.attention.head_count", 4);
+    if (head_count_kv > 0) wr.set_u32("llama.attention.head_count_kv", head_count_kv);
     wr.write(path);
-    expect_load_error(path, "token_embd.weight");
-  }
-  {  // head_count not a multiple of head_count_kv
-    gguf_writer wr;
-    wr.set_str("general.architecture", "llama");
-    wr.set_u32("llama.embedding_length", 32);
-    wr.set_u32("llama.block_count", 1);
-    wr.set_u32("llama.feed_forward_length", 48);
-    wr.set_u32("llama.attention.head_count", 4);
-    wr.set_u32("llama.attention.head_count_kv", 3);
-    wr.write(path);
-    expect_load_error(path, "head_count_kv");
-  }
+  };
+  header_only(0);  // missing tensor
+  expect_load_error(path, "token_embd.weight");
+  header_only(3);  // head_count not a multiple of head_count_kv
+  expect_load_error(path, "head_count_kv");
   {  // wrong shape of a weight
     tiny_cfg bad = c;
     write_tiny(bad, path);

@@ -14,9 +14,14 @@
 #include "kvq/error.h"
 #include "kvq/gguf_writer.h"
 #include "kvq/model.h"
+#include "support/forward_logits.h"
 
 namespace kvq {
 namespace {
+
+using test::forward_logits;
+using test::max_abs_diff;
+using test::max_diff;
 
 struct gemma_cfg {
   int n_vocab = 50, n_embd = 32, n_layer = 4, n_head = 4, n_kv_head = 1, head_dim = 16, n_ff = 48;
@@ -203,18 +208,10 @@ TEST(Gemma3, ForwardMatchesFloat64Reference) {
   cp.type_k = cp.type_v = kv_cache_type::f32;
   auto cache = make_kv_cache(cp);
   thread_pool pool(2);
-  std::vector<float> logits(toks.size() * c.n_vocab);
   // Prefill 5, then decode the rest one token at a time, every token's logits.
-  m->forward(std::span<const int32_t>(toks.data(), 5), 0, 0, *cache, pool, logits.data(), true);
-  for (size_t t = 5; t < toks.size(); ++t)
-    m->forward(std::span<const int32_t>(&toks[t], 1), (int)t, 0, *cache, pool, &logits[t * c.n_vocab], false);
-  double max_err = 0, max_ref = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    max_err = std::max(max_err, std::fabs(ref[i] - logits[i]));
-    max_ref = std::max(max_ref, std::fabs(ref[i]));
-  }
-  EXPECT_LT(max_err, 2e-4 * std::max(1.0, max_ref)) << "max |dlogit| " << max_err;
-  EXPECT_GT(max_ref, 0.3 * c.softcap) << "logits too small for the soft-cap to matter";
+  const max_diff d = max_abs_diff(ref, forward_logits(*m, *cache, pool, toks, {5, 1, 1, 1, 1}));
+  EXPECT_LT(d.err, 2e-4 * std::max(1.0, d.ref)) << "max |dlogit| " << d.err;
+  EXPECT_GT(d.ref, 0.3 * c.softcap) << "logits too small for the soft-cap to matter";
   std::filesystem::remove(path);
 }
 
@@ -248,15 +245,8 @@ TEST(Gemma3, PastTheWindowMatchesFloat64WithARingCache) {
     const kv_layer_kind_bytes kinds = kv_bytes_by_layer_kind(cp);
     EXPECT_EQ(kinds.n_windowed, 2);
     EXPECT_LT(kinds.windowed, kinds.global / 3);  // rings of 8 positions against 32
-    std::vector<float> logits(toks.size() * c.n_vocab);
-    m->forward(std::span<const int32_t>(toks.data(), 5), 0, 0, *cache, pool, logits.data(), true);
-    for (size_t t = 5; t < toks.size(); ++t)
-      m->forward(std::span<const int32_t>(&toks[t], 1), (int)t, 0, *cache, pool, &logits[t * c.n_vocab], false);
-    double max_err = 0, max_ref = 0;
-    for (size_t i = 0; i < ref.size(); ++i) {
-      max_err = std::max(max_err, std::fabs(ref[i] - logits[i]));
-      max_ref = std::max(max_ref, std::fabs(ref[i]));
-    }
+    const max_diff d = max_abs_diff(ref, forward_logits(*m, *cache, pool, toks, {5, 1, 1, 1, 1, 1, 1, 1, 1}));
+    const double max_err = d.err, max_ref = d.ref;
     const double tol = std::string(type) == "f32" ? 2e-4 : 5e-3;
     EXPECT_LT(max_err, tol * std::max(1.0, max_ref)) << type << ": max |dlogit| " << max_err;
     EXPECT_GT(windowed_vs_global, 10 * max_err) << type;
