@@ -28,6 +28,14 @@ void replay(kv_cache& cache, const capture& cap, const std::vector<float>* v_all
   for (int il = 0; il < L; ++il) cache.attend(il, 0, 0, n, n_head, cap.q[il].data(), scale, out[il].data(), pool);
 }
 
+// The cache parameters of one chunk: every chunk is appended in one batch of n_ctx tokens, so the
+// rings of sliding-window layers hold one such batch (n_ubatch >= n_ctx).
+kv_cache_params chunk_params(const model& m, int n_ctx, const kv_cache_params& options = {}) {
+  kv_cache_params cp = m.cache_params(n_ctx, options);
+  cp.n_ubatch = std::max(cp.n_ubatch, n_ctx);
+  return cp;
+}
+
 }  // namespace
 
 void kv_error_check(const model& m, const kv_error_params& p) {
@@ -39,7 +47,7 @@ void kv_error_check(const model& m, const kv_error_params& p) {
                std::to_string(hp.n_ctx_train) + "] (the model's context)");
   if (p.n_chunks < 1) fail_input("[kv_error] --chunks " + std::to_string(p.n_chunks) + " must be >= 1");
   for (const auto& fp : p.formats) {
-    const kv_cache_params cp = m.cache_params(n, fp);
+    const kv_cache_params cp = chunk_params(m, n, fp);
     validate(cp);
     if (p.tv) {
       kv_cache_params pp = cp;
@@ -72,11 +80,11 @@ kv_error_result kv_error(model& m, std::span<const int32_t> tokens, int32_t bos,
   // Validate every format (and its exact-V probe variant) before any work.
   const int F = (int)p.formats.size();
   std::vector<std::unique_ptr<kv_cache>> caches, probes;
-  kv_cache_params f16p = m.cache_params(n);
+  kv_cache_params f16p = chunk_params(m, n);
   f16p.type_k = f16p.type_v = kv_cache_type::f16;
   const double f16_bpt = kv_bytes_per_token(f16p);
   for (const auto& fp : p.formats) {
-    const kv_cache_params cp = m.cache_params(n, fp);
+    const kv_cache_params cp = chunk_params(m, n, fp);
     caches.push_back(make_kv_cache(cp));
     kv_error_format f;
     f.type_k = kv_cache_type_name(cp.type_k);
@@ -91,7 +99,7 @@ kv_error_result kv_error(model& m, std::span<const int32_t> tokens, int32_t bos,
       probes.push_back(make_kv_cache(pp));
     }
   }
-  kv_cache_params refp = m.cache_params(n);
+  kv_cache_params refp = chunk_params(m, n);
   refp.type_k = refp.type_v = kv_cache_type::f32;
   auto ref_cache = make_kv_cache(refp);
   auto capture_cache = make_kv_cache(refp);
