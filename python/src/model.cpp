@@ -1,0 +1,222 @@
+// kvq.Model: a GGUF model with its tokenizer; generate, tokenize / detokenize and perplexity as
+// the CLI's commands (tools/cmd_generate.cpp, cmd_tokenize.cpp, cmd_perplexity.cpp) compute them,
+// with the figures of their --json output.
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "kvq/error.h"
+#include "kvq/generate.h"
+#include "kvq/model.h"
+#include "kvq/perplexity.h"
+#include "kvq/tokenizer.h"
+
+namespace kvq::py {
+namespace {
+
+struct py_model {
+  std::string path;
+  std::unique_ptr<model> m;
+  std::unique_ptr<tokenizer> tok;
+  std::mutex mu;  // one forward at a time (the model keeps scratch buffers)
+
+  explicit py_model(const std::string& p) : path(p) {
+    nb::gil_scoped_release release;
+    m = model::load(p);
+    tok = tokenizer::from_gguf(m->gguf());
+  }
+};
+
+// on_token(id, piece_bytes) is called with the GIL held; an exception it raises stops generation
+// and propagates (the iterator of kvq.Model.stream stops this way when it is closed early).
+nb::object run_generate(py_model& self, const std::string& prompt, int max_tokens, float temperature, int top_k,
+                        float top_p, float min_p, int64_t seed, int n_ctx, int n_batch, int n_threads, bool ignore_eos,
+                        bool add_bos, bool details, nb::object on_token, const nb::kwargs& cache) {
+  generate_params p;
+  p.prompt = prompt;
+  p.n_predict = max_tokens;
+  p.n_ctx = n_ctx;
+  p.n_batch = n_batch;
+  p.n_threads = n_threads;
+  p.ignore_eos = ignore_eos;
+  p.add_bos = add_bos;
+  p.sampling.temp = temperature;
+  p.sampling.top_k = top_k;
+  p.sampling.top_p = top_p;
+  p.sampling.min_p = min_p;
+  if (seed < -1 || seed > (int64_t)0xFFFFFFFF)
+    fail_input("[generate] seed " + std::to_string(seed) + " must be in [0, 4294967295] or -1 (random)");
+  p.sampling.seed = seed < 0 ? 0xFFFFFFFFu : (uint64_t)seed;
+  p.cache = cache_options(cache, "generate");
+  generate_result r;
+  {
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(self.mu);
+    std::function<void(const std::string&)> on_piece;
+    if (on_token.is_valid() && !on_token.is_none()) {
+      on_piece = [&](const std::string& piece) {
+        nb::gil_scoped_acquire acquire;
+        on_token(nb::bytes(piece.data(), piece.size()));
+      };
+    }
+    r = generate(*self.m, *self.tok, p, on_piece);
+  }
+  if (!details) return utf8_str(r.text);
+  const double ratio = r.kv_bytes_per_token > 0 ? r.kv_bytes_per_token_f16 / r.kv_bytes_per_token : 0;
+  nb::dict d;  // the keys of `kvq generate --json`
+  d["model"] = self.path;
+  d["prompt"] = prompt;
+  d["prompt_ids"] = r.prompt_ids;
+  d["ids"] = r.ids;
+  d["text"] = utf8_str(r.text);
+  d["stop_reason"] = r.stop_reason;
+  d["seed"] = r.seed;
+  d["n_ctx"] = r.n_ctx;
+  d["n_prompt"] = r.prompt_ids.size();
+  d["n_generated"] = r.ids.size();
+  d["prefill_seconds"] = r.prefill_seconds;
+  d["decode_seconds"] = r.decode_seconds;
+  d["prefill_tokens_per_s"] = r.prefill_tokens_per_s;
+  d["decode_tokens_per_s"] = r.decode_tokens_per_s;
+  d["kv_cache"] = r.kv_describe;
+  d["kv_type_k"] = kv_cache_type_name(p.cache.type_k);
+  d["kv_type_v"] = kv_cache_type_name(p.cache.type_v);
+  d["kv_bytes_per_token"] = r.kv_bytes_per_token;
+  d["kv_bytes_per_token_f16"] = r.kv_bytes_per_token_f16;
+  d["kv_compression_vs_f16"] = ratio;
+  d["kv_bytes_allocated"] = r.kv_bytes;
+  d["kv_bytes_used"] = r.kv_bytes_used;
+  return d;
+}
+
+nb::dict run_perplexity(py_model& self, const std::string& text, int n_ctx, int chunks, int n_batch, int n_threads,
+                        nb::object compare, const std::string& kl_base, const std::string& kl_compare, int kl_top_k,
+                        const nb::kwargs& cache) {
+  perplexity_params p;
+  p.n_ctx = n_ctx;
+  p.n_chunks = chunks;
+  p.n_batch = n_batch;
+  p.n_threads = n_threads;
+  p.kl_base_out = kl_base;
+  p.kl_base_in = kl_compare;
+  p.kl_top_k = kl_top_k;
+  p.cache = cache_options(cache, "perplexity");
+  if (!compare.is_none()) {
+    if (!nb::isinstance<nb::str>(compare))
+      throw nb::type_error("perplexity(): compare must be a cache type name (str) or None");
+    p.compare_type = parse_kv_cache_type(nb::cast<std::string>(compare));
+  }
+  perplexity_result r;
+  {
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(self.mu);
+    perplexity_check(*self.m, p);
+    const auto ids = perplexity_tokenize(*self.tok, text);
+    r = perplexity(*self.m, ids, perplexity_bos(*self.tok), p);
+  }
+  nb::dict d;  // the keys of `kvq perplexity --json` (less "text", the CLI's file name)
+  d["model"] = self.path;
+  d["n_ctx"] = r.n_ctx;
+  d["n_batch"] = r.n_batch;
+  d["n_tokens"] = r.n_tokens;
+  d["n_chunk"] = r.n_chunk;
+  d["n_scored_per_chunk"] = r.n_scored_per_chunk;
+  d["n_scored"] = r.ppl.n_scored;
+  d["kv_type_k"] = kv_cache_type_name(p.cache.type_k);
+  d["kv_type_v"] = kv_cache_type_name(p.cache.type_v);
+  d["kv_cache"] = r.kv_describe;
+  d["kv_bytes_per_token"] = r.kv_bytes_per_token;
+  d["kv_bytes_per_token_f16"] = r.kv_bytes_per_token_f16;
+  d["ppl"] = r.ppl.ppl;
+  d["ppl_err"] = r.ppl.ppl_err;
+  d["nll_mean"] = r.ppl.nll_mean;
+  d["seconds"] = r.seconds;
+  d["tokens_per_s"] = r.tokens_per_s;
+  if (r.has_kld) {
+    const kld_stats& k = r.kld;
+    nb::dict kd;
+    kd["base"] = k.base_desc;
+    kd["top_k"] = k.top_k;
+    kd["n"] = k.n;
+    kd["mean"] = k.mean;
+    kd["mean_err"] = k.mean_err;
+    kd["median"] = k.median;
+    kd["p90"] = k.p90;
+    kd["p99"] = k.p99;
+    kd["p99_9"] = k.p99_9;
+    kd["max"] = k.max;
+    kd["min"] = k.min;
+    kd["same_top1_pct"] = k.same_top1_pct;
+    kd["same_top1_err"] = k.same_top1_err;
+    kd["rms_dp_pct"] = k.rms_dp_pct;
+    kd["rms_dp_err"] = k.rms_dp_err;
+    kd["ppl_base"] = k.ppl_base;
+    kd["ppl_base_err"] = k.ppl_base_err;
+    kd["dppl_pct"] = k.dppl_pct;
+    kd["dppl_err"] = k.dppl_err;
+    d["kld"] = kd;
+  }
+  return d;
+}
+
+}  // namespace
+
+void bind_model(nb::module_& m) {
+  using namespace nb::literals;
+  const generate_params gp;
+  const perplexity_params pp;
+  nb::class_<py_model>(m, "Model",
+                       "A GGUF model and its tokenizer (kvq::model::load, tokenizer::from_gguf). Errors: OSError "
+                       "when the file cannot be opened, ValueError for a malformed or unsupported file.")
+      .def(nb::init<const std::string&>(), "path"_a)
+      .def_ro("path", &py_model::path)
+      .def_prop_ro("arch", [](const py_model& s) { return s.m->hparams().arch; })
+      .def_prop_ro("n_vocab", [](const py_model& s) { return s.m->hparams().n_vocab; })
+      .def_prop_ro("n_layer", [](const py_model& s) { return s.m->hparams().n_layer; })
+      .def_prop_ro("n_head", [](const py_model& s) { return s.m->hparams().n_head; })
+      .def_prop_ro("n_kv_head", [](const py_model& s) { return s.m->hparams().n_kv_head; })
+      .def_prop_ro("head_dim", [](const py_model& s) { return s.m->hparams().head_dim; })
+      .def_prop_ro("n_ctx_train", [](const py_model& s) { return s.m->hparams().n_ctx_train; })
+      .def_prop_ro("bos", [](const py_model& s) { return s.tok->bos(); })
+      .def_prop_ro("eos", [](const py_model& s) { return s.tok->eos(); })
+      .def(
+          "tokenize",
+          [](const py_model& s, const std::string& text, bool add_bos, bool parse_special) {
+            return s.tok->encode(text, add_bos && s.tok->add_bos_default(), parse_special);
+          },
+          "text"_a, "add_bos"_a = true, "parse_special"_a = true,
+          "Token ids of `text`, as `kvq tokenize` (add_bos=False: --no-bos; parse_special=False: "
+          "--no-parse-special).")
+      .def(
+          "detokenize", [](const py_model& s, const std::vector<int32_t>& ids) { return utf8_str(s.tok->decode(ids)); },
+          "ids"_a,
+          "The text of `ids` (tokenizer::decode: concatenated pieces, control tokens empty). ValueError for "
+          "an id outside [0, n_vocab).")
+      .def("generate", &run_generate, "prompt"_a, "max_tokens"_a = gp.n_predict, "temperature"_a = 0.0f,
+           "top_k"_a = gp.sampling.top_k, "top_p"_a = gp.sampling.top_p, "min_p"_a = gp.sampling.min_p,
+           "seed"_a = -1, "n_ctx"_a = gp.n_ctx, "n_batch"_a = gp.n_batch, "n_threads"_a = gp.n_threads,
+           "ignore_eos"_a = gp.ignore_eos, "add_bos"_a = gp.add_bos, "details"_a = false,
+           "on_token"_a = nb::none(), "cache"_a,
+           "Generates up to max_tokens tokens after `prompt` as `kvq generate` does (greedy by default: "
+           "temperature 0; the CLI's --temp default is 0.8) and returns the generated text, or with details=True "
+           "the dict of `kvq generate --json` (ids, text, stop_reason, speeds, KV bytes). Cache options as "
+           "keyword arguments spelled as the CLI's flags: type_k='q4' (-ctk), type_v (-ctv), rotation (--kv-rot), "
+           "group_size (--kv-group), sink (--kv-sink), recent (--kv-exact-recent), kivi_group, kivi_residual, "
+           "channel_scale, k_channel_scale, kv_seed, certify, certify_tol, host_dir, certify_measure, "
+           "certify_adapt. on_token(piece: bytes) is called for each generated token. Errors: ValueError "
+           "(kvq's message) for bad values, TypeError for unknown options.")
+      .def("perplexity", &run_perplexity, "text"_a, "n_ctx"_a = pp.n_ctx, "chunks"_a = pp.n_chunks,
+           "n_batch"_a = pp.n_batch, "n_threads"_a = pp.n_threads, "compare"_a = nb::none(),
+           "kl_base"_a = std::string(), "kl_compare"_a = std::string(), "kl_top_k"_a = pp.kl_top_k, "cache"_a,
+           "Perplexity of `text` with llama.cpp's protocol, as `kvq perplexity` (n_ctx: -c, chunks: --chunks, "
+           "compare: --compare TYPE, kl_base: --kl-base FILE, kl_compare: --kl-compare FILE); returns the dict of "
+           "its --json output (ppl, ppl_err, nll_mean, n_scored, ..., and 'kld' with a base). Cache options as "
+           "generate().");
+}
+
+}  // namespace kvq::py
