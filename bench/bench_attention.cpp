@@ -6,6 +6,8 @@
 //   ./bench_attention --benchmark_counters_tabular=true   (KVQ_BENCH_THREADS=N: N threads instead of 2)
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -101,13 +103,16 @@ BENCHMARK(BM_attend_q4_dequantize_then_attend)->CTX_ARGS;
 
 // Memory roofline with the same pool: memcpy of a buffer split over the threads (bytes copied per
 // second), and a streaming read (bytes read per second).
+constexpr size_t kPiece = size_t{1} << 20;  // bytes per piece handed to a thread
 void BM_copy_roofline(benchmark::State& state) {
   const size_t n = (size_t)state.range(0) << 20;
   std::vector<char> a(n, 1), b(n, 2);
   for (auto _ : state) {
-    pool().run_on_all([&](int t, int nt) {
-      const size_t per = n / nt;
-      std::memcpy(b.data() + per * t, a.data() + per * t, per);
+    // 1 MiB pieces through an atomic counter (run_on_all's contract: a late worker skips a call)
+    std::atomic<size_t> next{0};
+    pool().run_on_all([&](int, int) {
+      for (size_t o = next.fetch_add(kPiece); o < n; o = next.fetch_add(kPiece))
+        std::memcpy(b.data() + o, a.data() + o, std::min(kPiece, n - o));
     });
     benchmark::ClobberMemory();
   }
@@ -119,15 +124,18 @@ void BM_read_roofline(benchmark::State& state) {
   std::vector<uint64_t> a(n / 8, 3);
   uint64_t sums[64] = {};
   for (auto _ : state) {
-    pool().run_on_all([&](int t, int nt) {
-      const size_t per = a.size() / nt;
+    std::atomic<size_t> next{0};
+    pool().run_on_all([&](int t, int) {
       uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-      const uint64_t* p = a.data() + per * t;
-      for (size_t i = 0; i + 4 <= per; i += 4) {
-        s0 += p[i];
-        s1 += p[i + 1];
-        s2 += p[i + 2];
-        s3 += p[i + 3];
+      for (size_t o = next.fetch_add(kPiece / 8); o < a.size(); o = next.fetch_add(kPiece / 8)) {
+        const size_t per = std::min(kPiece / 8, a.size() - o);
+        const uint64_t* p = a.data() + o;
+        for (size_t i = 0; i + 4 <= per; i += 4) {
+          s0 += p[i];
+          s1 += p[i + 1];
+          s2 += p[i + 2];
+          s3 += p[i + 3];
+        }
       }
       sums[t] = s0 + s1 + s2 + s3;
     });
