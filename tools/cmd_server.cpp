@@ -13,12 +13,10 @@ namespace {
 struct server_opts {
   server_params p;
   kv_flags kv;  // p.cache, parsed when the command runs
-  std::string batch_invariant = "on";
 };
 
 int run_server(server_opts& o) {
   o.p.cache = o.kv.params();
-  o.p.batch_invariant = o.batch_invariant == "on";
   // SIGINT / SIGTERM stop the server from a thread of their own (httplib's stop() is not
   // async-signal-safe); a client that hangs up must not kill the process with SIGPIPE.
   sigset_t set;
@@ -53,9 +51,6 @@ const registrar reg{{"server", "OpenAI-compatible HTTP server with continuous ba
   app->add_option("--chat-template-file", p.chat_template_file, "chat template text to use instead of the model's");
   app->add_option("-t,--threads", p.n_threads, "compute threads (0: all)")->capture_default_str()->check(CLI::Range(0, 1024));
   app->add_option("--threads-http", p.n_http_threads, "HTTP threads (0: parallel + queue + 4)")->capture_default_str()->check(CLI::Range(0, 100000));
-  app->add_option("--batch-invariant", o->batch_invariant,
-                  "on: a request's tokens do not depend on the other requests in the batch (pads one-token steps)")
-      ->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   add_kv_flags(app, o->kv);
   return [o] { return run_server(*o); };
 }}};

@@ -27,11 +27,6 @@ struct server_params {
   int n_queue = 64;                 // requests waiting for a slot before 503 + Retry-After
   int n_threads = 0;                // compute threads (0: all)
   int n_http_threads = 0;           // HTTP worker threads (0: n_parallel + n_queue + 4)
-  // Every forward holds >= 2 tokens and 0 or >= 2 output rows (a pad token in a spare slot
-  // otherwise), so the weight products always take the multi-token kernels and a request's tokens
-  // do not depend on what else is in the batch (the one-token SIMD decode kernels round
-  // differently; docs/server.md). Off: a lone decode token takes the one-token kernels.
-  bool batch_invariant = true;
   std::string chat_template_file;   // "" = the model's tokenizer.chat_template
   kv_cache_params cache;            // types and options; shapes, n_ctx and n_seq come from the model
 };

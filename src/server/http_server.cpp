@@ -82,7 +82,6 @@ http_server::http_server(const server_params& p) : p_(p) {
   sp.n_batch = p_.n_batch;
   sp.n_queue = p_.n_queue;
   sp.n_threads = p_.n_threads;
-  sp.batch_invariant = p_.batch_invariant;
   sp.cache = p_.cache;
   sched_ = std::make_unique<scheduler>(*model_, *tok_, sp);
 
@@ -100,9 +99,9 @@ http_server::http_server(const server_params& p) : p_(p) {
       fail(errc::io, "[server] cannot bind " + p_.host + ":" + std::to_string(p_.port) + " (in use, or not a local address?)");
     port_ = p_.port;
   }
-  std::fprintf(stderr, "[server] model %s (%s), n_ctx %d per slot, %d slots, prefill chunk %d, KV cache %s%s\n",
+  std::fprintf(stderr, "[server] model %s (%s), n_ctx %d per slot, %d slots, prefill chunk %d, KV cache %s\n",
                model_id_.c_str(), model_->hparams().arch.c_str(), sp.n_ctx, sp.n_parallel, sp.n_batch,
-               sched_->cache_describe().c_str(), sp.batch_invariant ? ", batch-invariant" : "");
+               sched_->cache_describe().c_str());
   std::fprintf(stderr, "[server] chat template: %s\n",
                template_ ? chat_format_name(template_->format()) : template_note_.c_str());
 }
@@ -358,8 +357,7 @@ std::string http_server::metrics_text() const {
   metric("prompt_tokens_total", "counter", "prompt tokens admitted", (double)m.prompt_tokens);
   metric("tokens_generated_total", "counter", "tokens generated", (double)m.generated_tokens);
   metric("steps_total", "counter", "scheduler steps (one forward each)", (double)m.steps);
-  metric("batch_tokens_total", "counter", "tokens run through the model, pad tokens included", (double)m.batch_tokens);
-  metric("pad_tokens_total", "counter", "pad tokens added for batch invariance", (double)m.pad_tokens);
+  metric("batch_tokens_total", "counter", "tokens run through the model", (double)m.batch_tokens);
   metric("sequences_active", "gauge", "requests holding a sequence slot", (double)m.active);
   metric("sequences_queued", "gauge", "requests waiting for a slot", (double)m.queued);
   metric("kv_cache_bytes_used", "gauge", "KV cache bytes holding stored positions", (double)m.kv_bytes_used);

@@ -57,8 +57,7 @@ scheduler::scheduler(model& m, const tokenizer& tok, const scheduler_params& p)
   if (p_.n_parallel < 1) fail_input("[server] --parallel " + std::to_string(p_.n_parallel) + " must be >= 1");
   if (p_.n_batch < 1) fail_input("[server] --batch-size " + std::to_string(p_.n_batch) + " must be >= 1");
   if (p_.n_queue < 0) fail_input("[server] --queue " + std::to_string(p_.n_queue) + " must be >= 0");
-  const int n_seq = p_.n_parallel + (p_.batch_invariant ? 1 : 0);
-  kv_cache_params cp = m_.cache_params(p_.n_ctx, p_.cache, n_seq);
+  kv_cache_params cp = m_.cache_params(p_.n_ctx, p_.cache, p_.n_parallel);
   cp.n_ubatch = std::max(cp.n_ubatch, p_.n_batch);  // sliding-window rings hold one prefill chunk
   cache_ = make_kv_cache(cp);
   cache_describe_ = cache_->describe();
@@ -129,7 +128,6 @@ scheduler_metrics scheduler::metrics() const {
   s.generated_tokens = n_generated_tokens_;
   s.steps = n_steps_;
   s.batch_tokens = n_batch_tokens_;
-  s.pad_tokens = n_pad_;
   s.active = n_active_;
   {
     std::lock_guard lk(mu_);
@@ -142,10 +140,9 @@ scheduler_metrics scheduler::metrics() const {
 
 void scheduler::loop() {
   const int n_vocab = m_.hparams().n_vocab;
-  const int pad_seq = p_.n_parallel;
   std::vector<int32_t> tokens, pos, seq;
   std::vector<uint8_t> out;
-  std::vector<int> out_slot;  // slot of each logits row (-1: pad)
+  std::vector<int> out_slot;  // slot of each logits row
   std::vector<float> logits;
   uint64_t n_admitted = 0;
 
@@ -239,16 +236,7 @@ void scheduler::loop() {
       chunk_len[i] = n;
     }
     if (tokens.empty()) continue;
-    int n_out = (int)out_slot.size();
-    bool pad_used = false;
-    if (p_.batch_invariant && (tokens.size() < 2 || n_out == 1)) {
-      const bool pad_out = n_out == 1;  // 0 rows stay 0, 1 row becomes 2
-      tokens.push_back(tok_.bos() >= 0 ? tok_.bos() : 0), pos.push_back(0), seq.push_back(pad_seq);
-      out.push_back(pad_out);
-      if (pad_out) out_slot.push_back(-1), ++n_out;
-      ++n_pad_;
-      pad_used = true;
-    }
+    const int n_out = (int)out_slot.size();
     logits.resize((size_t)std::max(n_out, 1) * n_vocab);
     model_batch b{tokens, pos, seq, out};
     try {
@@ -259,17 +247,14 @@ void scheduler::loop() {
       std::fprintf(stderr, "[server] step failed: %s\n", e.what());
       for (int i = 0; i < p_.n_parallel; ++i)
         if (chunk_len[i] > 0) finish(i, "error", e.what());
-      if (pad_used) cache_->clear(pad_seq);
       continue;
     }
-    if (pad_used) cache_->clear(pad_seq);
     ++n_steps_;
     n_batch_tokens_ += tokens.size();
     for (int i = 0; i < p_.n_parallel; ++i) slots_[i]->n_past += chunk_len[i];
 
     for (int r = 0; r < n_out; ++r) {
       const int i = out_slot[r];
-      if (i < 0) continue;
       slot& s = *slots_[i];
       const float* row = logits.data() + (size_t)r * n_vocab;
       if (p_.record_logits) {

@@ -8,10 +8,10 @@
 // request ends (finished, cancelled or failed).
 //
 // Batch invariance: a sequence's chunking does not depend on the others, every kv_cache keeps
-// sequences apart, and with batch_invariant every forward has >= 2 tokens and 0 or >= 2 logits
-// rows (a pad token in the spare slot n_parallel otherwise), so the weight products never take the
-// one-token kernels, whose SIMD sums round differently from the multi-token tiles. A greedy
-// request then returns the same tokens alone or among others (tests/server/test_scheduler.cpp).
+// sequences apart (attend_batch equals attend alone bit for bit), and the weight products give
+// every token the same bits at any batch size (tests/core/test_matmul.cpp, quant tiers vs scalar
+// token by token), so a greedy request returns the same tokens alone or among others
+// (tests/server/test_scheduler.cpp).
 // The compressed caches' K channel scale (kv_cache_params::k_channel_scale: μ_K and λ_K of a
 // layer's first append, shared by all sequences) is calibrated once at start-up on a fixed text
 // (calibration_text()), so it does not depend on which request came first either.
@@ -41,7 +41,6 @@ struct scheduler_params {
   int n_batch = 128;      // prefill chunk (tokens) and most prefill tokens per step
   int n_queue = 64;       // waiting requests before submit() refuses
   int n_threads = 0;      // compute threads (0: all)
-  bool batch_invariant = true;
   bool record_logits = false;  // tests: seq_update::logits_hash of every sampled row
   kv_cache_params cache;  // types and options (shapes come from the model)
 };
@@ -87,14 +86,14 @@ class seq_job {
 struct scheduler_metrics {
   uint64_t requests = 0, finished = 0, cancelled = 0, failed = 0;
   uint64_t prompt_tokens = 0, generated_tokens = 0;
-  uint64_t steps = 0, batch_tokens = 0, pad_tokens = 0;
+  uint64_t steps = 0, batch_tokens = 0;
   int active = 0, queued = 0;
   size_t kv_bytes_used = 0, kv_bytes = 0;
 };
 
 class scheduler {
  public:
-  // Creates the cache (n_seq = n_parallel, + 1 pad slot when batch_invariant) and starts the
+  // Creates the cache (n_seq = n_parallel) and starts the
   // thread. Throws invalid_input for n_parallel < 1, n_batch < 1, n_queue < 0, and what
   // make_kv_cache throws.
   scheduler(model& m, const tokenizer& tok, const scheduler_params& p);
@@ -131,7 +130,7 @@ class scheduler {
   std::thread thread_;
 
   std::atomic<uint64_t> n_requests_{0}, n_finished_{0}, n_cancelled_{0}, n_failed_{0};
-  std::atomic<uint64_t> n_prompt_tokens_{0}, n_generated_tokens_{0}, n_steps_{0}, n_batch_tokens_{0}, n_pad_{0};
+  std::atomic<uint64_t> n_prompt_tokens_{0}, n_generated_tokens_{0}, n_steps_{0}, n_batch_tokens_{0};
   std::atomic<int> n_active_{0};
   std::atomic<size_t> kv_bytes_used_{0}, kv_bytes_{0};
 };

@@ -3,8 +3,9 @@
 Qwen2.5-Coder-0.5B model (servers on 127.0.0.1, any free port): completion, chat, streaming, usage
 counts, stop strings, concurrent greedy requests equal to the same request alone (f16 and q4
 caches), malformed input with its status code and OpenAI error body, the API key, a full queue
-(503 + Retry-After) and a client that disconnects mid-stream (its slot is freed: /metrics shows
-zero active sequences).
+(503 + Retry-After), a client that disconnects mid-stream (its slot is freed: /metrics shows
+zero active sequences) and a bounded load run (32 requests, 16 at a time: none fails, nothing left
+active, queued or holding KV bytes).
 
 usage: test_server_openai.py KVQ_BINARY   (exit 77 = skipped: no `openai` package or no model)
 """
@@ -236,6 +237,28 @@ def test_concurrent_with(srv, c, label):
     print(f"note: {label}: 4 concurrent requests x 8 tokens in {dt:.2f} s ({32 / dt:.1f} generated tokens/s)")
 
 
+def test_load(srv, n=32, at_once=16, max_tokens=2):
+    """A bounded load run: n requests, at_once at a time, each on its own client (own connections),
+    more than the slots so that requests queue; every one must succeed and the server must end with
+    no active or queued sequence and no KV bytes in use."""
+    def one(i):
+        try:
+            with srv.client() as c:
+                r = c.completions.create(model="kvq", prompt=PROMPTS[i % len(PROMPTS)] + f" # {i}",
+                                         max_tokens=max_tokens, temperature=0)
+                return "ok" if r.usage.completion_tokens == max_tokens else f"usage {r.usage}"
+        except Exception as e:  # noqa: BLE001 (any failure is counted and shown)
+            return f"{type(e).__name__}: {e}"
+    t0 = time.time()
+    with cf.ThreadPoolExecutor(at_once) as ex:
+        results = list(ex.map(one, range(n)))
+    bad = [r for r in results if r != "ok"]
+    check(not bad, f"load: {n} requests, {at_once} at a time: {len(bad)} failed {sorted(set(bad))[:3]}")
+    check(wait_idle(srv), f"load: sequences_active {srv.metric('sequences_active')} queued {srv.metric('sequences_queued')}")
+    check(srv.metric("kv_cache_bytes_used") == 0, f"load: kv_cache_bytes_used {srv.metric('kv_cache_bytes_used')}")
+    print(f"note: load: {n} requests x {max_tokens} tokens, {at_once} at a time, in {time.time() - t0:.1f} s")
+
+
 def test_auth_queue_disconnect(srv):
     status, _, _ = srv.http("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1},
                             headers={"Content-Type": "application/json"})
@@ -274,14 +297,16 @@ def main():
     t0 = time.time()
     print(f"kvq {KVQ}, model {MODEL}")
     log = ""
-    # f16 and q4 caches, 4 slots, no queue, an API key
+    # f16 and q4 caches, 4 slots, an API key; q4 with no queue (503), f16 with a queue (load run)
     for kv in ("f16", "q4"):
-        srv = Server("-c", "256", "--parallel", "4", "-b", "64", "--queue", "0", "--api-key", "secret",
-                     "-ctk", kv, "-ctv", kv)
+        srv = Server("-c", "256", "--parallel", "4", "-b", "64", "--queue", "16" if kv == "f16" else "0",
+                     "--api-key", "secret", "-ctk", kv, "-ctv", kv)
         try:
             if kv == "f16":
                 test_f16(srv)
             test_concurrent(srv, kv)
+            if kv == "f16":
+                test_load(srv)
             if kv == "q4":
                 test_auth_queue_disconnect(srv)
             print(f"note: {time.time() - t0:.1f} s so far")
