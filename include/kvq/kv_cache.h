@@ -79,15 +79,17 @@ struct kv_cache_params {
   int exact_recent = 0;             // last `exact_recent` tokens kept exact (the CLI's --kv-exact-recent)
   int kivi_group = 32;              // KIVI: tokens per per-channel K group
   int kivi_residual = 32;           // KIVI: max exact recent tokens before a group is quantized
-  bool channel_scale = false;       // per-channel scale λ calibrated on the prompt
-  // K channel scale: channel_scale for K only (per layer, kv head and channel, the mean μ_K and the
-  // power-of-two scale λ_K of the first append, the prompt; K stored as R((K - μ_K) / λ_K), queries
-  // scaled by λ_K). Exact for attention up to rounding: softmax ignores the constant q·μ_K added
-  // to all of a query's scores, and the exact windows store the same transformed rows. It keeps
-  // per-token K usable where a K bias puts a large constant on a few channels (Qwen2.5: |μ| up to
-  // 210 against a spread of ~1; docs/quality.md). std::nullopt = auto: on for the per-token
-  // compressed K formats (q8 .. q2a), off for KIVI (its per-channel scale and zero already do it)
-  // and the dense types. channel_scale = true turns it on for K and V regardless.
+  // per-channel scale λ (and mean μ) calibrated per layer, sequence and kv head on the sequence's
+  // first append (its prompt); clear / truncate to 0 reset them (no sequence depends on another's)
+  bool channel_scale = false;
+  // K channel scale: channel_scale for K only (per layer, sequence, kv head and channel, the mean
+  // μ_K and the power-of-two scale λ_K of the sequence's first append, its prompt; K stored as
+  // R((K - μ_K) / λ_K), queries scaled by λ_K). Exact for attention up to rounding: softmax ignores
+  // the constant q·μ_K added to all of a query's scores, and the exact windows store the same
+  // transformed rows. It keeps per-token K usable where a K bias puts a large constant on a few
+  // channels (Qwen2.5: |μ| up to 210 against a spread of ~1; docs/quality.md). std::nullopt = auto:
+  // on for the per-token compressed K formats (q8 .. q2a), off for KIVI (its per-channel scale and
+  // zero already do it) and the dense types. channel_scale = true turns it on for K and V regardless.
   std::optional<bool> k_channel_scale;
   uint64_t seed = 0x6b7671;         // seed of random signs (srht/srft)
   attn_path attn = attn_path::fused;  // of the compressed formats

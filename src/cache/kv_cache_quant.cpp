@@ -68,7 +68,9 @@ struct side_store {
   std::vector<uint8_t> codes;         // per layer [n_seq, n_kv_head, ring_[il], code_row]
   std::vector<uint16_t> scales;       // per layer [n_seq, n_kv_head, scale_units(ring_[il]), scale_stride]
   std::vector<uint8_t> exact;         // [n_layer, n_seq, n_kv_head, exact_cap, head_dim] exact_elem
-  std::vector<float> lambda, mu;      // [n_layer, n_kv_head, head_dim] (channel_scale, K: k_channel_scale), else empty
+  // channel statistics (channel_scale; K: k_channel_scale), else empty; per sequence so that no
+  // sequence's data changes another's results
+  std::vector<float> lambda, mu;      // [n_layer, n_seq, n_kv_head, head_dim]
   size_t planned = 0;                 // bytes of the four arrays above, set before any allocation
 
   size_t bytes() const {
@@ -115,7 +117,7 @@ class kv_cache_quant final : public kv_cache {
     init_side(k_, "K", fk, /*is_v=*/false, heads);
     init_side(v_, "V", fv, /*is_v=*/true, heads);
     state_.assign((size_t)p.n_layer * p.n_seq, {});
-    lambda_set_.assign(p.n_layer, 0);
+    lambda_set_.assign((size_t)p.n_layer * p.n_seq, 0);
   }
 
   const kv_cache_params& params() const override { return p_; }
@@ -134,7 +136,10 @@ class kv_cache_quant final : public kv_cache {
   }
   void clear(int seq_id) override {
     check_layer_seq("clear", 0, seq_id);
-    for (int il = 0; il < p_.n_layer; ++il) st(il, seq_id) = {};
+    for (int il = 0; il < p_.n_layer; ++il) {
+      st(il, seq_id) = {};
+      lambda_set_[(size_t)il * p_.n_seq + seq_id] = 0;  // the next append calibrates again
+    }
   }
   void truncate(int seq_id, int n_pos) override;
 
@@ -149,7 +154,11 @@ class kv_cache_quant final : public kv_cache {
         b += (size_t)(q.n_comp - q.body_lo) * s->code_row * p_.n_kv_head;
         b += (s->scale_units((size_t)q.n_comp) - s->scale_units((size_t)q.body_lo)) * s->scale_stride * 2 * p_.n_kv_head;
       }
-    for (const auto* s : {&k_, &v_}) b += (s->lambda.size() + s->mu.size()) * sizeof(float);
+    // channel statistics of the (layer, sequence) pairs calibrated
+    size_t n_set = 0;
+    for (uint8_t x : lambda_set_) n_set += x;
+    for (const auto* s : {&k_, &v_})
+      if (!s->lambda.empty()) b += n_set * 2 * (size_t)p_.n_kv_head * p_.head_dim * sizeof(float);
     return b;
   }
   std::string describe() const override {
@@ -205,7 +214,8 @@ class kv_cache_quant final : public kv_cache {
     for (const auto* s : {&k_, &v_}) {
       b += heads * (ring * s->code_row + s->scale_units(ring) * s->scale_stride * 2 +
                     (size_t)exact_cap_ * p_.head_dim * kv_elem_bytes(s->exact_elem));
-      if ((p_.channel_scale || (s == &k_ && k_channel_scale_)) && s->compressed) b += 2 * (size_t)p_.n_kv_head * p_.head_dim * sizeof(float);
+      if ((p_.channel_scale || (s == &k_ && k_channel_scale_)) && s->compressed)
+        b += 2 * heads * p_.head_dim * sizeof(float);  // μ and λ
     }
     return b;
   }
@@ -258,7 +268,8 @@ class kv_cache_quant final : public kv_cache {
   void check_layer_seq(const char* op, int il, int seq_id) const { kvq::check_layer_seq(p_, op, il, seq_id); }
   // x[n_tokens, n_kv_head, head_dim] -> transformed (rotated, / λ, f16-rounded) into xs.
   void transform_side(side_store& s, int il, int seq_id, int pos, int n_tokens, const float* x, float* xs);
-  void calibrate_channels(side_store& s, int il, int n_tokens, const float* x);
+  // μ and λ of (layer il, seq_id), every kv head, from the append x[n_tokens, n_kv_head, head_dim]
+  void calibrate_channels(side_store& s, int il, int seq_id, int n_tokens, const float* x);
   // Quantizes `n_units` units of rows x[rows, head_dim] into body rows starting at `row`.
   void store_body(side_store& s, size_t hi, size_t row, const float* x, int n_rows);
   void load_body_rows(side_store& s, size_t hi, size_t row0, int n_rows, float* y);
@@ -272,7 +283,7 @@ class kv_cache_quant final : public kv_cache {
   std::vector<int> ring_;    // [n_layer] body rows held per (seq, kv head): all, or a windowed layer's ring
   side_store k_, v_;
   std::vector<seq_state> state_;     // [n_layer, n_seq]
-  std::vector<uint8_t> lambda_set_;  // [n_layer]
+  std::vector<uint8_t> lambda_set_;  // [n_layer, n_seq] channel statistics calibrated
   // scratch of append / attend (one call at a time per cache)
   std::vector<float> xk_, xv_, pend_;
   std::vector<float> qr_, q8s_;
@@ -312,7 +323,7 @@ void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, 
   const size_t n_codes = s.row0[p_.n_layer] * s.code_row, n_scales = s.unit0[p_.n_layer] * s.scale_stride;
   const size_t n_exact = heads * exact_cap_ * hd * kv_elem_bytes(s.exact_elem);
   const bool calibrated = p_.channel_scale || (!is_v && k_channel_scale_);
-  const size_t n_lambda = calibrated && s.compressed ? (size_t)p_.n_layer * p_.n_kv_head * hd : 0;
+  const size_t n_lambda = calibrated && s.compressed ? heads * hd : 0;
   s.planned = n_codes + n_scales * 2 + n_exact + 2 * n_lambda * sizeof(float);
   if (!allocate_) return;
   s.codes.assign(n_codes, 0);
@@ -322,8 +333,8 @@ void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, 
   s.mu.assign(n_lambda, 0.0f);
 }
 
-void kv_cache_quant::calibrate_channels(side_store& s, int il, int n_tokens, const float* x) {
-  // On the prompt, per kv head and channel c (original basis): μ_c = mean, λ_c = the power of two
+void kv_cache_quant::calibrate_channels(side_store& s, int il, int seq_id, int n_tokens, const float* x) {
+  // On the sequence's first append (its prompt), per kv head and channel c (original basis): μ_c = mean, λ_c = the power of two
   // nearest to the RMS of x_c - μ_c, normalised so the mean log2 λ is 0 (powers of two keep
   // (x - μ) / λ and q * λ free of rounding). Stored: R ((x - μ) / λ). For K, μ only shifts every
   // score of a query by q·μ, which softmax ignores; for V, μ is added back to the output (the
@@ -342,8 +353,8 @@ void kv_cache_quant::calibrate_channels(side_store& s, int il, int n_tokens, con
       }
     double mx = 0.0;
     for (auto& r : rms) mx = std::max(mx, r = std::sqrt(r / n_tokens));
-    float* lam = &s.lambda[((size_t)il * nh + h) * hd];
-    float* mu = &s.mu[((size_t)il * nh + h) * hd];
+    float* lam = &s.lambda[head_index(il, seq_id, h) * hd];
+    float* mu = &s.mu[head_index(il, seq_id, h) * hd];
     for (int c = 0; c < hd; ++c) mu[c] = f16_to_f32(f32_to_f16((float)mean[c]));
     if (!(mx > 0.0)) {
       std::fill(lam, lam + hd, 1.0f);
@@ -379,11 +390,11 @@ void kv_cache_quant::transform_side(side_store& s, int il, int seq_id, int pos, 
                  where(i) + " (compressed caches reject NaN/Inf)");
   std::memcpy(xs, x, n * sizeof(float));
   if (!s.lambda.empty()) {
-    if (!lambda_set_[il]) calibrate_channels(s, il, n_tokens, x);
+    if (!lambda_set_[(size_t)il * p_.n_seq + seq_id]) calibrate_channels(s, il, seq_id, n_tokens, x);
     for (int t = 0; t < n_tokens; ++t)
       for (int h = 0; h < nh; ++h) {
-        const float* lam = &s.lambda[((size_t)il * nh + h) * hd];
-        const float* mu = &s.mu[((size_t)il * nh + h) * hd];
+        const float* lam = &s.lambda[head_index(il, seq_id, h) * hd];
+        const float* mu = &s.mu[head_index(il, seq_id, h) * hd];
         float* r = xs + ((size_t)t * nh + h) * hd;
         for (int c = 0; c < hd; ++c) r[c] = (r[c] - mu[c]) / lam[c];
       }
@@ -450,7 +461,7 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
   // 1. validate and transform (nothing is modified before this succeeds, except λ calibration)
   transform_side(k_, il, seq_id, q.n, n_tokens, k, xk_.data());
   transform_side(v_, il, seq_id, q.n, n_tokens, v, xv_.data());
-  lambda_set_[il] = 1;
+  lambda_set_[(size_t)il * p_.n_seq + seq_id] = 1;
   // 2. sink rows
   const int n_new = q.n + n_tokens;
   int t0 = 0;
@@ -502,6 +513,7 @@ void kv_cache_quant::truncate(int seq_id, int n_keep) {
   }
   for (int il = 0; il < p_.n_layer; ++il) {
     seq_state& q = st(il, seq_id);
+    if (n_keep == 0) lambda_set_[(size_t)il * p_.n_seq + seq_id] = 0;  // as clear: calibrate again
     if (n_keep >= q.n) continue;
     q.n = n_keep;
     if (q.n >= p_.sink + q.n_comp) continue;  // only the tail shrinks
@@ -583,7 +595,7 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
     float* r = &qr_[(size_t)t * n_head * hd];
     if (!k_.lambda.empty())
       for (int h = 0; h < n_head; ++h) {
-        const float* lam = &k_.lambda[((size_t)il * nh + h / ng) * hd];
+        const float* lam = &k_.lambda[head_index(il, seqs[plan_.seq_of_token((int)t)].seq_id, h / ng) * hd];
         for (int c = 0; c < hd; ++c) r[(size_t)h * hd + c] *= lam[c];
       }
     k_.rot.forward_n(r, n_head);
@@ -681,7 +693,7 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
     v_.rot.inverse_n(out + (size_t)t * n_head * hd, n_head);
     if (!v_.lambda.empty())
       for (int hq = 0; hq < n_head; ++hq) {
-        const size_t off = ((size_t)il * nh + hq / ng) * hd;
+        const size_t off = head_index(il, seqs[b].seq_id, hq / ng) * hd;
         float* o = out + ((size_t)t * n_head + hq) * hd;
         for (int x = 0; x < hd; ++x) o[x] = o[x] * v_.lambda[off + x] + v_.mu[off + x];
       }

@@ -489,7 +489,7 @@ TEST(kv_cache_quant, truncate_and_clear) {
     EXPECT_EQ(full.cache->bytes_used(), part.cache->bytes_used());
     full.cache->clear(0);
     EXPECT_EQ(full.cache->n_pos(0), 0);
-    EXPECT_EQ(full.cache->bytes_used(), (size_t)2 * 2 * 64 * 4);  // only μ_K / λ_K (K channel scale) stay
+    EXPECT_EQ(full.cache->bytes_used(), 0u);  // μ_K / λ_K too: the next append calibrates again
     EXPECT_THROW(full.cache->truncate(0, -1), error);
   }
   // KIVI: truncating inside a quantized group moves its kept rows back to the exact tail
@@ -558,14 +558,17 @@ TEST(kv_cache_quant, bytes_are_exact) {
   p.n_layer = 2;
   p.n_seq = 3;
   auto c = make_kv_cache(p);
-  // K channel scale (on by default for per-token K): μ_K and λ_K, f32 per layer, kv head and channel
-  auto centring = [](const kv_cache_params& q) { return (size_t)2 * q.n_layer * q.n_kv_head * q.head_dim * 4; };
+  // K channel scale (on by default for per-token K): μ_K and λ_K, f32 per layer, sequence, kv head
+  // and channel
+  auto centring = [](const kv_cache_params& q) {
+    return (size_t)2 * q.n_layer * q.n_seq * q.n_kv_head * q.head_dim * 4;
+  };
   // q4, g32, head_dim 128: 64 code bytes + 4 f16 scales = 72 bytes per token per kv head per side
   EXPECT_EQ(c->bytes(), (size_t)2 * 3 * 8 * 1024 * 72 * 2 + centring(p));
   EXPECT_DOUBLE_EQ(kv_bytes_per_token(p), 2.0 * 8 * 72 * 2);
   std::vector<float> k(100 * 8 * 128, 0.3f);
   c->append(0, 1, 100, k.data(), k.data());
-  EXPECT_EQ(c->bytes_used(), (size_t)100 * 8 * 72 * 2 + centring(p));
+  EXPECT_EQ(c->bytes_used(), (size_t)100 * 8 * 72 * 2 + (size_t)2 * 8 * 128 * 4);  // μ_K, λ_K of (layer 0, seq 1)
   // KIVI-4: K 64 codes + 2*2*128/32 per token; V q4a g32 64 + 8 * 2
   auto pk = base_params("kivi4", "kivi4", 128, 8, 1024);
   EXPECT_DOUBLE_EQ(kv_bytes_per_token(pk), 8.0 * (80 + 80));

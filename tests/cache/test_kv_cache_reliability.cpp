@@ -1,8 +1,10 @@
 // Reliability defects of issue 15 (tests written against the public API): validation before any
-// allocation, layer order of appends, the int32 bound of the 8-bit K dot.
+// allocation, layer order of appends, the int32 bound of the 8-bit K dot, channel statistics per
+// sequence.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -110,7 +112,7 @@ TEST(kv_cache_reliability, eight_bit_k_dot_fits_int32_at_the_largest_accepted_gr
     const auto ref = test::attend_f64(k, v, q.data(), 1, hd, 1, 1, 1, scale);
     EXPECT_GT(ref[0], 0.99);
     EXPECT_LE(test::rel_err(out, ref), 1e-3) << name << " out[0] " << out[0] << " ref " << ref[0];
-    for (const auto [hd2, g] : {std::pair{512, 512}, std::pair{576, 576}, std::pair{264, 0}}) {
+    for (const auto& [hd2, g] : {std::pair{512, 512}, std::pair{576, 576}, std::pair{264, 0}}) {
       kv_cache_params big = params_of(t, kv_cache_type::f16, 1, hd2, 2);
       big.group_size = g;
       big.rotation = rotation_kind::none;
@@ -129,6 +131,99 @@ TEST(kv_cache_reliability, eight_bit_k_dot_fits_int32_at_the_largest_accepted_gr
     ok = params_of(t, t, 1, 576, 2);
     ok.group_size = 64;
     EXPECT_EQ(error_of([&] { make_kv_cache(ok); }), "");
+  }
+}
+
+// K/V [n, n_kv_head, hd] with per-channel offsets and spreads (realistic K); channel `hot` scaled by
+// `hot_scale` (the issue's x100 outlier).
+std::vector<float> channel_data(std::mt19937& rng, int n, int nh, int hd, bool is_k, int hot = -1,
+                                float hot_scale = 1.0f) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> off(hd), spread(hd);
+  for (int c = 0; c < hd; ++c) {
+    off[c] = is_k ? 2.0f * nd(rng) : 0.0f;
+    spread[c] = 0.5f + (float)((c * 37) % 11) / 10.0f;
+  }
+  std::vector<float> x((size_t)n * nh * hd);
+  for (size_t i = 0; i < x.size(); ++i) {
+    const int c = (int)(i % hd);
+    x[i] = (off[c] + spread[c] * nd(rng)) * (c == hot ? hot_scale : 1.0f);
+  }
+  return x;
+}
+
+// Channel statistics (channel_scale's μ / λ, the default K channel scale μ_K / λ_K) were calibrated
+// once per layer by whichever sequence appended first and used for all, and survived clear():
+// sequence 1 appending 19 tokens with one channel x100 before sequence 0's 45 ordinary tokens raised
+// sequence 0's error ~10x (q4 0.053 -> 0.547). They are per (layer, sequence, kv head) now, reset by
+// clear / truncate to 0: sequence 0's outputs equal those of a cache that only ever held sequence 0,
+// bit for bit, with and without sequence 1 in the batch, after clear and after truncate(0).
+TEST(kv_cache_reliability, channel_statistics_never_leak_across_sequences) {
+  thread_pool pool(2);
+  const int hd = 64, nh = 2, n_head = 4, n_layer = 2, n0 = 45, n1 = 19;
+  struct arm {
+    kv_cache_type t;
+    bool channel_scale;
+  };
+  for (const arm a : {arm{kv_cache_type::q4, true}, arm{kv_cache_type::kivi4, true}, arm{kv_cache_type::q4, false},
+                      arm{kv_cache_type::q8a, false}, arm{kv_cache_type::q2a, false}}) {
+    const std::string name = std::string(kv_cache_type_name(a.t)) + (a.channel_scale ? " channel_scale" : "");
+    SCOPED_TRACE(name);
+    kv_cache_params p = params_of(a.t, a.t, n_layer, hd, 64);
+    p.n_kv_head = nh;
+    p.n_seq = 2;
+    p.channel_scale = a.channel_scale;
+    p.kivi_group = 16;
+    p.kivi_residual = 16;
+    std::mt19937 rng(15);
+    const auto k0 = channel_data(rng, n0, nh, hd, true), v0 = channel_data(rng, n0, nh, hd, false);
+    const auto k1 = channel_data(rng, n1, nh, hd, true, 5, 100.0f), v1 = channel_data(rng, n1, nh, hd, false, 5, 100.0f);
+    std::vector<float> q((size_t)n_head * hd);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (auto& x : q) x = nd(rng);
+    const float scale = 0.125f;
+    auto seq0_out = [&](kv_cache& c) {
+      std::vector<float> out(q.size());
+      c.attend(n_layer - 1, 0, n0 - 1, 1, n_head, q.data(), scale, out.data(), pool);
+      return out;
+    };
+    auto append = [&](kv_cache& c, int seq, const std::vector<float>& k, const std::vector<float>& v, int n) {
+      for (int il = 0; il < n_layer; ++il) c.append(il, seq, n, k.data(), v.data());
+    };
+    // sequence 0 alone
+    auto alone = make_kv_cache(p);
+    append(*alone, 0, k0, v0, n0);
+    const auto ref_out = seq0_out(*alone);
+    const auto f64 = test::attend_f64(k0, v0, q.data(), nh, hd, n0 - 1, 1, n_head, scale);
+    const double err_alone = test::rel_err(ref_out, f64);
+    EXPECT_LT(err_alone, a.t == kv_cache_type::q2a ? 0.6 : 0.2);
+    // sequence 1 (an outlier channel) first, then sequence 0
+    auto both = make_kv_cache(p);
+    append(*both, 1, k1, v1, n1);
+    append(*both, 0, k0, v0, n0);
+    EXPECT_EQ(seq0_out(*both), ref_out) << "error alone " << err_alone << ", after seq 1 "
+                                         << test::rel_err(seq0_out(*both), f64);
+    // in one batch with sequence 1
+    std::vector<float> q1(q.size(), 0.5f), out0(q.size()), out1(q.size());
+    const attend_seq batch[2] = {{1, n1 - 1, 1, q1.data(), out1.data()}, {0, n0 - 1, 1, q.data(), out0.data()}};
+    both->attend_batch(n_layer - 1, batch, 2, n_head, scale, pool);
+    EXPECT_EQ(out0, ref_out);
+    // clear forgets the statistics: sequence 1 then holds sequence 0's data and must match it
+    both->clear(1);
+    both->clear(0);
+    append(*both, 1, k0, v0, n0);
+    std::vector<float> o1(q.size());
+    both->attend(n_layer - 1, 1, n0 - 1, 1, n_head, q.data(), scale, o1.data(), pool);
+    EXPECT_EQ(o1, ref_out);
+    append(*both, 0, k1, v1, n1);
+    both->truncate(0, 0);
+    append(*both, 0, k0, v0, n0);
+    EXPECT_EQ(seq0_out(*both), ref_out);
+    // every byte is per sequence now: two sequences allocate twice one, as kv_bytes_at_ctx says
+    kv_cache_params p1 = p;
+    p1.n_seq = 1;
+    EXPECT_EQ(both->bytes(), 2 * make_kv_cache(p1)->bytes());
+    EXPECT_EQ(both->bytes(), kv_bytes_at_ctx(p));
   }
 }
 
