@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "certified_report.h"  // tools/: the "certified" JSON object of the CLI's --json output
 #include "kvq/error.h"
 #include "kvq/generate.h"
 #include "kvq/model.h"
@@ -32,8 +33,24 @@ struct py_model {
   }
 };
 
-// on_token(id, piece_bytes) is called with the GIL held; an exception it raises stops generation
-// and propagates (the iterator of kvq.Model.stream stops this way when it is closed early).
+// Between tokens (and perplexity chunks) the GIL is taken back to check for signals, so Ctrl-C
+// raises KeyboardInterrupt within one token; on_token(piece_bytes) is called there too. An
+// exception either raises stops the engine and propagates (kvq.Model.stream stops this way when
+// it is closed early).
+void check_signals() {
+  if (PyErr_CheckSignals() != 0) throw nb::python_error();
+}
+
+// The CLI's "certified" (and "certified_others") keys, from the same formatting code.
+void add_certified(nb::dict& d, const std::vector<certified_report>& rs) {
+  if (rs.empty()) return;
+  nlohmann::json j;
+  cli::add_certified_json(j, rs);
+  nb::object loads = nb::module_::import_("json").attr("loads");
+  for (const char* key : {"certified", "certified_others"})
+    if (j.contains(key)) d[key] = loads(j[key].dump());
+}
+
 nb::object run_generate(py_model& self, const std::string& prompt, int max_tokens, float temperature, int top_k,
                         float top_p, float min_p, int64_t seed, int n_ctx, int n_batch, int n_threads, bool ignore_eos,
                         bool add_bos, bool details, nb::object on_token, const nb::kwargs& cache) {
@@ -57,14 +74,12 @@ nb::object run_generate(py_model& self, const std::string& prompt, int max_token
   {
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lock(self.mu);
-    std::function<void(const std::string&)> on_piece;
-    if (on_token.is_valid() && !on_token.is_none()) {
-      on_piece = [&](const std::string& piece) {
-        nb::gil_scoped_acquire acquire;
-        on_token(nb::bytes(piece.data(), piece.size()));
-      };
-    }
-    r = generate(*self.m, *self.tok, p, on_piece);
+    const bool has_on_token = on_token.is_valid() && !on_token.is_none();
+    r = generate(*self.m, *self.tok, p, [&](const std::string& piece) {
+      nb::gil_scoped_acquire acquire;
+      check_signals();
+      if (has_on_token) on_token(nb::bytes(piece.data(), piece.size()));
+    });
   }
   if (!details) return utf8_str(r.text);
   const double ratio = r.kv_bytes_per_token > 0 ? r.kv_bytes_per_token_f16 / r.kv_bytes_per_token : 0;
@@ -91,6 +106,7 @@ nb::object run_generate(py_model& self, const std::string& prompt, int max_token
   d["kv_compression_vs_f16"] = ratio;
   d["kv_bytes_allocated"] = r.kv_bytes;
   d["kv_bytes_used"] = r.kv_bytes_used;
+  add_certified(d, r.certified);
   return d;
 }
 
@@ -117,7 +133,10 @@ nb::dict run_perplexity(py_model& self, const std::string& text, int n_ctx, int 
     std::lock_guard<std::mutex> lock(self.mu);
     perplexity_check(*self.m, p);
     const auto ids = perplexity_tokenize(*self.tok, text);
-    r = perplexity(*self.m, ids, perplexity_bos(*self.tok), p);
+    r = perplexity(*self.m, ids, perplexity_bos(*self.tok), p, [](int, int, int64_t, double) {
+      nb::gil_scoped_acquire acquire;
+      check_signals();
+    });
   }
   nb::dict d;  // the keys of `kvq perplexity --json` (less "text", the CLI's file name)
   d["model"] = self.path;
@@ -161,6 +180,7 @@ nb::dict run_perplexity(py_model& self, const std::string& text, int n_ctx, int 
     kd["dppl_err"] = k.dppl_err;
     d["kld"] = kd;
   }
+  add_certified(d, r.certified);
   return d;
 }
 

@@ -37,6 +37,8 @@ CONFIGS = [
      ["-ctk", "q8", "-ctv", "q4", "--kv-rot", "srht", "--kv-seed", "7", "--kv-sink", "4", "--kv-exact-recent", "8"]),
     ({"type_k": "q3", "type_v": "q3", "k_channel_scale": "off", "rotation": "none"},
      ["-ctk", "q3", "-ctv", "q3", "--kv-k-channel-scale", "off", "--kv-rot", "none"]),
+    ({"type_k": "q4", "type_v": "q4", "certify": True, "certify_tol": 0.05},
+     ["-ctk", "q4", "-ctv", "q4", "--kv-certify", "--kv-tol", "0.05"]),
 ]
 
 
@@ -51,6 +53,9 @@ def test_generate_equals_cli_ids(model, stories260k, kw, flags):
         for key in ("text", "stop_reason", "kv_cache", "kv_type_k", "kv_type_v", "kv_bytes_per_token",
                     "kv_bytes_allocated", "kv_bytes_used"):
             assert py[key] == cli[key], key
+        assert ("certified" in py) == ("certified" in cli) == bool(kw.get("certify"))
+        if "certified" in py:
+            assert py["certified"] == cli["certified"]
         assert model.generate(prompt, 48, n_ctx=256, n_threads=THREADS, **kw) == cli["text"]
 
 
@@ -76,6 +81,20 @@ def test_stream_yields_the_generated_text(model):
     assert model.generate(prompt, 3) == model.generate(prompt, 3)
     with pytest.raises(ValueError, match="unknown V cache type"):
         list(model.stream(prompt, 5, type_v="q5"))
+
+
+def test_an_exception_in_on_token_stops_generation(model):
+    seen = []
+
+    def on_token(piece):
+        seen.append(piece)
+        if len(seen) == 3:
+            raise RuntimeError("enough")
+
+    with pytest.raises(RuntimeError, match="enough"):
+        model.generate("Once upon a time", 50, on_token=on_token)
+    assert len(seen) == 3
+    assert model.generate("Once upon a time", 3, details=True)["n_generated"] == 3  # usable again
 
 
 def test_tokenize_equals_cli(model, stories260k):
