@@ -2,11 +2,13 @@
 // Arrays come in through nanobind's ndarray (the buffer protocol or DLPack), so a C-contiguous
 // float32 array is read in place; any other strides are gathered into one contiguous copy.
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include <cmath>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -114,11 +116,11 @@ void bind_kv_cache(nb::module_& m) {
           "positions past n_ctx.")
       .def(
           "attend",
-          [](py_kv_cache& s, int layer, const array_in& q, int pos0, nb::object scale_obj, int seq_id) {
+          [](py_kv_cache& s, int layer, const array_in& q, int pos0, std::optional<float> scale_opt, int seq_id) {
             const kv_cache_params& p = s.c->params();
             std::vector<float> qc;
             const float* qp = rows_3d("attend", "q", q, -1, p.n_kv_head, p.head_dim, qc);
-            const float scale = scale_obj.is_none() ? 1.0f / std::sqrt((float)p.head_dim) : nb::cast<float>(scale_obj);
+            const float scale = scale_opt ? *scale_opt : 1.0f / std::sqrt((float)p.head_dim);
             const size_t n_tokens = q.shape(0), n_head = q.shape(1), n = n_tokens * n_head * p.head_dim;
             auto* out = new float[n];
             nb::capsule owner(out, [](void* o) noexcept { delete[] static_cast<float*>(o); });

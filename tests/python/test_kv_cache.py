@@ -219,6 +219,8 @@ def test_wrong_types_raise_type_error(cache):
         cache.append(0, [[[0.0] * 16] * 2], np.zeros((1, 2, 16), np.float32))
     with pytest.raises(TypeError):
         cache.attend("0", np.zeros((1, 2, 16), np.float32), 0)
+    with pytest.raises(TypeError):
+        cache.attend(0, np.zeros((1, 2, 16), np.float32), 0, "0.25")
     with pytest.raises(TypeError, match="cache option group_size must be an int, got str"):
         kvq.KVCache(1, 1, 16, 8, group_size="16")
     with pytest.raises(TypeError, match="unexpected keyword argument 'typek'"):
