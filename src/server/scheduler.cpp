@@ -8,18 +8,6 @@
 
 namespace kvq::server_detail {
 
-namespace {
-bool is_dense(kv_cache_type t) {
-  return t == kv_cache_type::f32 || t == kv_cache_type::f16 || t == kv_cache_type::bf16;
-}
-}  // namespace
-
-const char* scheduler::calibration_text() {
-  return "The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published four papers "
-         "that changed physics.\n\ndef fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
-         "    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
-         "User: What is the capital of France?\nAssistant: The capital of France is Paris.";
-}
 
 struct scheduler::slot {
   std::shared_ptr<seq_job> job;
@@ -63,15 +51,6 @@ scheduler::scheduler(model& m, const tokenizer& tok, const scheduler_params& p)
   cache_describe_ = cache_->describe();
   for (int i = 0; i < p_.n_parallel; ++i) slots_.push_back(std::make_unique<slot>());
 
-  // Channel statistics of the compressed formats come from a layer's first append (all sequences
-  // share them): take them from a fixed text, not from whichever request comes first.
-  if (!is_dense(cp.type_k) || !is_dense(cp.type_v)) {
-    std::vector<int32_t> ids = tok_.encode(calibration_text(), tok_.add_bos_default(), false);
-    ids.resize(std::min<size_t>(ids.size(), (size_t)std::min(p_.n_ctx, p_.n_batch)));
-    std::vector<float> logits(m_.hparams().n_vocab);
-    m_.forward(ids, 0, 0, *cache_, pool_, logits.data(), false);
-    cache_->clear(0);
-  }
   kv_bytes_ = cache_->bytes();
   kv_bytes_used_ = cache_->bytes_used();
   thread_ = std::thread([this] { loop(); });

@@ -12,9 +12,9 @@
 // every token the same bits at any batch size (tests/core/test_matmul.cpp, quant tiers vs scalar
 // token by token), so a greedy request returns the same tokens alone or among others
 // (tests/server/test_scheduler.cpp).
-// The compressed caches' K channel scale (kv_cache_params::k_channel_scale: μ_K and λ_K of a
-// layer's first append, shared by all sequences) is calibrated once at start-up on a fixed text
-// (calibration_text()), so it does not depend on which request came first either.
+// The compressed caches' channel statistics (the default K channel scale μ_K, λ_K) are kept per
+// sequence and reset when a slot is cleared, so a request calibrates on its own first prompt
+// chunk, never on another request's data.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -106,8 +106,6 @@ class scheduler {
   const scheduler_params& params() const { return p_; }
   std::string cache_describe() const { return cache_describe_; }
 
-  // The fixed text the compressed caches' channel statistics are calibrated on.
-  static const char* calibration_text();
 
  private:
   struct slot;
