@@ -23,7 +23,10 @@ int main() {
   thread_pool pool(1);
   struct { kvq::ggml_type t; ::ggml_type gt; int64_t n_in, n_out; } cases[] = {
     {kvq::ggml_type::q5_0, GGML_TYPE_Q5_0, 896, 4864}, {kvq::ggml_type::q8_0, GGML_TYPE_Q8_0, 896, 151936 / 8},
-    {kvq::ggml_type::q4_k, GGML_TYPE_Q4_K, 4864, 896}, {kvq::ggml_type::q6_k, GGML_TYPE_Q6_K, 4864, 896}};
+    {kvq::ggml_type::q4_k, GGML_TYPE_Q4_K, 4864, 896}, {kvq::ggml_type::q6_k, GGML_TYPE_Q6_K, 4864, 896},
+    // The same rows, 1/8 of them: the weights stay in L2 (compute rate rather than L3 bandwidth).
+    {kvq::ggml_type::q5_0, GGML_TYPE_Q5_0, 896, 608}, {kvq::ggml_type::q8_0, GGML_TYPE_Q8_0, 896, 608},
+    {kvq::ggml_type::q4_k, GGML_TYPE_Q4_K, 4864, 112}, {kvq::ggml_type::q6_k, GGML_TYPE_Q6_K, 4864, 112}};
   for (auto c : cases) {
     const weight_type_traits* tr = find_weight_traits(c.t);
     std::vector<uint8_t> w = test::random_blocks(c.t, c.n_in / tr->blk * c.n_out, 1, -8, -4);

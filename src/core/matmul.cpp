@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/matmul_kernels.h"
+#include "core/weight_types/act_quant_simd.h"
 #include "kvq/error.h"
 #include "kvq/f16.h"
 
@@ -99,8 +100,10 @@ void matmul_with_isa(isa tier, const weight_view& w, const float* x, int64_t n_t
     task.xq_row_bytes = (size_t)(w.n_in / act_block_elems(at) * act_block_bytes(at));
     xq.resize(task.xq_row_bytes * (size_t)n_tokens);
     uint8_t* const xq_data = xq.data();  // (xq is thread-local: name the buffer, not the variable)
+    // The SIMD quantizer writes the scalar one's bits (act_quant_simd.h), so tiers still agree.
+    const auto quantize = tier == isa::scalar ? quantize_act : quantize_act_avx2;
     auto quantize_token = [&](int64_t t, int) {
-      quantize_act(at, x + t * w.n_in, w.n_in, xq_data + (size_t)t * task.xq_row_bytes);
+      quantize(at, x + t * w.n_in, w.n_in, xq_data + (size_t)t * task.xq_row_bytes);
     };
     if (n_tokens >= 16) pool.parallel_for(n_tokens, quantize_token);  // prefill: tokens in parallel
     else for (int64_t t = 0; t < n_tokens; ++t) quantize_token(t, 0);

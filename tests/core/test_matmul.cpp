@@ -218,7 +218,7 @@ TEST(matmul, quant_tiers_bit_exact_with_scalar) {
   thread_pool pool1(1), pool2(2);
   uint32_t seed = 900;
   for (ggml_type type : {ggml_type::q8_0, ggml_type::q4_0, ggml_type::q5_0, ggml_type::iq4_nl, ggml_type::q4_1,
-                         ggml_type::q5_1, ggml_type::q4_k, ggml_type::q6_k}) {
+                         ggml_type::q5_1, ggml_type::q4_k, ggml_type::q5_k, ggml_type::q6_k}) {
     const int64_t blk = ggml_block_elems(type);
     for (shape s : {shape{640, 37}, shape{blk == 32 ? 224 : 1024, 13}, shape{blk == 32 ? 32 : 256, 9}})
       for (int64_t n_tokens : {1, 2, 3, 5, 18})

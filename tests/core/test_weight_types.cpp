@@ -12,6 +12,7 @@
 #include <random>
 #include <sstream>
 
+#include "core/weight_types/act_quant_simd.h"
 #include "core/weight_types/traits.h"
 #include "kvq/f16.h"
 #include "kvq/gguf.h"
@@ -185,6 +186,31 @@ TEST(weight_types, dot_tiers_bit_exact_with_reference) {
                                                  << nb << ": " << got << " vs reference " << ref;
       }
     }
+  }
+}
+
+// The AVX2 activation quantizer writes quantize_act's bytes: q8_0 and q8_k blocks of Gaussian values
+// with outliers, an all-zero block (scale 0), values at exact .5 quantization steps (ties to even),
+// and a block whose maximum is negative.
+TEST(weight_types, act_quant_avx2_bit_exact_with_scalar) {
+  if (best_isa() < isa::avx2) GTEST_SKIP() << "no AVX2";
+  std::mt19937 rng(11);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  const int64_t n = 5 * qk_k;
+  std::vector<float> x((size_t)n);
+  for (auto& v : x) v = g(rng);
+  for (int64_t i = 0; i < 64; ++i) x[(size_t)i] = 0.0f;  // q8_0 blocks 0-1 and half a q8_k block
+  for (int64_t i = 256; i < 512; ++i) x[(size_t)i] = 0.0f;  // q8_k block 1
+  for (int64_t i = 512; i < 768; ++i) x[(size_t)i] = (float)(i % 254 - 127) + 0.5f;  // x * 127 / amax: ties
+  x[512] = 127.0f;
+  for (int64_t i = 768; i < 1024; ++i) x[(size_t)i] = -std::fabs(x[(size_t)i]) * 30.0f;
+  x[1100] = 3e4f;
+  for (act_type t : {act_type::q8_0, act_type::q8_1, act_type::q8_k}) {
+    const size_t bytes = (size_t)(n / act_block_elems(t) * act_block_bytes(t));
+    std::vector<uint8_t> ref(bytes), got(bytes, 0xAB);
+    quantize_act(t, x.data(), n, ref.data());
+    quantize_act_avx2(t, x.data(), n, got.data());
+    EXPECT_EQ(std::memcmp(ref.data(), got.data(), bytes), 0) << "act_type " << (int)t;
   }
 }
 

@@ -7,9 +7,6 @@ namespace kvq {
 #define KVQ_DECLARE_DOTS(tier)                                            \
   float vec_dot_q2_k_##tier(int64_t n, const void* w, const void* x);     \
   float vec_dot_q3_k_##tier(int64_t n, const void* w, const void* x);     \
-  float vec_dot_q4_k_##tier(int64_t n, const void* w, const void* x);     \
-  float vec_dot_q5_k_##tier(int64_t n, const void* w, const void* x);     \
-  float vec_dot_q6_k_##tier(int64_t n, const void* w, const void* x);     \
   float vec_dot_iq4_xs_##tier(int64_t n, const void* w, const void* x);  \
   float vec_dot_q4_1_##tier(int64_t n, const void* w, const void* x);    \
   float vec_dot_q5_1_##tier(int64_t n, const void* w, const void* x);
