@@ -3,6 +3,7 @@
 // vec_dot (llama.cpp's kernels) on the same random weights, timed in thread CPU time (robust to
 // the load of a shared host), the two interleaved, median of 7 rounds of 20. Not built by CMake:
 //   L=/path/to/llama.cpp   # cmake -B build -DGGML_NATIVE=ON; cmake --build build --target ggml-cpu
+//   (on a CPU with AMX whose VM crashes in ggml's AMX kernels, configure as docs/perf.md says)
 //   g++ -O2 -std=c++20 -I include -I src -I tests -I $L/ggml/include scripts/vs_ggml_matvec.cpp \
 //       build/libkvq_core.a -L$L/build/bin -lggml-cpu -lggml-base -Wl,-rpath,$L/build/bin -lfmt \
 //       -lpthread -o /tmp/vs_ggml && /tmp/vs_ggml
