@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
+#include "kvq/attention.h"
 #include "kvq/error.h"
 #include "kvq/generate.h"
 #include "kvq/model.h"
@@ -18,6 +19,22 @@ struct info_opts {
   kv_cache_params kv;
   std::string rot = "auto";  // --kv-rot, parsed into kv.rotation when the command runs
 };
+
+// The attention tier a decode step of cache p runs on this machine (the SIMD engine, or the scalar
+// reference for head dims it does not take; certified attention is always its f64 reference).
+std::string attn_tier_of(const kv_cache_params& p) {
+  kv_format f;
+  if (!kv_cache_type_format(p.type_k, &f)) return "scalar (certified reference)";
+  const kv_format_traits& t = kv_traits(f);
+  kv_quant_view kv;
+  kv.head_dim = p.head_dim;
+  kv.k.format = f;
+  kv.v.format = t.layout == kv_layout::per_channel ? t.kivi_v : f;
+  const int group = p.group_size ? p.group_size : p.head_dim % 32 == 0 ? 32 : p.head_dim;
+  kv.k.group = t.layout == kv_layout::per_channel ? p.kivi_group : group;
+  kv.v.group = group;
+  return isa_name(attn_quant_tier(kv));
+}
 
 int run_info(info_opts& o) {
   auto m = model::load(o.model_path);
@@ -55,6 +72,7 @@ int run_info(info_opts& o) {
       const kv_layer_kind_bytes lk = kv_bytes_by_layer_kind(p);  // global vs sliding-window layers
       row["bytes_global_layers"] = (int64_t)lk.global;
       row["bytes_window_layers"] = (int64_t)lk.windowed;
+      row["attn_tier"] = attn_tier_of(p);
     } catch (const kvq::error& e) {
       row["error"] = e.what();
     }
@@ -93,7 +111,7 @@ int run_info(info_opts& o) {
                 kinds.n_global, kinds.n_windowed);
   std::printf("%-10s %14s %10s %16s", "type", "bytes/token", "vs f16", "bytes at n_ctx");
   if (split) std::printf(" %16s %16s", "global layers", "window layers");
-  std::printf("\n");
+  std::printf("  attention tier\n");
   for (const auto& r : rows) {
     if (r.contains("error")) {
       std::printf("%-10s %s\n", r["type"].get<std::string>().c_str(), r["error"].get<std::string>().c_str());
@@ -104,7 +122,7 @@ int run_info(info_opts& o) {
     if (split)
       std::printf(" %16lld %16lld", (long long)r["bytes_global_layers"].get<int64_t>(),
                   (long long)r["bytes_window_layers"].get<int64_t>());
-    std::printf("\n");
+    std::printf("  %s\n", r["attn_tier"].get<std::string>().c_str());
   }
   return 0;
 }

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "kvq/cpu.h"
 #include "kvq/quant.h"
 
 namespace kvq {
@@ -184,6 +185,12 @@ void attn_dense(const kv_dense_view& kv, const attn_query_view& q, attn_state* s
 // best tier at run time (KVQ_ISA lowers it). Integer dot products are bit-exact across tiers.
 void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& q, attn_state* states);
 void attn_quant(const kv_quant_view& kv, const attn_query_view& q, attn_state* states);
+// The tier attn_quant (and attn_dense, for dense formats) runs for views of these formats, groups
+// and head_dim on this machine: best_isa() (lowered by KVQ_ISA) when the SIMD engine takes the
+// shape (head_dim a multiple of 32 up to 256, per-token groups a multiple of 32 or head_dim),
+// else isa::scalar (the reference tier, 10-30x slower). Only the formats, groups and head_dim of
+// kv are read.
+isa attn_quant_tier(const kv_quant_view& kv);
 
 // Baseline only (benchmarks and tests): dequantizes the whole view into f32 K/V buffers (AVX2
 // dequantizer where available), then attends in f32 (attn_dense) with the query each kernel would

@@ -266,6 +266,13 @@ void attn_dequant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_s
   attn_dense(dv, all, states);
 }
 
+isa attn_quant_tier(const kv_quant_view& kv) {
+  const isa tier = best_isa();
+  if (tier >= isa::avx512 && attn_quant_supported_avx512(kv)) return isa::avx512;
+  if (tier >= isa::avx2 && attn_quant_supported_avx2(kv)) return isa::avx2;
+  return isa::scalar;
+}
+
 void attn_quant(const kv_quant_view& kv, const attn_query_view& q, attn_state* states) {
   const isa tier = best_isa();
   if (tier >= isa::avx512 && attn_quant_supported_avx512(kv)) return attn_quant_avx512(kv, q, states);

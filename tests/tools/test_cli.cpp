@@ -11,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include "kvq/cpu.h"
 #include "support/data_dir.h"
 #include "support/run_cmd.h"
 
@@ -191,6 +192,12 @@ TEST(Cli, InfoListsKvTypes) {
       if (t == "f32" || t == "f16" || t == "bf16") {
         EXPECT_EQ(row["bytes_at_n_ctx"].get<int64_t>(), (int64_t)want_bpt * n_ctx) << t;
       }
+      // the attention tier (issue 15 item 6: no silent slow path): the SIMD engine takes head dims
+      // that are multiples of 32 up to 256 (default groups), the rest run the scalar reference
+      const std::string want_tier = t == "certified"                                   ? "scalar (certified reference)"
+                                    : sh.head_dim % 32 == 0 && sh.head_dim <= 256 ? isa_name(best_isa())
+                                                                                   : "scalar";
+      EXPECT_EQ(row.value("attn_tier", ""), want_tier) << t;
     }
     EXPECT_EQ(seen, all_types);
 
