@@ -127,6 +127,18 @@ class kv_cache {
   // k, v: [n_tokens, n_kv_head, head_dim] f32, K after RoPE. Every layer must receive the same
   // tokens; n_pos() advances when the last layer has appended. Throws invalid_input when the
   // sequence would exceed n_ctx, or for non-finite values if the format cannot store them.
+  // Order contract of the compressed caches with exact windows (sink / exact_recent / KIVI residual):
+  // an append of n > 1 tokens may compress rows that the batch's own earlier queries still have in
+  // their exact window; it keeps exact copies of those (at most n + U - 2 rows per kv head, U the
+  // KIVI group or 1) in one scratch per sequence that the next such append to the sequence, of any
+  // layer, replaces. attend of layer il then shows each query what a one-token decode at its position
+  // would see, so outputs do not depend on how a prompt is split into appends (docs/formats.md,
+  // "Exact windows"), when layer il's attend comes after its own append and before another layer's
+  // append of n > 1 tokens to the sequence, as the model runs (append then attend, layer by layer).
+  // Out of that order the attend is still valid but sees those rows compressed (as a query of an
+  // earlier batch would); it never reads another layer's copies. The scratch (at most
+  // n_seq x (n_ubatch + U - 2) x n_kv_head x head_dim f16 per side) is grown on first use and is not
+  // in bytes() / kv_bytes_at_ctx, like the other per-call scratch.
   virtual void append(int il, int seq_id, int n_tokens, const float* k, const float* v) = 0;
 
   // Causal attention for layer il: query t (t < n_tokens) sits at position pos0 + t and attends

@@ -12,9 +12,13 @@
 // The body of a sliding-window layer is a ring of whole units (ring_[il] rows, a multiple of U,
 // at least window - 1 + n_ubatch): body row r lives in slot r % ring, and rows [body_lo, n_comp)
 // are held (docs/formats.md, "Sliding-window layers").
+// A prefill batch's queries see the exact windows relative to their own positions: the rows an append
+// compresses while one of its queries still has them in its exact window are also kept exact, in one
+// scratch per sequence that the next append of that sequence reuses (fresh_rows; kv_cache.h, append).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cache/attend_plan.h"
@@ -117,6 +121,7 @@ class kv_cache_quant final : public kv_cache {
     init_side(k_, "K", fk, /*is_v=*/false, heads);
     init_side(v_, "V", fv, /*is_v=*/true, heads);
     state_.assign((size_t)p.n_layer * p.n_seq, {});
+    fresh_.resize(allocate_ ? p.n_seq : 0);
     lambda_set_.assign((size_t)p.n_layer * p.n_seq, 0);
   }
 
@@ -225,6 +230,18 @@ class kv_cache_quant final : public kv_cache {
     int n = 0;        // positions stored
     int n_comp = 0;   // body rows (positions [sink, sink + n_comp))
     int body_lo = 0;  // oldest body row still held (> 0 only once a sliding-window layer's ring wraps)
+    // body rows [fresh_lo, n_comp) compressed by this layer's latest append while one of its queries
+    // still sees them exact; their exact copies are in fresh_[seq] while its id is fresh_id
+    int fresh_lo = 0;
+    uint64_t fresh_id = 0;  // 0: none
+  };
+  // Exact copies of body rows [lo, hi) of one (layer, sequence), written by the append numbered id
+  // (n_appends_). One per sequence, reused by every layer: a layer's attend finds its own rows as long
+  // as no other layer's append to the sequence came in between (the model's order, kv_cache.h).
+  struct fresh_rows {
+    uint64_t id = 0;
+    int lo = 0, hi = 0;
+    std::vector<uint8_t> k, v;  // [n_kv_head, hi - lo, head_dim] exact_elem of the side
   };
 
   double side_row_bytes(const side_store& s) const {
@@ -256,6 +273,22 @@ class kv_cache_quant final : public kv_cache {
   uint8_t* exact_row(side_store& s, size_t hi, int row) {
     return s.exact.data() + (hi * exact_cap_ + row) * p_.head_dim * kv_elem_bytes(s.exact_elem);
   }
+  // n_comp's rule for a sequence of n positions: the body rows [0, rule) a decode step leaves compressed.
+  int comp_rule(int n) const { return unit_ * (std::max(0, n - p_.sink - min_tail_) / unit_); }
+  // Body rows of layer il, seq that attend reads from exact copies: [fresh_lo(il, seq), n_comp); n_comp
+  // (none) when the copies are another layer's (an append of another layer came after this layer's).
+  int fresh_lo(int il, int seq) const {
+    const seq_state& q = st(il, seq);
+    return q.fresh_id != 0 && fresh_[seq].id == q.fresh_id ? q.fresh_lo : q.n_comp;
+  }
+  // The exact copy of body row r of kv head h in f (f.lo <= r < f.hi).
+  const uint8_t* fresh_row(const side_store& s, const fresh_rows& f, int h, int r) const {
+    const auto& b = &s == &k_ ? f.k : f.v;
+    return b.data() + ((size_t)h * (f.hi - f.lo) + (r - f.lo)) * p_.head_dim * kv_elem_bytes(s.exact_elem);
+  }
+  uint8_t* fresh_row(const side_store& s, fresh_rows& f, int h, int r) {
+    return const_cast<uint8_t*>(std::as_const(*this).fresh_row(s, std::as_const(f), h, r));
+  }
   // Body row `row` / scale unit `unit` of head hi = head_index(il, seq, h): slot row % ring of layer il.
   uint8_t* body_codes(side_store& s, size_t hi, size_t row) {
     const size_t per_layer = (size_t)p_.n_seq * p_.n_kv_head, il = hi / per_layer, ring = ring_[il];
@@ -284,6 +317,10 @@ class kv_cache_quant final : public kv_cache {
   side_store k_, v_;
   std::vector<seq_state> state_;     // [n_layer, n_seq]
   std::vector<uint8_t> lambda_set_;  // [n_layer, n_seq] channel statistics calibrated
+  // [n_seq] exact copies of the rows the latest prefill append compressed (scratch: grown on demand to
+  // at most (n_ubatch + U - 2) x n_kv_head rows per side, not in bytes(), like xk_ / xv_)
+  std::vector<fresh_rows> fresh_;
+  uint64_t n_appends_ = 0;           // appends that kept exact copies (fresh_rows::id)
   // scratch of append / attend (one call at a time per cache)
   std::vector<float> xk_, xv_, pend_;
   std::vector<float> qr_, q8s_;
@@ -478,6 +515,20 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
   const int n_comp_new = std::max(q.n_comp, rule);
   const int n_quant = n_comp_new - q.n_comp;
   KVQ_ASSERT(n_quant >= 0 && n_quant <= n_pend && n_pend - n_quant <= tail_cap_);
+  // Rows compressed now that a query of this batch still sees exact: a query at position pos sees
+  // compressed only what a decode step at pos would have, comp_rule(pos + 1), so the batch's first
+  // query (pos = q.n) already sees [0, comp_rule(q.n + 1)) compressed. At most n_tokens + U - 2 rows;
+  // none for one token (decode), nor without a tail (min_tail_ == 0: every query sees its rows compressed).
+  const int keep_lo = min_tail_ > 0 ? std::clamp(comp_rule(q.n + 1), q.n_comp, n_comp_new) : n_comp_new;
+  fresh_rows& f = fresh_[seq_id];
+  if (keep_lo < n_comp_new) {
+    f.id = ++n_appends_;
+    f.lo = keep_lo;
+    f.hi = n_comp_new;
+    const size_t rows = (size_t)nh * (n_comp_new - keep_lo);
+    f.k.resize(rows * hd * kv_elem_bytes(k_.exact_elem));
+    f.v.resize(rows * hd * kv_elem_bytes(v_.exact_elem));
+  }
   pend_.resize((size_t)n_pend * hd);
   for (int h = 0; h < nh; ++h) {
     const size_t hi = head_index(il, seq_id, h);
@@ -487,12 +538,16 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
       for (int t = t0; t < n_tokens; ++t)
         std::memcpy(&pend_[(size_t)(tail_old + t - t0) * hd], x->data() + ((size_t)t * nh + h) * hd, hd * sizeof(float));
       if (n_quant > 0) store_body(*s, hi, q.n_comp, pend_.data(), n_quant);
+      for (int r = keep_lo; r < n_comp_new; ++r)
+        store_elems(fresh_row(*s, f, h, r), s->exact_elem, &pend_[(size_t)(r - q.n_comp) * hd], hd);
       for (int j = n_quant; j < n_pend; ++j)
         store_elems(exact_row(*s, hi, p_.sink + j - n_quant), s->exact_elem, &pend_[(size_t)j * hd], hd);
     }
   }
   q.n = n_new;
   q.n_comp = n_comp_new;
+  q.fresh_lo = keep_lo;
+  q.fresh_id = keep_lo < n_comp_new ? f.id : 0;
   q.body_lo = std::max(q.body_lo, n_comp_new - ring_[il]);  // the rows the ring overwrote
 }
 
@@ -532,6 +587,7 @@ void kv_cache_quant::truncate(int seq_id, int n_keep) {
       }
     }
     q.n_comp = n_comp_new;
+    q.fresh_id = 0;  // no exact copies after a truncate into the body
   }
 }
 
@@ -568,8 +624,10 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
     const seq_state& sq = st(il, seqs[b].seq_id);
     const int lo = std::max(0, spec.key_range(seqs[b].pos0).lo - p_.sink);
     plan_in_[b].n_tokens = seqs[b].n_tokens;
-    plan_in_[b].split_lo = std::min(lo, sq.n_comp) / unit_ * unit_;
-    plan_in_[b].split_hi = sq.n_comp;
+    // the chunks split the body below the rows kept exact too (chunk 0 attends those, per query)
+    const int fl = fresh_lo(il, seqs[b].seq_id);
+    plan_in_[b].split_hi = fl;
+    plan_in_[b].split_lo = std::min(lo, fl) / unit_ * unit_;
     const int64_t keys = spec.window > 0 ? std::min<int64_t>(spec.window, sq.n) : sq.n;
     work += (int64_t)seqs[b].n_tokens * n_head * keys * hd * 2;
   }
@@ -637,26 +695,70 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
     // compressed body chunk, from the first unit this tile's queries see, in at most two pieces
     // of a sliding-window layer's ring (pieces start on unit boundaries: the ring is whole units)
     const int tile_lo = std::max(0, spec.key_range(pos0 + ta).lo - p_.sink) / unit_ * unit_;
-    const int r0 = std::max(w.row_lo, tile_lo), r1 = w.row_hi;
-    if (r1 > r0 && p_.sink + r0 <= pos0 + tb - 1) {
-      plan_.accumulate(w, sts, [&](attn_state* ls) {
-        for (int a0 = r0; a0 < r1;) {
-          const int ring = ring_[il], a1 = std::min(r1, a0 + ring - a0 % ring);
-          kv_quant_view kv;
-          for (auto [side, s] : {std::pair{&kv.k, &k_}, std::pair{&kv.v, &v_}}) {
-            side->format = s->format;
-            side->codes = body_codes(*s, hi, a0);
-            side->code_stride = (int64_t)s->code_row;
-            side->scales = s->scale_stride ? body_scales(*s, hi, s->unit_of_row(a0)) : nullptr;
-            side->scale_stride = s->scale_stride;
-            side->group = s->group;
-          }
-          kv.pos_begin = p_.sink + a0;
-          kv.n_pos = a1 - a0;
-          kv.head_dim = hd;
-          dequant ? attn_dequant_ref(kv, qv, ls) : attn_quant(kv, qv, ls);
-          a0 = a1;
+    // compressed body rows [r0, r1) for the queries of `v` (in at most two pieces of a ring)
+    auto body_pass = [&](int r0, int r1, const attn_query_view& v, attn_state* ls) {
+      for (int a0 = r0; a0 < r1;) {
+        const int ring = ring_[il], a1 = std::min(r1, a0 + ring - a0 % ring);
+        kv_quant_view kv;
+        for (auto [side, s] : {std::pair{&kv.k, &k_}, std::pair{&kv.v, &v_}}) {
+          side->format = s->format;
+          side->codes = body_codes(*s, hi, a0);
+          side->code_stride = (int64_t)s->code_row;
+          side->scales = s->scale_stride ? body_scales(*s, hi, s->unit_of_row(a0)) : nullptr;
+          side->scale_stride = s->scale_stride;
+          side->group = s->group;
         }
+        kv.pos_begin = p_.sink + a0;
+        kv.n_pos = a1 - a0;
+        kv.head_dim = hd;
+        dequant ? attn_dequant_ref(kv, v, ls) : attn_quant(kv, v, ls);
+        a0 = a1;
+      }
+    };
+    const int r0 = std::max(w.row_lo, tile_lo), r1 = w.row_hi;
+    if (r1 > r0 && p_.sink + r0 <= pos0 + tb - 1) plan_.accumulate(w, sts, [&](attn_state* ls) { body_pass(r0, r1, qv, ls); });
+    // Body rows [F, n_comp) the latest append compressed while a query of its batch still sees them
+    // exact: query t sees rows [F, c(t)) compressed, c(t) = comp_rule(pos + 1) (what a decode step at
+    // its position leaves compressed), and the rest from the exact copies, so that the outputs do not
+    // depend on how the prompt was split into appends. c(t) grows with t: rows below c(ta) are
+    // compressed and rows from c(tb - 1) exact for every query of the tile, attended as a tile; only
+    // [c(ta), c(tb - 1)) (at most the tile's length + U - 1 rows) is attended per query.
+    const int F = fresh_lo(il, a.seq_id), N = sq.n_comp;
+    if (w.chunk == 0 && F < N && p_.sink + F <= pos0 + tb - 1) {
+      const fresh_rows& f = fresh_[a.seq_id];
+      const int lo = std::max(F, tile_lo);  // (a unit boundary: F and tile_lo are)
+      auto c_of = [&](int t) { return std::clamp(comp_rule(pos0 + t + 1), F, N); };
+      const int ca = std::max(c_of(ta), lo), cb = std::max(c_of(tb - 1), lo);
+      auto exact_view = [&](int r0, int r1) {
+        kv_dense_view dv;
+        dv.type_k = k_.exact_elem;
+        dv.type_v = v_.exact_elem;
+        dv.row_stride = hd;
+        dv.head_dim = hd;
+        dv.k = fresh_row(k_, f, h, r0);
+        dv.v = fresh_row(v_, f, h, r0);
+        dv.pos_begin = p_.sink + r0;
+        dv.n_pos = r1 - r0;
+        return dv;
+      };
+      plan_.accumulate(w, sts, [&](attn_state* ls) {
+        if (ca > lo) body_pass(lo, ca, qv, ls);
+        for (int t = ta; t < tb && cb > ca; ++t) {
+          const int pos = pos0 + t, c = std::max(c_of(t), lo);
+          if (p_.sink + ca > pos) continue;  // sees none of [ca, cb)
+          attn_query_view one = qv;
+          const int64_t dt = t - ta;
+          one.q += dt * qv.stride_t;
+          if (one.q16) one.q16 += dt * qv.stride_t;
+          if (one.q8) one.q8 += dt * qv.stride_t;
+          if (one.q8_scale) one.q8_scale += dt * qv.q8_scale_stride_t;
+          one.n_tokens = 1;
+          one.pos0 = pos;
+          attn_state* lt = ls + dt * ng;
+          if (c > ca) body_pass(ca, c, one, lt);
+          if (cb > c && p_.sink + c <= pos) attn_dense(exact_view(c, cb), one, lt);
+        }
+        if (N > cb && p_.sink + cb <= pos0 + tb - 1) attn_dense(exact_view(cb, N), qv, ls);
       });
     }
     // the exact windows (sink and tail), merged into chunk 0

@@ -18,14 +18,17 @@ struct capture {
   std::vector<std::vector<float>> q, k, v;
 };
 
-// Appends K (and V, or the shared `v_all` for every layer) of all layers, then attends every
-// layer with the captured queries; out[il]: [n_ctx, n_head, head_dim].
+// Per layer, appends K (and V, or the shared `v_all` for every layer) and attends with the captured
+// queries, as the model does (each layer's attend right after its own append: kv_cache.h, append);
+// out[il]: [n_ctx, n_head, head_dim].
 void replay(kv_cache& cache, const capture& cap, const std::vector<float>* v_all, int n, int n_head, float scale,
             thread_pool& pool, std::vector<std::vector<float>>& out) {
   const int L = (int)cap.k.size();
   cache.clear(0);
-  for (int il = 0; il < L; ++il) cache.append(il, 0, n, cap.k[il].data(), v_all ? v_all->data() : cap.v[il].data());
-  for (int il = 0; il < L; ++il) cache.attend(il, 0, 0, n, n_head, cap.q[il].data(), scale, out[il].data(), pool);
+  for (int il = 0; il < L; ++il) {
+    cache.append(il, 0, n, cap.k[il].data(), v_all ? v_all->data() : cap.v[il].data());
+    cache.attend(il, 0, 0, n, n_head, cap.q[il].data(), scale, out[il].data(), pool);
+  }
 }
 
 // The cache parameters of one chunk: every chunk is appended in one batch of n_ctx tokens, so the
