@@ -8,6 +8,7 @@
 // running PPL after 4 chunks within 0.2 %); KVQ_LONG_TESTS=1 runs all 40 chunks and Gemma's 20
 // (whose golden has only the 20-chunk PPL).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -215,7 +216,8 @@ TEST(RealModels, Qwen25CompressedFormatsAreNotGarbage) {
   std::stringstream ss;
   ss << f.rdbuf();
   const auto ids = perplexity_tokenize(*tok, ss.str());
-  const std::string base = ::testing::TempDir() + "kvq_qwen_f16_base.bin";
+  // per process: two test runs at once (two build trees) must not share the base file
+  const std::string base = ::testing::TempDir() + "kvq_qwen_f16_base_" + std::to_string(::getpid()) + ".bin";
   perplexity_params p;
   p.n_ctx = 512;
   p.n_chunks = 1;
