@@ -4,6 +4,7 @@
 
 #include "certified_report.h"
 #include "cli.h"
+#include "result_json.h"
 #include "kvq/error.h"
 #include "kvq/certified.h"
 #include "kvq/generate.h"
@@ -43,30 +44,7 @@ int run_generate(generate_opts& o) {
   }
   const double ratio = r.kv_bytes_per_token > 0 ? r.kv_bytes_per_token_f16 / r.kv_bytes_per_token : 0;
   if (o.json) {
-    nlohmann::json j;
-    j["model"] = o.model_path;
-    j["prompt"] = o.p.prompt;
-    j["prompt_ids"] = r.prompt_ids;
-    j["ids"] = r.ids;
-    j["text"] = r.text;
-    j["stop_reason"] = r.stop_reason;
-    j["seed"] = r.seed;
-    j["n_ctx"] = r.n_ctx;
-    j["n_prompt"] = r.prompt_ids.size();
-    j["n_generated"] = r.ids.size();
-    j["prefill_seconds"] = r.prefill_seconds;
-    j["decode_seconds"] = r.decode_seconds;
-    j["prefill_tokens_per_s"] = r.prefill_tokens_per_s;
-    j["decode_tokens_per_s"] = r.decode_tokens_per_s;
-    j["kv_cache"] = r.kv_describe;
-    j["kv_type_k"] = kv_cache_type_name(o.p.cache.type_k);
-    j["kv_type_v"] = kv_cache_type_name(o.p.cache.type_v);
-    j["kv_bytes_per_token"] = r.kv_bytes_per_token;
-    j["kv_bytes_per_token_f16"] = r.kv_bytes_per_token_f16;
-    j["kv_compression_vs_f16"] = ratio;
-    j["kv_bytes_allocated"] = r.kv_bytes;
-    j["kv_bytes_used"] = r.kv_bytes_used;
-    add_certified_json(j, r.certified);
+    const nlohmann::json j = generate_json(o.model_path, o.p, r);
     std::printf("%s\n", json_text(j).c_str());
   } else {
     std::fprintf(stderr,

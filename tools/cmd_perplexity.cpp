@@ -6,6 +6,7 @@
 
 #include "certified_report.h"
 #include "cli.h"
+#include "result_json.h"
 #include "kvq/perplexity.h"
 
 namespace kvq::cli {
@@ -40,38 +41,6 @@ perplexity_progress progress_bar(bool enabled) {
   };
 }
 
-nlohmann::json to_json(const perplexity_opts& o, const perplexity_result& r) {
-  nlohmann::json j{{"model", o.model_path},
-                   {"text", o.text_path},
-                   {"n_ctx", r.n_ctx},
-                   {"n_batch", r.n_batch},
-                   {"n_tokens", r.n_tokens},
-                   {"n_chunk", r.n_chunk},
-                   {"n_scored_per_chunk", r.n_scored_per_chunk},
-                   {"n_scored", r.ppl.n_scored},
-                   {"kv_type_k", kv_cache_type_name(o.p.cache.type_k)},
-                   {"kv_type_v", kv_cache_type_name(o.p.cache.type_v)},
-                   {"kv_cache", r.kv_describe},
-                   {"kv_bytes_per_token", r.kv_bytes_per_token},
-                   {"kv_bytes_per_token_f16", r.kv_bytes_per_token_f16},
-                   {"ppl", r.ppl.ppl},
-                   {"ppl_err", r.ppl.ppl_err},
-                   {"nll_mean", r.ppl.nll_mean},
-                   {"seconds", r.seconds},
-                   {"tokens_per_s", r.tokens_per_s}};
-  if (r.has_kld) {
-    const kld_stats& k = r.kld;
-    j["kld"] = {{"base", k.base_desc}, {"top_k", k.top_k}, {"n", k.n},
-                {"mean", k.mean}, {"mean_err", k.mean_err}, {"median", k.median}, {"p90", k.p90},
-                {"p99", k.p99}, {"p99_9", k.p99_9}, {"max", k.max}, {"min", k.min},
-                {"same_top1_pct", k.same_top1_pct}, {"same_top1_err", k.same_top1_err},
-                {"rms_dp_pct", k.rms_dp_pct}, {"rms_dp_err", k.rms_dp_err},
-                {"ppl_base", k.ppl_base}, {"ppl_base_err", k.ppl_base_err},
-                {"dppl_pct", k.dppl_pct}, {"dppl_err", k.dppl_err}};
-  }
-  return j;
-}
-
 int run_perplexity(perplexity_opts& o) {
   o.p.cache = o.kv.params();
   if (!o.compare.empty()) o.p.compare_type = parse_kv_cache_type(o.compare);
@@ -85,8 +54,8 @@ int run_perplexity(perplexity_opts& o) {
                  o.text_path.c_str(), ids.size(), o.p.n_ctx, o.p.n_ctx - 1 - o.p.n_ctx / 2);
   const perplexity_result r = perplexity(*m, ids, perplexity_bos(*tok), o.p, progress_bar(!o.no_progress));
   if (o.json) {
-    nlohmann::json j = to_json(o, r);
-    add_certified_json(j, r.certified);
+    nlohmann::json j = perplexity_json(o.model_path, o.p, r);
+    j["text"] = o.text_path;
     std::printf("%s\n", json_text(j).c_str());
     return 0;
   }

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "bindings.h"
-#include "certified_report.h"  // tools/: the "certified" JSON object of the CLI's --json output
+#include "result_json.h"  // tools/: the CLI's --json objects
 #include "kvq/error.h"
 #include "kvq/generate.h"
 #include "kvq/model.h"
@@ -41,14 +41,11 @@ void check_signals() {
   if (PyErr_CheckSignals() != 0) throw nb::python_error();
 }
 
-// The CLI's "certified" (and "certified_others") keys, from the same formatting code.
-void add_certified(nb::dict& d, const std::vector<certified_report>& rs) {
-  if (rs.empty()) return;
-  nlohmann::json j;
-  cli::add_certified_json(j, rs);
+// A dict of the CLI's --json object (tools/result_json.h: the same code builds both); text that
+// is not valid UTF-8 (a piece that splits a character) becomes U+FFFD, as in the CLI's output.
+nb::dict to_dict(const nlohmann::json& j) {
   nb::object loads = nb::module_::import_("json").attr("loads");
-  for (const char* key : {"certified", "certified_others"})
-    if (j.contains(key)) d[key] = loads(j[key].dump());
+  return nb::cast<nb::dict>(loads(j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)));
 }
 
 nb::object run_generate(py_model& self, const std::string& prompt, int max_tokens, float temperature, int top_k,
@@ -82,32 +79,7 @@ nb::object run_generate(py_model& self, const std::string& prompt, int max_token
     });
   }
   if (!details) return utf8_str(r.text);
-  const double ratio = r.kv_bytes_per_token > 0 ? r.kv_bytes_per_token_f16 / r.kv_bytes_per_token : 0;
-  nb::dict d;  // the keys of `kvq generate --json`
-  d["model"] = self.path;
-  d["prompt"] = prompt;
-  d["prompt_ids"] = r.prompt_ids;
-  d["ids"] = r.ids;
-  d["text"] = utf8_str(r.text);
-  d["stop_reason"] = r.stop_reason;
-  d["seed"] = r.seed;
-  d["n_ctx"] = r.n_ctx;
-  d["n_prompt"] = r.prompt_ids.size();
-  d["n_generated"] = r.ids.size();
-  d["prefill_seconds"] = r.prefill_seconds;
-  d["decode_seconds"] = r.decode_seconds;
-  d["prefill_tokens_per_s"] = r.prefill_tokens_per_s;
-  d["decode_tokens_per_s"] = r.decode_tokens_per_s;
-  d["kv_cache"] = r.kv_describe;
-  d["kv_type_k"] = kv_cache_type_name(p.cache.type_k);
-  d["kv_type_v"] = kv_cache_type_name(p.cache.type_v);
-  d["kv_bytes_per_token"] = r.kv_bytes_per_token;
-  d["kv_bytes_per_token_f16"] = r.kv_bytes_per_token_f16;
-  d["kv_compression_vs_f16"] = ratio;
-  d["kv_bytes_allocated"] = r.kv_bytes;
-  d["kv_bytes_used"] = r.kv_bytes_used;
-  add_certified(d, r.certified);
-  return d;
+  return to_dict(cli::generate_json(self.path, p, r));  // the keys of `kvq generate --json`
 }
 
 nb::dict run_perplexity(py_model& self, const std::string& text, int n_ctx, int chunks, int n_batch, int n_threads,
@@ -138,50 +110,7 @@ nb::dict run_perplexity(py_model& self, const std::string& text, int n_ctx, int 
       check_signals();
     });
   }
-  nb::dict d;  // the keys of `kvq perplexity --json` (less "text", the CLI's file name)
-  d["model"] = self.path;
-  d["n_ctx"] = r.n_ctx;
-  d["n_batch"] = r.n_batch;
-  d["n_tokens"] = r.n_tokens;
-  d["n_chunk"] = r.n_chunk;
-  d["n_scored_per_chunk"] = r.n_scored_per_chunk;
-  d["n_scored"] = r.ppl.n_scored;
-  d["kv_type_k"] = kv_cache_type_name(p.cache.type_k);
-  d["kv_type_v"] = kv_cache_type_name(p.cache.type_v);
-  d["kv_cache"] = r.kv_describe;
-  d["kv_bytes_per_token"] = r.kv_bytes_per_token;
-  d["kv_bytes_per_token_f16"] = r.kv_bytes_per_token_f16;
-  d["ppl"] = r.ppl.ppl;
-  d["ppl_err"] = r.ppl.ppl_err;
-  d["nll_mean"] = r.ppl.nll_mean;
-  d["seconds"] = r.seconds;
-  d["tokens_per_s"] = r.tokens_per_s;
-  if (r.has_kld) {
-    const kld_stats& k = r.kld;
-    nb::dict kd;
-    kd["base"] = k.base_desc;
-    kd["top_k"] = k.top_k;
-    kd["n"] = k.n;
-    kd["mean"] = k.mean;
-    kd["mean_err"] = k.mean_err;
-    kd["median"] = k.median;
-    kd["p90"] = k.p90;
-    kd["p99"] = k.p99;
-    kd["p99_9"] = k.p99_9;
-    kd["max"] = k.max;
-    kd["min"] = k.min;
-    kd["same_top1_pct"] = k.same_top1_pct;
-    kd["same_top1_err"] = k.same_top1_err;
-    kd["rms_dp_pct"] = k.rms_dp_pct;
-    kd["rms_dp_err"] = k.rms_dp_err;
-    kd["ppl_base"] = k.ppl_base;
-    kd["ppl_base_err"] = k.ppl_base_err;
-    kd["dppl_pct"] = k.dppl_pct;
-    kd["dppl_err"] = k.dppl_err;
-    d["kld"] = kd;
-  }
-  add_certified(d, r.certified);
-  return d;
+  return to_dict(cli::perplexity_json(self.path, p, r));  // `kvq perplexity --json` less "text" (the file name)
 }
 
 }  // namespace
