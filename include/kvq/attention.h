@@ -134,6 +134,18 @@ struct attn_query_view {
   attn_spec spec;
   // Rows [lo, hi) of a view (row 0 at pos_begin, n_pos rows) that query token t may see.
   key_span rows(int t, int pos_begin, int n_pos) const { return spec.view_rows(pos0 + t, pos_begin, n_pos); }
+  // rows() of every query token into span[0, n_tokens), and the rows any of them sees: [lo of the
+  // first row any token sees, hi of the last); {n_pos, 0} (empty) when none sees a row.
+  key_span tile_rows(int pos_begin, int n_pos, key_span* span) const {
+    key_span all{n_pos, 0};
+    for (int t = 0; t < n_tokens; ++t) {
+      span[t] = rows(t, pos_begin, n_pos);
+      if (span[t].empty()) continue;
+      all.lo = span[t].lo < all.lo ? span[t].lo : all.lo;
+      all.hi = span[t].hi > all.hi ? span[t].hi : all.hi;
+    }
+    return all;
+  }
   // The same queries quantized to int8, required by views whose K is per-token quantized: q8 uses
   // the same indexing as q. q8_group == 0: one scale per head (quantize_q8_ref over head_dim),
   // q8_scale[t * q8_scale_stride_t + g]. q8_group == K's group (elements along head_dim): one

@@ -51,22 +51,21 @@ nb::dict to_dict(const nlohmann::json& j) {
 nb::object run_generate(py_model& self, const std::string& prompt, int max_tokens, float temperature, int top_k,
                         float top_p, float min_p, int64_t seed, int n_ctx, int n_batch, int n_threads, bool ignore_eos,
                         bool add_bos, bool details, nb::object on_token, const nb::kwargs& cache) {
-  generate_params p;
-  p.prompt = prompt;
-  p.n_predict = max_tokens;
-  p.n_ctx = n_ctx;
-  p.n_batch = n_batch;
-  p.n_threads = n_threads;
-  p.ignore_eos = ignore_eos;
-  p.add_bos = add_bos;
-  p.sampling.temp = temperature;
-  p.sampling.top_k = top_k;
-  p.sampling.top_p = top_p;
-  p.sampling.min_p = min_p;
   if (seed < -1 || seed > (int64_t)0xFFFFFFFF)
     fail_input("[generate] seed " + std::to_string(seed) + " must be in [0, 4294967295] or -1 (random)");
-  p.sampling.seed = seed < 0 ? 0xFFFFFFFFu : (uint64_t)seed;
-  p.cache = cache_options(cache, "generate");
+  const generate_params p{.prompt = prompt,
+                          .n_predict = max_tokens,
+                          .n_ctx = n_ctx,
+                          .n_batch = n_batch,
+                          .n_threads = n_threads,
+                          .add_bos = add_bos,
+                          .ignore_eos = ignore_eos,
+                          .sampling = {.temp = temperature,
+                                       .top_k = top_k,
+                                       .top_p = top_p,
+                                       .min_p = min_p,
+                                       .seed = seed < 0 ? 0xFFFFFFFFu : (uint64_t)seed},
+                          .cache = cache_options(cache, "generate")};
   generate_result r;
   {
     nb::gil_scoped_release release;
@@ -85,15 +84,15 @@ nb::object run_generate(py_model& self, const std::string& prompt, int max_token
 nb::dict run_perplexity(py_model& self, const std::string& text, int n_ctx, int chunks, int n_batch, int n_threads,
                         nb::object compare, const std::string& kl_base, const std::string& kl_compare, int kl_top_k,
                         const nb::kwargs& cache) {
-  perplexity_params p;
-  p.n_ctx = n_ctx;
-  p.n_chunks = chunks;
-  p.n_batch = n_batch;
-  p.n_threads = n_threads;
-  p.kl_base_out = kl_base;
-  p.kl_base_in = kl_compare;
-  p.kl_top_k = kl_top_k;
-  p.cache = cache_options(cache, "perplexity");
+  perplexity_params p{.n_ctx = n_ctx,
+                      .n_batch = n_batch,
+                      .n_chunks = chunks,
+                      .n_threads = n_threads,
+                      .cache = cache_options(cache, "perplexity"),
+                      .kl_base_in = kl_compare,
+                      .compare_type = std::nullopt,  // set below
+                      .kl_base_out = kl_base,
+                      .kl_top_k = kl_top_k};
   if (!compare.is_none()) {
     if (!nb::isinstance<nb::str>(compare))
       throw nb::type_error("perplexity(): compare must be a cache type name (str) or None");

@@ -27,13 +27,8 @@ constexpr int kBlock = 64;  // keys per online-softmax step
 void attn_dense_ref(const kv_dense_view& kv, const attn_query_view& qv, attn_state* states) {
   const int hd = kv.head_dim, ng = qv.n_group;
   std::vector<key_span> span(qv.n_tokens);  // rows each query token may see (qv.spec)
-  int lo_min = kv.n_pos, max_limit = 0;
-  for (int t = 0; t < qv.n_tokens; ++t) {
-    span[t] = qv.rows(t, kv.pos_begin, kv.n_pos);
-    if (span[t].empty()) continue;
-    lo_min = std::min(lo_min, span[t].lo);
-    max_limit = std::max(max_limit, span[t].hi);
-  }
+  const key_span all = qv.tile_rows(kv.pos_begin, kv.n_pos, span.data());
+  const int lo_min = all.lo, max_limit = all.hi;
   std::vector<float> rows((size_t)kBlock * hd), s((size_t)qv.n_tokens * ng * kBlock);
   for (int p0 = lo_min; p0 < max_limit; p0 += kBlock) {
     const int n = std::min(kBlock, max_limit - p0);

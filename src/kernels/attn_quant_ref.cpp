@@ -89,13 +89,8 @@ void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_sta
   thread_local std::vector<float> sc, fold, row;
   thread_local std::vector<int32_t> qsum, dots;
   span.resize(qv.n_tokens);
-  int lo_min = kv.n_pos, max_limit = 0;
-  for (int t = 0; t < qv.n_tokens; ++t) {
-    span[t] = qv.rows(t, kv.pos_begin, kv.n_pos);
-    if (span[t].empty()) continue;
-    lo_min = std::min(lo_min, span[t].lo);
-    max_limit = std::max(max_limit, span[t].hi);
-  }
+  const key_span all = qv.tile_rows(kv.pos_begin, kv.n_pos, span.data());
+  const int lo_min = all.lo, max_limit = all.hi;
   if (max_limit == 0) return;
   auto sees = [&](int t, int r) { return r >= span[t].lo && r < span[t].hi; };
   sc.resize((size_t)ntq * kBlock);

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "cache/cache_params.h"
 #include "kvq/error.h"
 #include "kvq/sys_memory.h"
 #include "kvq/f16.h"
@@ -85,11 +86,7 @@ INSTANTIATE_TEST_SUITE_P(types, dense_cache,
                                            dense_case{"f32", "bf16", 96, 1, 8}));
 
 TEST(kv_cache, unknown_type_is_named) {
-  kv_cache_params p;
-  p.n_layer = 1;
-  p.n_kv_head = 1;
-  p.head_dim = 64;
-  p.n_ctx = 16;
+  kv_cache_params p = test::one_layer_params("f16", "f16", 64, 1, 16);
   try {
     parse_kv_cache_type("q5", "K");  // names are parsed once, at the edge (CLI, tools)
     FAIL() << "no error";
@@ -121,11 +118,7 @@ TEST(kv_cache, unknown_type_is_named) {
 }
 
 TEST(kv_cache, overflow_truncate_clear) {
-  kv_cache_params p;
-  p.n_layer = 1;
-  p.n_kv_head = 1;
-  p.head_dim = 4;
-  p.n_ctx = 4;
+  const kv_cache_params p = test::one_layer_params("f16", "f16", 4, 1, 4);
   auto c = make_kv_cache(p);
   std::vector<float> k(4 * 5, 1.0f), v(4 * 5, 2.0f);
   c->append(0, 0, 3, k.data(), v.data());

@@ -15,6 +15,14 @@
 namespace kvq {
 namespace {
 
+// n standard normal floats.
+std::vector<float> randn(std::mt19937& rng, size_t n) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> x(n);
+  for (auto& e : x) e = nd(rng);
+  return x;
+}
+
 kv_cache_params params_of(kv_cache_type tk, kv_cache_type tv, int n_layer, int hd, int n_ctx) {
   kv_cache_params p;
   p.n_layer = n_layer;
@@ -321,9 +329,7 @@ TEST(kv_cache_reliability, prefill_outputs_do_not_depend_on_the_split) {
     if (a.window) p.layers = {{a.window, 0, 0}, {0, 0, 0}};
     std::mt19937 rng(5);
     const auto k = channel_data(rng, len, nh, hd, true), v = channel_data(rng, len, nh, hd, false);
-    std::vector<float> q((size_t)len * n_head * hd);
-    std::normal_distribution<float> nd(0.0f, 1.0f);
-    for (auto& x : q) x = nd(rng);
+    const std::vector<float> q = randn(rng, (size_t)len * n_head * hd);
     const float scale = 0.125f;
     const size_t row = (size_t)nh * hd, qrow = (size_t)n_head * hd;
     // outputs of every position of every layer, the prompt appended in chunks of `n`
@@ -374,9 +380,7 @@ TEST(kv_cache_reliability, prefill_out_of_order_attend_falls_back_to_compressed_
   std::mt19937 rng(7);
   const auto k = channel_data(rng, len, nh, hd, true), v = channel_data(rng, len, nh, hd, false);
   const auto k2 = channel_data(rng, len, nh, hd, true), v2 = channel_data(rng, len, nh, hd, false);
-  std::vector<float> q((size_t)len * n_head * hd);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (auto& x : q) x = nd(rng);
+  const std::vector<float> q = randn(rng, (size_t)len * n_head * hd);
   const float scale = 0.125f;
   const size_t qrow = (size_t)n_head * hd, n_out = (size_t)len * qrow;
   // layer 0 gets (k, v); layer 1 gets (k1, v1); chunk = len: every layer appended, then attended

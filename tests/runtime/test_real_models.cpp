@@ -148,15 +148,19 @@ struct ppl_run {
   nlohmann::json golden;  // the golden's f16_fa-on result
 };
 
-// wikitext-2 at -c 512 with an f16 cache, the first n_chunks chunks.
-ppl_run run_ppl(const std::string& model_path, const std::string& golden_path, int n_chunks) {
-  const std::string text_path = test::data_path("data/wikitext-2-raw-test/wiki.test.raw");
-  auto m = model::load(model_path);
-  auto tok = tokenizer::from_gguf(m->gguf());
-  std::ifstream f(text_path, std::ios::binary);
+// The wikitext-2 test text, tokenized as kvq perplexity does.
+std::vector<int32_t> wikitext_ids(const tokenizer& tok) {
+  std::ifstream f(test::data_path("data/wikitext-2-raw-test/wiki.test.raw"), std::ios::binary);
   std::stringstream ss;
   ss << f.rdbuf();
-  const auto ids = perplexity_tokenize(*tok, ss.str());
+  return perplexity_tokenize(tok, ss.str());
+}
+
+// wikitext-2 at -c 512 with an f16 cache, the first n_chunks chunks.
+ppl_run run_ppl(const std::string& model_path, const std::string& golden_path, int n_chunks) {
+  auto m = model::load(model_path);
+  auto tok = tokenizer::from_gguf(m->gguf());
+  const auto ids = wikitext_ids(*tok);
   perplexity_params p;
   p.n_ctx = 512;
   p.n_chunks = n_chunks;
@@ -212,10 +216,7 @@ TEST(RealModels, Qwen25CompressedFormatsAreNotGarbage) {
   KVQ_REQUIRE_DATA(text_path, "data/wikitext-2-raw-test/wiki.test.raw");
   auto m = model::load(model_path);
   auto tok = tokenizer::from_gguf(m->gguf());
-  std::ifstream f(text_path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const auto ids = perplexity_tokenize(*tok, ss.str());
+  const auto ids = wikitext_ids(*tok);
   // per process: two test runs at once (two build trees) must not share the base file
   const std::string base = ::testing::TempDir() + "kvq_qwen_f16_base_" + std::to_string(::getpid()) + ".bin";
   perplexity_params p;
