@@ -29,12 +29,12 @@ std::vector<std::string> kv_type_names() {
 
 const char* kv_cache_type_name(kv_cache_type t) {
   if (t == kv_cache_type::certified) return "certified";  // the tiered certified cache (certified.h)
-  if ((int)t < 0 || t > kv_cache_type::certified) return "?";
+  if (t > kv_cache_type::certified) return "?";  // (unsigned underlying type: never < 0)
   return kv_traits((kv_format)t).name;
 }
 
 bool kv_cache_type_format(kv_cache_type t, kv_format* f) {
-  if ((int)t < 0 || t >= kv_cache_type::certified) return false;
+  if (t >= kv_cache_type::certified) return false;
   *f = (kv_format)t;
   return true;
 }
@@ -126,10 +126,10 @@ void validate(const kv_cache_params& p) {
   if (p.n_ubatch < 1) fail_input("[kv_cache] n_ubatch must be >= 1, got " + std::to_string(p.n_ubatch));
   if (!(p.attn_softcap >= 0.0f) || !std::isfinite(p.attn_softcap))
     fail_input("[kv_cache] attn_softcap must be finite and >= 0 (0 = none), got " + std::to_string(p.attn_softcap));
-  for (const auto [t, side] : {std::pair{p.type_k, "type_k"}, std::pair{p.type_v, "type_v"}})
-    if ((int)t < 0 || t >= kv_cache_type::count)
+  for (const auto& [t, side] : {std::pair{p.type_k, "type_k"}, std::pair{p.type_v, "type_v"}})
+    if (t >= kv_cache_type::count)
       fail_input(std::string("[kv_cache] ") + side + " " + std::to_string((int)t) + " is not a kv_cache_type");
-  if ((int)p.attn < 0 || p.attn >= attn_path::count)
+  if (p.attn >= attn_path::count)
     fail_input("[kv_cache] attn " + std::to_string((int)p.attn) + " is not an attn_path");
   if (p.rotation && ((int)*p.rotation < 0 || *p.rotation >= rotation_kind::count))
     fail_input("[kv_cache] rotation " + std::to_string((int)*p.rotation) + " is not a rotation_kind");
