@@ -359,6 +359,7 @@ void kv_cache_certified_impl::attend_seqs(const char* op, int il, const attend_s
     std::memcpy(&qr_[(size_t)plan_.tok0(b) * n_head * hd], seqs[b].q, (size_t)seqs[b].n_tokens * n_head * hd * sizeof(float));
   rot_k_.forward_n(qr_.data(), (int64_t)nq);
   last_steps_.resize(nq);
+  const attn_spec spec = kv_layer_spec(p_, il, scale);
   cert_options opt;
   opt.tol = p_.certify_tol;
   opt.measure = p_.certify_measure;
@@ -406,9 +407,7 @@ void kv_cache_certified_impl::attend_seqs(const char* op, int il, const attend_s
     qv.n_group = ng;
     qv.head_dim = hd;
     qv.pos0 = a.pos0 + ta;
-    qv.spec.scale = scale;
-    qv.spec.window = kv_layer_window(p_, il);  // honoured; the tiers still keep every position (no ring)
-    qv.spec.softcap = p_.attn_softcap;
+    qv.spec = spec;  // the window honoured; the tiers still keep every position (no ring)
     steps.resize((size_t)(tb - ta) * ng);
     attn_certified_ref(kv, qv, opt, a.out + off, steps.data());
     cert_step* dst = &last_steps_[(size_t)plan_.tok0(w.seq) * n_head];

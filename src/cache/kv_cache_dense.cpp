@@ -54,7 +54,6 @@ class kv_cache_dense final : public kv_cache {
     row0_.assign(p.n_layer + 1, 0);
     for (int il = 0; il < p.n_layer; ++il) {
       ring_.push_back(kv_ring_positions(p, il));
-      window_.push_back(kv_layer_window(p, il));
       row0_[il + 1] = row0_[il] + dense_rows(p, il);
     }
     const size_t rows = row0_[p.n_layer];
@@ -128,10 +127,7 @@ class kv_cache_dense final : public kv_cache {
   void attend_seqs(const char* op, int il, const attend_seq* seqs, int n_seqs, int n_head, float scale,
                    thread_pool& pool) {
     check_attend_seqs(p_, op, il, seqs, n_seqs, n_head, [&](int seq) { return pos_[(size_t)il * p_.n_seq + seq]; });
-    attn_spec spec;
-    spec.scale = scale;
-    spec.window = window_[il];
-    spec.softcap = p_.attn_softcap;
+    const attn_spec spec = kv_layer_spec(p_, il, scale);
     for (int b = 0; b < n_seqs; ++b)
       check_ring_holds(p_, op, il, seqs[b].seq_id, spec.key_range(seqs[b].pos0).lo,
                        first_[(size_t)il * p_.n_seq + seqs[b].seq_id]);
@@ -192,7 +188,6 @@ class kv_cache_dense final : public kv_cache {
   kv_cache_params p_;
   kv_elem ek_, ev_;
   std::vector<int> ring_;       // [n_layer] positions held per (seq, kv head): n_ctx, or a window's ring
-  std::vector<int> window_;     // [n_layer] attn_spec::window
   std::vector<size_t> row0_;    // [n_layer + 1] first row of each layer
   std::vector<uint8_t> k_;      // per layer [n_seq, n_kv_head, ring, head_dim] of ek_
   std::vector<uint8_t> v_;      // per layer [n_seq, n_kv_head, ring, head_dim] of ev_

@@ -25,6 +25,14 @@ void check_append_order(int il, int seq_id, int n_tokens, int n_layer, int n_ctx
 // Validates the sequence list of kv_cache::attend_batch: seq_id in [0, n_seq), each at most once.
 // op ("attend" or "attend_batch") starts the error message.
 void check_attend_batch(const char* op, const attend_seq* seqs, int n_seqs, int n_seq);
+// The attention variant of layer il: scale, its sliding window (kv_layer_window) and p's soft-cap.
+inline attn_spec kv_layer_spec(const kv_cache_params& p, int il, float scale) {
+  attn_spec a;
+  a.scale = scale;
+  a.window = kv_layer_window(p, il);
+  a.softcap = p.attn_softcap;
+  return a;
+}
 // invalid_input unless il is in [0, p.n_layer) and seq_id in [0, p.n_seq); op starts the message.
 void check_layer_seq(const kv_cache_params& p, const char* op, int il, int seq_id);
 // The errors of check_attend_seqs (out of line: the messages).

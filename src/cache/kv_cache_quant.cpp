@@ -262,13 +262,6 @@ class kv_cache_quant final : public kv_cache {
   seq_state& st(int il, int seq) { return state_[(size_t)il * p_.n_seq + seq]; }
   const seq_state& st(int il, int seq) const { return state_[(size_t)il * p_.n_seq + seq]; }
   int tail_len(const seq_state& q) const { return std::max(0, q.n - p_.sink - q.n_comp); }
-  attn_spec spec_of(int il, float scale) const {
-    attn_spec a;
-    a.scale = scale;
-    a.window = window_[il];
-    a.softcap = p_.attn_softcap;
-    return a;
-  }
   size_t head_index(int il, int seq, int h) const { return ((size_t)il * p_.n_seq + seq) * p_.n_kv_head + h; }
   uint8_t* exact_row(side_store& s, size_t hi, int row) {
     return s.exact.data() + (hi * exact_cap_ + row) * p_.head_dim * kv_elem_bytes(s.exact_elem);
@@ -608,7 +601,7 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
   for (int b = 0; b < n_seqs; ++b) {
     // the body rows the first query needs (later queries need later rows) must still be in the ring
     const seq_state& sq = st(il, seqs[b].seq_id);
-    const int need = spec_of(il, 1.0f).key_range(seqs[b].pos0).lo - p_.sink;
+    const int need = kv_layer_spec(p_, il, 1.0f).key_range(seqs[b].pos0).lo - p_.sink;
     if (need < sq.n_comp)
       check_ring_holds(p_, op, il, seqs[b].seq_id, p_.sink + std::max(0, need), p_.sink + sq.body_lo);
   }
@@ -617,7 +610,7 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
   const bool k_int8 = k_.t->layout == kv_layout::per_token;
   // 1. Work items (attend_plan.h): (sequence, kv head, query tile, body chunk); the chunks split a
   // sequence's body rows [body0, n_comp), body0 the first unit any of its queries sees.
-  const attn_spec spec = spec_of(il, scale);
+  const attn_spec spec = kv_layer_spec(p_, il, scale);
   plan_in_.resize(n_seqs);
   int64_t work = 0;  // multiply-adds of the batch: decides whether threads pay at all
   for (int b = 0; b < n_seqs; ++b) {
