@@ -45,9 +45,11 @@ void add_kv_flags(CLI::App* app, kv_flags& f) {
   app->add_option_function<std::string>(
          "--kv-k-channel-scale",
          [&p](const std::string& v) {
-           if (v == "auto") p.k_channel_scale.reset();
-           else if (v == "on" || v == "off") p.k_channel_scale = v == "on";
-           else throw CLI::ValidationError("--kv-k-channel-scale", "must be on, off or auto, got '" + v + "'");
+           try {
+             p.k_channel_scale = parse_kv_switch(v, "--kv-k-channel-scale");
+           } catch (const kvq::error& e) {  // during parsing: CLI11's error, exit 2
+             throw CLI::ValidationError(e.what());
+           }
          },
          "K only: centre and scale each channel by its prompt mean and RMS before quantizing: on|off|auto "
          "(auto: on for per-token K)")

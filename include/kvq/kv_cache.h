@@ -48,6 +48,9 @@ enum class attn_path : uint8_t { fused, dequant, count };
 kv_cache_type parse_kv_cache_type(const std::string& name, const char* side = "K");
 attn_path parse_attn_path(const std::string& name);
 std::optional<rotation_kind> parse_kv_rotation(const std::string& name);
+// An on / off / auto switch such as k_channel_scale: "on" -> true, "off" -> false, "auto" ->
+// std::nullopt. Throws invalid_input naming `field` and the value otherwise.
+std::optional<bool> parse_kv_switch(const std::string& name, const char* field);
 const char* kv_cache_type_name(kv_cache_type t);
 const char* attn_path_name(attn_path a);
 std::string kv_rotation_name(const std::optional<rotation_kind>& r);  // "auto" for nullopt

@@ -63,12 +63,7 @@ kv_cache_params cache_options(const nb::kwargs& kw, const char* op) {
     else if (key == "k_channel_scale") {
       if (v.is_none()) p.k_channel_scale.reset();
       else if (nb::isinstance<nb::bool_>(v)) p.k_channel_scale = nb::cast<bool>(v);
-      else {
-        const std::string s = as_str(op, key, v);
-        if (s == "auto") p.k_channel_scale.reset();
-        else if (s == "on" || s == "off") p.k_channel_scale = s == "on";
-        else fail_input("[kv_cache] k_channel_scale must be 'on', 'off', 'auto', True, False or None, got '" + s + "'");
-      }
+      else p.k_channel_scale = parse_kv_switch(as_str(op, key, v), "k_channel_scale (or True, False, None)");
     } else if (key == "kv_seed") {
       if (!nb::isinstance<nb::int_>(v) || nb::isinstance<nb::bool_>(v)) fail_type(op, key, "an int", v);
       p.seed = nb::cast<uint64_t>(v);

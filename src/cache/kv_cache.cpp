@@ -74,6 +74,12 @@ std::optional<rotation_kind> parse_kv_rotation(const std::string& name) {
   fail_input("[kv_cache] unknown rotation '" + name + "' (supported: none, hadamard, srht, srft, auto)");
 }
 
+std::optional<bool> parse_kv_switch(const std::string& name, const char* field) {
+  if (name == "auto") return std::nullopt;
+  if (name == "on" || name == "off") return name == "on";
+  fail_input(std::string("[kv_cache] ") + field + " must be on, off or auto, got '" + name + "'");
+}
+
 std::string kv_rotation_name(const std::optional<rotation_kind>& r) { return r ? rotation_name(*r) : "auto"; }
 
 kv_format side_format(const kv_cache_params& p, bool is_v) {
