@@ -195,6 +195,8 @@ void attn_dense(const kv_dense_view& kv, const attn_query_view& q, attn_state* s
 // per-channel K: float q folded with the per-channel scales; V accumulated from the packed codes
 // one row at a time (never a dequantized copy). The _ref tier is the oracle; attn_quant picks the
 // best tier at run time (KVQ_ISA lowers it). Integer dot products are bit-exact across tiers.
+// Errors: unsupported for 8-bit per-token K with a group above kq8_k_group_max (its i32 group dot
+// could wrap), in every tier.
 void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& q, attn_state* states);
 void attn_quant(const kv_quant_view& kv, const attn_query_view& q, attn_state* states);
 // The tier attn_quant (and attn_dense, for dense formats) runs for views of these formats, groups

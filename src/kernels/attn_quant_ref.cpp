@@ -81,9 +81,23 @@ void qk_i32_ref(const kv_quant_side& k, int r0, int n_rows, const int16_t* q16, 
 void q8_group_sums(const int8_t* q8, int hd, int group, int32_t* sums) { group_sums_t(q8, hd, group, sums); }
 void q8_group_sums(const int16_t* q16, int hd, int group, int32_t* sums) { group_sums_t(q16, hd, group, sums); }
 
+namespace {
+
+// 8-bit per-token K groups above kq8_k_group_max could wrap the i32 group dot (issue 15 item 4):
+// refused by every tier, as make_kv_cache refuses them, rather than returning a wrong-signed score.
+void check_k_group(const kv_quant_view& kv) {
+  const auto& tk = kv_traits(kv.k.format);
+  if (tk.layout == kv_layout::per_token && tk.bits == 8 && kv.k.group > kq8_k_group_max)
+    fail_unsupported("[attn_quant] 8-bit K group " + std::to_string(kv.k.group) + " exceeds " +
+                     std::to_string(kq8_k_group_max) + ", the largest whose integer dot fits in int32");
+}
+
+}  // namespace
+
 void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_state* states) {
   const int hd = kv.head_dim, ng = qv.n_group, ntq = qv.n_tokens * ng;
   const auto& tk = kv_traits(kv.k.format);
+  check_k_group(kv);
   KVQ_ASSERT(hd <= 1024 && kv_traits(kv.v.format).layout != kv_layout::per_channel);
   thread_local std::vector<key_span> span;  // rows each query token may see (qv.spec)
   thread_local std::vector<float> sc, fold, row;
@@ -269,6 +283,7 @@ isa attn_quant_tier(const kv_quant_view& kv) {
 }
 
 void attn_quant(const kv_quant_view& kv, const attn_query_view& q, attn_state* states) {
+  check_k_group(kv);
   const isa tier = best_isa();
   if (tier >= isa::avx512 && attn_quant_supported_avx512(kv)) return attn_quant_avx512(kv, q, states);
   if (tier >= isa::avx2 && attn_quant_supported_avx2(kv)) return attn_quant_avx2(kv, q, states);

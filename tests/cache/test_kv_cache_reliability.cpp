@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cache/attn_f64.h"
+#include "kvq/attention.h"
 #include "kvq/error.h"
 #include "kvq/kv_cache.h"
 
@@ -131,6 +132,38 @@ TEST(kv_cache_reliability, eight_bit_k_dot_fits_int32_at_the_largest_accepted_gr
           << name << ": " << m;
       EXPECT_NE(m.find("exceeds 256"), std::string::npos) << m;
       EXPECT_EQ(code, errc::unsupported);
+    }
+    // the kernels themselves refuse such a view (public API, no cache in between): at group 512
+    // with keys of +1 and an int16 query of +1 the i32 dot 32258 * 127 * 512 would wrap
+    {
+      const int g = 512;
+      const kv_format f = (kv_format)t;  // kv_cache_type mirrors kv_format below certified
+      std::vector<float> kr(g, 1.0f);
+      std::vector<uint8_t> codes(kv_code_bytes(f, g));
+      std::vector<uint16_t> sc(kv_row_scale_count(f, g, g));
+      quantize_row_ref(f, kr.data(), g, g, codes.data(), sc.data());
+      kv_quant_view kv;
+      kv.k = {f, codes.data(), (int64_t)codes.size(), sc.data(), (int64_t)sc.size(), g};
+      kv.v = {kv_format::f32, reinterpret_cast<const uint8_t*>(kr.data()), g * 4, nullptr, 0, 0};
+      kv.n_pos = 1;
+      kv.head_dim = g;
+      std::vector<int16_t> q16(g, (int16_t)kq16_max);
+      const float qs = 1.0f / kq16_max;
+      attn_query_view qv;
+      qv.q = kr.data();
+      qv.n_tokens = qv.n_group = 1;
+      qv.head_dim = g;
+      qv.spec.scale = 1.0f / 16;
+      qv.q16 = q16.data();
+      qv.q8_scale = &qs;
+      std::vector<float> o(g);
+      attn_state st = attn_state::empty(o.data(), g);
+      for (auto fn : {attn_quant_ref, attn_quant}) {
+        errc code{};
+        const std::string m = error_of([&] { fn(kv, qv, &st); }, &code);
+        EXPECT_NE(m.find("[attn_quant] 8-bit K group 512 exceeds 256"), std::string::npos) << name << ": " << m;
+        EXPECT_EQ(code, errc::unsupported) << m;
+      }
     }
     // 8-bit V, and 8-bit K at groups <= 256, stay accepted at head_dim 576
     kv_cache_params ok = params_of(kv_cache_type::q4, t, 1, 576, 2);
