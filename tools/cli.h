@@ -45,6 +45,10 @@ void add_kv_flags(CLI::App* app, kv_flags& f, bool& explicit_kv);
 // --json (one JSON object on stdout) and --no-progress, as the measuring commands take them.
 void add_report_flags(CLI::App* app, bool& json, bool& no_progress);
 
+// A comma-separated list of token counts, "4k" meaning 4096 ("0,512,4k,32K"); empty items are
+// skipped. Errors (invalid_input): "[op] what: 'x' is not an integer", a value above INT_MAX.
+std::vector<int> parse_count_list(const std::string& s, const std::string& op, const char* what);
+
 // Writes `text` to `path` atomically (temp file + rename), so a failure never leaves a
 // half-written file. Throws kvq::error(io).
 void write_file_atomic(const std::string& path, const std::string& text);

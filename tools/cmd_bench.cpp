@@ -29,34 +29,12 @@ struct bench_opts {
   bool weights_given = false, shape_layers_given = false;  // options of --shape only
 };
 
-template <typename T>
-std::vector<T> split(const std::string& s, const char* what) {
-  std::vector<T> out;
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
   std::stringstream ss(s);
   std::string t;
-  while (std::getline(ss, t, ',')) {
-    if (t.empty()) continue;
-    if constexpr (std::is_same_v<T, int>) {
-      try {
-        size_t used = 0;
-        std::string v = t;
-        int mul = 1;
-        if (!v.empty() && (v.back() == 'k' || v.back() == 'K')) { mul = 1024; v.pop_back(); }
-        const long long x = std::stoll(v, &used);
-        if (used != v.size() || v.empty()) throw std::invalid_argument(t);
-        if (x * mul > std::numeric_limits<int>::max() || x * mul < std::numeric_limits<int>::min())
-          fail_input(std::string("[bench] ") + what + " " + t + ": too large (at most " +
-                     std::to_string(std::numeric_limits<int>::max()) + ")");
-        out.push_back((int)(x * mul));
-      } catch (const error&) {
-        throw;
-      } catch (const std::exception&) {
-        fail_input(std::string("[bench] ") + what + ": '" + t + "' is not an integer");
-      }
-    } else {
-      out.push_back(t);
-    }
-  }
+  while (std::getline(ss, t, ','))
+    if (!t.empty()) out.push_back(t);
   return out;
 }
 
@@ -173,7 +151,7 @@ int run_bench(bench_opts& o) {
   }
 
   // Formats, depths and limits first: everything that can be refused is refused before any work.
-  std::vector<std::string> types = split<std::string>(o.types, "--types");
+  std::vector<std::string> types = split(o.types);
   // names are parsed here; a bad one is refused with bench's tag and the format, as the library's errors
   auto parsed = [](const std::string& name, auto&& parse) -> kv_cache_params {
     try {
@@ -193,7 +171,7 @@ int run_bench(bench_opts& o) {
       c.type_k = c.type_v = parse_kv_cache_type(t);
       return c;
     }));
-  o.p.depths = split<int>(o.depths, "--depths");
+  o.p.depths = parse_count_list(o.depths, "bench", "--depths");
   if (o.max_kv_gib > 0) {
     o.p.max_kv_bytes = (size_t)(o.max_kv_gib * 1024.0 * 1024.0 * 1024.0);
   } else if (o.max_kv_gib == 0) {

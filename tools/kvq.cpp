@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <limits>
+#include <sstream>
 #include <map>
 
 #include "cli.h"
@@ -73,6 +75,32 @@ void add_kv_flags(CLI::App* app, kv_flags& f, bool& explicit_kv) {
 void add_report_flags(CLI::App* app, bool& json, bool& no_progress) {
   app->add_flag("--json", json, "print one JSON object");
   app->add_flag("--no-progress", no_progress, "no progress on stderr");
+}
+
+std::vector<int> parse_count_list(const std::string& s, const std::string& op, const char* what) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string t;
+  while (std::getline(ss, t, ',')) {
+    if (t.empty()) continue;
+    try {
+      size_t used = 0;
+      std::string v = t;
+      int mul = 1;
+      if (!v.empty() && (v.back() == 'k' || v.back() == 'K')) { mul = 1024; v.pop_back(); }
+      const long long x = std::stoll(v, &used);
+      if (used != v.size() || v.empty()) throw std::invalid_argument(t);
+      if (x * mul > std::numeric_limits<int>::max() || x * mul < std::numeric_limits<int>::min())
+        fail_input("[" + op + "] " + what + " " + t + ": too large (at most " +
+                   std::to_string(std::numeric_limits<int>::max()) + ")");
+      out.push_back((int)(x * mul));
+    } catch (const error&) {
+      throw;
+    } catch (const std::exception&) {
+      fail_input("[" + op + "] " + what + ": '" + t + "' is not an integer");
+    }
+  }
+  return out;
 }
 
 void write_file_atomic(const std::string& path, const std::string& text) {
