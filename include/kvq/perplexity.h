@@ -56,7 +56,7 @@ namespace kvq {
 
 struct perplexity_params {
   int n_ctx = 512;        // tokens per chunk; must be in [4, the model's context]
-  int n_batch = 0;        // tokens per forward pass inside a chunk; 0 = n_ctx
+  int n_batch = 0;        // tokens per forward pass inside a chunk; 0 = min(n_ctx, 2048) (llama.cpp's default)
   int n_chunks = -1;      // evaluate at most this many chunks; < 0: all
   int n_threads = 0;      // 0: all hardware threads
   kv_cache_params cache;  // types and options of the cache under test (shapes filled from the model)

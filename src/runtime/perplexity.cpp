@@ -16,6 +16,9 @@ namespace kvq {
 
 using namespace ppl_detail;
 
+// -b 0: llama.cpp's default n_batch (llama-perplexity evaluates a chunk in batches of at most 2048).
+constexpr int kDefaultBatch = 2048;
+
 std::string read_text_file(const std::string& path, const std::string& op) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec))
@@ -41,15 +44,21 @@ int32_t perplexity_bos(const tokenizer& tok) { return tok.add_bos_default() ? to
 
 namespace {
 
-// Runs one chunk through the model with a fresh cache; logits: [n_ctx, n_vocab].
-void eval_chunk(model& m, kv_cache& cache, std::span<const int32_t> chunk, int n_batch, thread_pool& pool,
-                float* logits) {
-  cache.clear(0);
-  const int n = (int)chunk.size(), V = m.hparams().n_vocab;
-  for (int i = 0; i < n; i += n_batch) {
-    const int nb = std::min(n_batch, n - i);
-    m.forward(chunk.subspan(i, nb), i, 0, cache, pool, logits + (int64_t)i * V, true);
+// Runs tokens [i0, i0 + nb) of a chunk through the model (the cache holds positions [0, i0)),
+// keeping the logits of the rows whose mask is set: logits [n_rows, n_vocab], n_rows returned. A
+// batch without such rows still runs (its K/V are needed) and writes its last row's logits,
+// which the caller ignores.
+int eval_batch(model& m, kv_cache& cache, std::span<const int32_t> tokens, int i0, std::span<const uint8_t> out,
+               std::vector<int32_t>& pos, std::vector<int32_t>& seq, thread_pool& pool, float* logits) {
+  const int nb = (int)tokens.size();
+  if (std::find(out.begin(), out.end(), 1) == out.end()) {
+    m.forward(tokens, i0, 0, cache, pool, logits, false);
+    return 0;
   }
+  pos.resize(nb);
+  seq.assign(nb, 0);
+  for (int t = 0; t < nb; ++t) pos[t] = i0 + t;
+  return m.forward(model_batch{tokens, pos, seq, out}, cache, pool, logits);
 }
 
 nlohmann::json file_header(const model& m, const perplexity_params& p, int n_chunk, int n_scored, int top_k,
@@ -235,7 +244,7 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
   for (int32_t t : tokens)
     if (t < 0 || t >= V) fail_input("[perplexity] token id " + std::to_string(t) + " is outside the vocabulary");
   r.n_ctx = p.n_ctx;
-  r.n_batch = p.n_batch == 0 ? p.n_ctx : std::min(p.n_batch, p.n_ctx);
+  r.n_batch = std::min(p.n_batch == 0 ? kDefaultBatch : p.n_batch, p.n_ctx);
   r.n_tokens = (int64_t)tokens.size();
   const int64_t max_chunks = r.n_tokens / p.n_ctx;
   if (max_chunks < 1)
@@ -282,14 +291,18 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
   r.kv_bytes_per_token_f16 = kv_bytes_per_token(f16);
 
   thread_pool pool(p.n_threads);
-  std::vector<float> logits((size_t)p.n_ctx * V);              // [n_ctx, n_vocab]
-  std::vector<float> ref_logits(ref_cache ? logits.size() : 0);  // [n_ctx, n_vocab]
-  std::vector<int> argmax(n_scored);
-  std::vector<uint8_t> base_recs(base_codec ? (size_t)n_scored * base_codec->record_bytes() : 0);
-  std::vector<uint8_t> out_recs(base_out ? (size_t)n_scored * out_codec.record_bytes() : 0);
-  std::vector<kl_token> kl_tok(n_scored);
+  // Each batch keeps the logits of its scored rows only, so memory is n_batch rows of n_vocab
+  // whatever n_ctx (a 16384-token chunk of a 151,936-token vocabulary would need 10 GB).
+  const int max_rows = std::min(r.n_batch, n_scored);
+  std::vector<float> logits((size_t)std::max(max_rows, 1) * V);                // [rows, n_vocab]
+  std::vector<float> ref_logits(ref_cache ? logits.size() : 0);                // [rows, n_vocab]
+  std::vector<int> argmax(max_rows);
+  std::vector<uint8_t> base_recs(base_codec ? (size_t)max_rows * base_codec->record_bytes() : 0);
+  std::vector<uint8_t> out_recs(base_out ? (size_t)max_rows * out_codec.record_bytes() : 0);
+  std::vector<kl_token> kl_tok(max_rows);
   std::vector<int> scratch;
-  std::vector<int32_t> chunk(p.n_ctx);
+  std::vector<int32_t> chunk(p.n_ctx), pos, seq;
+  std::vector<uint8_t> out_mask;
   double sum_nll = 0, sum_nll2 = 0;
   int64_t count = 0;
   kld_accum acc;
@@ -301,61 +314,75 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
     const int64_t start = (int64_t)c * p.n_ctx;
     std::copy(tokens.begin() + start, tokens.begin() + start + p.n_ctx, chunk.begin());
     if (bos >= 0) chunk[0] = bos;
-    eval_chunk(m, *cache, chunk, r.n_batch, pool, logits.data());
-    evaluated += p.n_ctx;
-    // log-softmax of the scored rows, in place
-    pool.parallel_for(n_scored, [&](int64_t i, int) {
-      float* row = &logits[(size_t)(first + i) * V];
-      argmax[i] = log_softmax(row, V, row);
-    });
-    if (ref_cache) {
-      eval_chunk(m, *ref_cache, chunk, r.n_batch, pool, ref_logits.data());
-      evaluated += p.n_ctx;
-      pool.parallel_for(n_scored, [&](int64_t i, int) {
-        float* row = &ref_logits[(size_t)(first + i) * V];
-        log_softmax(row, V, row);
-      });
-      for (int i = 0; i < n_scored; ++i)
-        cmp_codec.encode(&ref_logits[(size_t)(first + i) * V], chunk[first + i + 1],
-                         &base_recs[(size_t)i * cmp_codec.record_bytes()], scratch);
-    } else if (base_in) {
-      base_in->read(base_recs.data(), base_recs.size());
-    }
-    if (base_codec) {
-      pool.parallel_for(n_scored, [&](int64_t i, int) {
-        kl_tok[i] = kl_from_record(*base_codec, &base_recs[(size_t)i * base_codec->record_bytes()],
-                                   &logits[(size_t)(first + i) * V]);
-      });
-    }
-    for (int i = 0; i < n_scored; ++i) {
-      const int obs = chunk[first + i + 1];
-      const double lp = logits[(size_t)(first + i) * V + obs];
-      sum_nll += -lp;
-      sum_nll2 += lp * lp;
-      ++count;
-      if (base_codec) {
-        const kl_token& k = kl_tok[i];
-        acc.kld.push_back((float)k.kld);
-        acc.sum_kld += k.kld;
-        acc.sum_kld2 += k.kld * k.kld;
-        acc.same += k.base_argmax == argmax[i];
-        const double dp = std::exp(lp) - std::exp(k.base_logp_obs);
-        acc.sum_dp += dp;
-        acc.sum_dp2 += dp * dp;
-        acc.sum_dp4 += dp * dp * dp * dp;
-        acc.sum_nll_base += -k.base_logp_obs;
-        acc.sum_nll_base2 += k.base_logp_obs * k.base_logp_obs;
-        const double d = -lp + k.base_logp_obs;
-        acc.sum_d += d;
-        acc.sum_d2 += d * d;
-        ++acc.n;
+    cache->clear(0);
+    if (ref_cache) ref_cache->clear(0);
+    for (int i0 = 0; i0 < p.n_ctx; i0 += r.n_batch) {
+      const int nb = std::min(r.n_batch, p.n_ctx - i0);
+      // scored rows of this batch: positions first .. n_ctx - 2
+      const int lo = std::max(i0, first), hi = std::min(i0 + nb, p.n_ctx - 1);  // [lo, hi)
+      const int n_rows = std::max(0, hi - lo);
+      out_mask.assign(nb, 0);
+      for (int t = lo; t < hi; ++t) out_mask[t - i0] = 1;
+      const std::span<const int32_t> toks(chunk.data() + i0, nb);
+      eval_batch(m, *cache, toks, i0, out_mask, pos, seq, pool, logits.data());
+      evaluated += nb;
+      if (ref_cache) {
+        eval_batch(m, *ref_cache, toks, i0, out_mask, pos, seq, pool, ref_logits.data());
+        evaluated += nb;
       }
-    }
-    if (base_out) {
-      for (int i = 0; i < n_scored; ++i)
-        out_codec.encode(&logits[(size_t)(first + i) * V], chunk[first + i + 1],
-                         &out_recs[(size_t)i * out_codec.record_bytes()], scratch);
-      base_out->write(out_recs.data(), out_recs.size());
+      if (n_rows == 0) continue;
+      // log-softmax of the scored rows, in place
+      pool.parallel_for(n_rows, [&](int64_t i, int) {
+        float* row = &logits[(size_t)i * V];
+        argmax[i] = log_softmax(row, V, row);
+      });
+      if (ref_cache) {
+        pool.parallel_for(n_rows, [&](int64_t i, int) {
+          float* row = &ref_logits[(size_t)i * V];
+          log_softmax(row, V, row);
+        });
+        for (int i = 0; i < n_rows; ++i)
+          cmp_codec.encode(&ref_logits[(size_t)i * V], chunk[lo + i + 1],
+                           &base_recs[(size_t)i * cmp_codec.record_bytes()], scratch);
+      } else if (base_in) {
+        base_in->read(base_recs.data(), (size_t)n_rows * base_codec->record_bytes());
+      }
+      if (base_codec) {
+        pool.parallel_for(n_rows, [&](int64_t i, int) {
+          kl_tok[i] = kl_from_record(*base_codec, &base_recs[(size_t)i * base_codec->record_bytes()],
+                                     &logits[(size_t)i * V]);
+        });
+      }
+      for (int i = 0; i < n_rows; ++i) {
+        const int obs = chunk[lo + i + 1];
+        const double lp = logits[(size_t)i * V + obs];
+        sum_nll += -lp;
+        sum_nll2 += lp * lp;
+        ++count;
+        if (base_codec) {
+          const kl_token& k = kl_tok[i];
+          acc.kld.push_back((float)k.kld);
+          acc.sum_kld += k.kld;
+          acc.sum_kld2 += k.kld * k.kld;
+          acc.same += k.base_argmax == argmax[i];
+          const double dp = std::exp(lp) - std::exp(k.base_logp_obs);
+          acc.sum_dp += dp;
+          acc.sum_dp2 += dp * dp;
+          acc.sum_dp4 += dp * dp * dp * dp;
+          acc.sum_nll_base += -k.base_logp_obs;
+          acc.sum_nll_base2 += k.base_logp_obs * k.base_logp_obs;
+          const double d = -lp + k.base_logp_obs;
+          acc.sum_d += d;
+          acc.sum_d2 += d * d;
+          ++acc.n;
+        }
+      }
+      if (base_out) {
+        for (int i = 0; i < n_rows; ++i)
+          out_codec.encode(&logits[(size_t)i * V], chunk[lo + i + 1], &out_recs[(size_t)i * out_codec.record_bytes()],
+                           scratch);
+        base_out->write(out_recs.data(), (size_t)n_rows * out_codec.record_bytes());
+      }
     }
     r.chunk_ppl.push_back(std::exp(sum_nll / (double)count));
     if (progress)

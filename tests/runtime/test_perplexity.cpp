@@ -223,6 +223,24 @@ TEST(Perplexity, KldEqualsFloat64ReferenceAndFileEqualsSideBySide) {
   EXPECT_DOUBLE_EQ(tr.kld.same_top1_pct, side.kld.same_top1_pct);
   EXPECT_DOUBLE_EQ(tr.kld.ppl_base, wr.ppl.ppl);
 
+  // Batches that split the chunk and its scored half (logits are kept one batch of scored rows
+  // at a time): the same figures, side by side and against the base file written in whole chunks.
+  for (int nb : {5, 13, 32}) {
+    perplexity_params pb = p;
+    pb.n_batch = nb;
+    const perplexity_result sb = perplexity(*l.m, l.ids, perplexity_bos(*l.tok), pb);
+    EXPECT_EQ(sb.kld.n, n) << nb;
+    EXPECT_NEAR(sb.kld.mean, side.kld.mean, 1e-6 * side.kld.mean) << nb;
+    EXPECT_NEAR(sb.ppl.ppl, side.ppl.ppl, 1e-6 * side.ppl.ppl) << nb;
+    EXPECT_DOUBLE_EQ(sb.kld.same_top1_pct, side.kld.same_top1_pct) << nb;
+    perplexity_params fb = rd;
+    fb.kl_base_in = base;
+    fb.n_batch = nb;
+    const perplexity_result fbr = perplexity(*l.m, l.ids, perplexity_bos(*l.tok), fb);
+    EXPECT_NEAR(fbr.kld.mean, side.kld.mean, 1e-6 * side.kld.mean) << nb;
+    EXPECT_NEAR(fbr.kld.ppl_base, wr.ppl.ppl, 1e-9 * wr.ppl.ppl) << nb;
+  }
+
   // A cache compared with itself: KL 0, same top-1 100 %, dPPL 0.
   perplexity_params self = rd;
   self.cache.type_k = self.cache.type_v = kv_cache_type::f16;
