@@ -103,6 +103,26 @@ struct kv_cache_params {
   std::string host_dir;          // host tier (exact f16 originals) file-backed here; "" = in RAM
   bool certify_adapt = true;     // raise a head's precision for new tokens when its bound keeps failing
   bool certify_measure = false;  // debug: also compute exact attention and record bound / actual error
+  // Paged storage (dense and compressed caches; docs/architecture.md, "Paged KV cache"): page_size > 0
+  // stores the rows of every global layer (the compressed body; every position of a dense cache) in
+  // one pool of n_pages pages shared by all sequences, a page holding page_size consecutive rows of
+  // one sequence for every global layer, kv head, K and V. A sequence takes pages on demand as it
+  // appends and returns them on clear / truncate; pages are refcounted, so sequences can share a
+  // prefix's full pages (kv_cache::share_prefix). Sliding-window rings, exact sink / tail rows and
+  // channel statistics stay per sequence. Attention over pages equals the contiguous cache's bit for
+  // bit. page_size 0: contiguous per-sequence storage. A KIVI side needs page_size % kivi_group == 0.
+  int page_size = 0;  // rows (tokens) per page; 0 = contiguous
+  int n_pages = 0;    // pages in the pool; 0 = enough for every sequence at n_ctx
+};
+
+// The page pool of a paged cache (kv_cache::page_info); all zeros for a contiguous cache.
+struct kv_page_info {
+  int page_size = 0;          // rows per page
+  int n_pages = 0;            // pages in the pool
+  int n_free = 0;             // pages nobody references
+  int n_seq_held = 0;         // pages referenced by at least one sequence
+  int max_pages_per_seq = 0;  // pages one sequence at n_ctx holds
+  size_t page_bytes = 0;      // bytes of one page (kv_page_bytes)
 };
 
 // One sequence's queries in a batched attend (kv_cache::attend_batch), as the arguments of
@@ -168,8 +188,32 @@ class kv_cache {
   virtual void truncate(int seq_id, int n_pos) = 0; // keep positions [0, n_pos)
 
   virtual size_t bytes() const = 0;        // bytes allocated now (all layers, K and V, all tiers)
-  virtual size_t bytes_used() const = 0;   // bytes holding stored positions
+  virtual size_t bytes_used() const = 0;   // bytes holding stored positions (of a paged cache: the pages sequences hold)
   virtual kv_cache_stats stats() const { return {}; }
+
+  // ---- paged caches (kv_cache_params::page_size > 0); the defaults serve contiguous caches ----
+  virtual kv_page_info page_info() const { return {}; }
+  // Page ids of seq_id's rows, in row order (page j holds rows [j * page_size, (j + 1) * page_size)).
+  virtual std::vector<int> seq_pages(int seq_id) const;
+  // Pages seq_id takes to hold n_pos positions (an upper bound: exact rows take none), at most
+  // max_pages_per_seq; 0 for a contiguous cache.
+  virtual int pages_for(int n_pos) const { (void)n_pos; return 0; }
+  // References a page from outside the sequences (a prefix cache), so that it is not reused while
+  // held; unpin_page drops it (the page returns to the pool when nothing references it).
+  // invalid_input for a page id out of range or not referenced by anyone (pin) / not pinned (unpin).
+  virtual void pin_page(int page);
+  virtual void unpin_page(int page);
+  // Whether share_prefix can give a sequence exactly the state (and so the outputs) it would have
+  // reached by appending the prefix itself: paged, no sliding-window layer, and a format whose stored
+  // rows depend on their own position's K/V only (no exact sink / recent windows, no KIVI, no
+  // channel statistics calibrated on the sequence's first append).
+  virtual bool can_share_prefix() const { return false; }
+  // Makes the empty sequence seq_id hold positions [0, n * page_size) of every layer from the full
+  // pages pages[0, n) (held by other sequences or pinned), referencing them; its next append
+  // starts at position n * page_size on a page of its own. Pages are never written while shared.
+  // Throws unsupported unless can_share_prefix(), invalid_input for a non-empty sequence, a page
+  // nobody references, or n * page_size >= n_ctx.
+  virtual void share_prefix(int seq_id, const int* pages, int n);
   virtual std::string describe() const = 0;  // e.g. "K q4 (hadamard, g32) / V q4 (hadamard, g32)"
 };
 
@@ -214,5 +258,11 @@ kv_layer_kind_bytes kv_bytes_by_layer_kind(const kv_cache_params& p);
 // on demand; for them this is kv_bytes_per_token x n_ctx x n_seq. Throws as make_kv_cache on
 // invalid params.
 size_t kv_bytes_at_ctx(const kv_cache_params& p);
+
+// Bytes of one page of a paged cache with these params (p.page_size rows of every global layer,
+// every kv head, K and V: codes and scales of the compressed body, or the dense rows), so that a
+// budget of B bytes is B / kv_page_bytes(p) pages (the server's --kv-budget). Throws as
+// make_kv_cache; invalid_input when p.page_size < 1; unsupported for certified caches.
+size_t kv_page_bytes(const kv_cache_params& p);
 
 }  // namespace kvq

@@ -190,6 +190,16 @@ void validate(const kv_cache_params& p) {
       fail_input("[kv_cache] kivi_group must be in [1, 4096], got " + std::to_string(p.kivi_group));
     if (p.kivi_residual < 0) fail_input("[kv_cache] kivi_residual must be >= 0, got " + std::to_string(p.kivi_residual));
   }
+  if (p.page_size < 0 || p.n_pages < 0)
+    fail_input("[kv_cache] page_size and n_pages must be >= 0 (0 = contiguous / a full pool), got page_size " +
+               std::to_string(p.page_size) + ", n_pages " + std::to_string(p.n_pages));
+  if (p.page_size > 0) {
+    if (cert) fail_unsupported("[kv_cache] certified cache: paged storage (page_size " + std::to_string(p.page_size) +
+                               ") is not supported");
+    if (kivi && p.page_size % p.kivi_group != 0)
+      fail_input("[kv_cache] page_size " + std::to_string(p.page_size) + " must be a multiple of kivi_group " +
+                 std::to_string(p.kivi_group) + " (a KIVI group's scales live on one page)");
+  }
 }
 
 namespace {
@@ -250,6 +260,21 @@ void kv_cache::attend_batch(int il, const attend_seq* seqs, int n_seqs, int n_he
   check_attend_batch("attend_batch", seqs, n_seqs, params().n_seq);
   for (int i = 0; i < n_seqs; ++i)
     attend(il, seqs[i].seq_id, seqs[i].pos0, seqs[i].n_tokens, n_head, seqs[i].q, scale, seqs[i].out, pool);
+}
+
+std::vector<int> kv_cache::seq_pages(int seq_id) const {
+  check_layer_seq(params(), "seq_pages", 0, seq_id);
+  return {};
+}
+void kv_cache::pin_page(int page) {
+  fail_unsupported("[kv_cache] pin_page " + std::to_string(page) + ": not a paged cache (page_size 0)");
+}
+void kv_cache::unpin_page(int page) {
+  fail_unsupported("[kv_cache] unpin_page " + std::to_string(page) + ": not a paged cache (page_size 0)");
+}
+void kv_cache::share_prefix(int seq_id, const int*, int n) {
+  fail_unsupported("[kv_cache] share_prefix: seq " + std::to_string(seq_id) + ", " + std::to_string(n) +
+                   " pages: this cache cannot share a prefix (" + describe() + ")");
 }
 
 void check_append_order(int il, int seq_id, int n_tokens, int n_layer, int n_ctx, int held, int held_prev, int n_pos) {
@@ -336,6 +361,16 @@ double kv_bytes_per_token(const kv_cache_params& p) {
     case cache_impl::certified: return kv_bytes_per_token_certified(p);
     case cache_impl::dense: return kv_bytes_per_token_dense(p);
     default: return kv_bytes_per_token_quant(p);  // sized without allocating
+  }
+}
+
+size_t kv_page_bytes(const kv_cache_params& p) {
+  validate(p);
+  if (p.page_size < 1) fail_input("[kv_cache] kv_page_bytes: page_size must be >= 1, got " + std::to_string(p.page_size));
+  switch (impl_of(p)) {
+    case cache_impl::certified: fail_unsupported("[kv_cache] certified cache: paged storage is not supported");
+    case cache_impl::dense: return kv_page_bytes_dense(p);
+    default: return kv_page_bytes_quant(p);
   }
 }
 

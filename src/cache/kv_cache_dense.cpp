@@ -1,6 +1,7 @@
 // Dense f32/f16/bf16 KV cache: contiguous, allocated up front, bytes() exact. A sliding-window
 // layer holds a ring of kv_ring_positions() positions per (sequence, kv head): position p in slot
-// p % ring.
+// p % ring. Paged (page_size > 0): the global layers' rows live in the page pool
+// (kv_page_pool.h), position p of a sequence on page table[p / page_size], slot p % page_size.
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -8,6 +9,7 @@
 
 #include "cache/attend_plan.h"
 #include "cache/kv_cache_impl.h"
+#include "cache/kv_page_pool.h"
 #include "kvq/error.h"
 #include "kvq/f16.h"
 
@@ -39,8 +41,14 @@ void store_row(void* dst, kv_elem e, const float* src, int n) {
   }
 }
 
-// Rows of one side of layer il: every sequence and kv head at its ring's positions.
-size_t dense_rows(const kv_cache_params& p, int il) { return (size_t)p.n_seq * p.n_kv_head * kv_ring_positions(p, il); }
+bool paged_layer(const kv_cache_params& p, int il) { return p.page_size > 0 && kv_layer_window(p, il) == 0; }
+int pages_per_seq(const kv_cache_params& p) { return (p.n_ctx + p.page_size - 1) / p.page_size; }
+int pool_pages(const kv_cache_params& p) { return p.n_pages > 0 ? p.n_pages : p.n_seq * pages_per_seq(p); }
+// Rows of one side of layer il: every sequence and kv head at its ring's positions, or the pool's pages.
+size_t dense_rows(const kv_cache_params& p, int il) {
+  if (paged_layer(p, il)) return (size_t)pool_pages(p) * p.n_kv_head * p.page_size;
+  return (size_t)p.n_seq * p.n_kv_head * kv_ring_positions(p, il);
+}
 size_t dense_rows(const kv_cache_params& p) {
   size_t r = 0;
   for (int il = 0; il < p.n_layer; ++il) r += dense_rows(p, il);
@@ -61,6 +69,17 @@ class kv_cache_dense final : public kv_cache {
     v_.assign(rows * p.head_dim * kv_elem_bytes(ev_), 0);
     pos_.assign((size_t)p.n_layer * p.n_seq, 0);
     first_.assign((size_t)p.n_layer * p.n_seq, 0);
+    if (p.page_size > 0) {
+      pool_.init(p.page_size, pool_pages(p), p.n_seq, pages_per_seq(p));
+      for (int il = 0; il < p.n_layer; ++il) {
+        paged_.push_back(paged_layer(p, il));
+        page_bytes_ += paged_.back() ? (size_t)p.n_kv_head * p.page_size * p.head_dim *
+                                           (kv_elem_bytes(ek_) + kv_elem_bytes(ev_))
+                                     : 0;
+      }
+    } else {
+      paged_.assign(p.n_layer, false);
+    }
   }
 
   const kv_cache_params& params() const override { return p_; }
@@ -71,6 +90,10 @@ class kv_cache_dense final : public kv_cache {
     check_append_order(il, seq_id, n_tokens, p_.n_layer, p_.n_ctx, pos,
                        il > 0 ? pos_[(size_t)(il - 1) * p_.n_seq + seq_id] : 0, n_pos(seq_id));
     check_ring_append(p_, il, n_tokens);
+    if (paged_[il]) {  // pages first: nothing is written when the pool is out of pages
+      pool_.check_grow("append", seq_id, pos + n_tokens);
+      pool_.grow(seq_id, pos + n_tokens);
+    }
     const int hd = p_.head_dim;
     for (int t = 0; t < n_tokens; ++t)
       for (int h = 0; h < p_.n_kv_head; ++h) {
@@ -102,19 +125,65 @@ class kv_cache_dense final : public kv_cache {
   void truncate(int seq_id, int n) override {
     check_layer_seq("truncate", 0, seq_id);
     if (n < 0) fail_input("[kv_cache] truncate: n_pos must be >= 0, got " + std::to_string(n));
+    int rows = 0;  // positions any layer keeps
+    for (int il = 0; il < p_.n_layer; ++il) rows = std::max(rows, std::min(pos_[(size_t)il * p_.n_seq + seq_id], n));
+    if (pool_.on() && pool_.needs_copy(seq_id, rows) && pool_.n_free() == 0)
+      fail_input("[kv_cache] truncate: seq " + std::to_string(seq_id) + " keeps part of a shared page, whose copy needs a "
+                 "free page; the pool has none");
     for (int il = 0; il < p_.n_layer; ++il) {
       int& pos = pos_[(size_t)il * p_.n_seq + seq_id];
       pos = std::min(pos, n);
       int& first = first_[(size_t)il * p_.n_seq + seq_id];
       first = std::min(first, pos);  // (first > pos: nothing below pos is held any more)
     }
+    if (pool_.on()) {
+      const auto [from, to] = pool_.shrink(seq_id, rows);
+      if (from >= 0) copy_page(from, to);
+    }
   }
   size_t bytes() const override { return k_.size() + v_.size(); }
   size_t bytes_used() const override {
     size_t rows = 0;
     for (int il = 0; il < p_.n_layer; ++il)
-      for (int s = 0; s < p_.n_seq; ++s) rows += (size_t)std::min(pos_[(size_t)il * p_.n_seq + s], ring_[il]);
-    return rows * p_.n_kv_head * p_.head_dim * (size_t)(kv_elem_bytes(ek_) + kv_elem_bytes(ev_));
+      if (!paged_[il])
+        for (int s = 0; s < p_.n_seq; ++s) rows += (size_t)std::min(pos_[(size_t)il * p_.n_seq + s], ring_[il]);
+    const size_t pages = pool_.on() ? (size_t)pool_.n_seq_held() : 0;  // (not those only pinned)
+    return rows * p_.n_kv_head * p_.head_dim * (size_t)(kv_elem_bytes(ek_) + kv_elem_bytes(ev_)) + pages * page_bytes_;
+  }
+  kv_page_info page_info() const override {
+    if (!pool_.on()) return {};
+    return {p_.page_size, pool_.n_pages(), pool_.n_free(), pool_.n_seq_held(), pool_.max_pages_per_seq(), page_bytes_};
+  }
+  std::vector<int> seq_pages(int seq_id) const override {
+    check_layer_seq("seq_pages", 0, seq_id);
+    return pool_.on() ? pool_.table(seq_id) : std::vector<int>{};
+  }
+  int pages_for(int n) const override {
+    return pool_.on() ? std::min(pool_.pages_for_rows(std::min(n, p_.n_ctx)), pool_.max_pages_per_seq()) : 0;
+  }
+  void pin_page(int page) override {
+    if (!pool_.on()) kv_cache::pin_page(page);
+    pool_.pin(page);
+  }
+  void unpin_page(int page) override {
+    if (!pool_.on()) kv_cache::unpin_page(page);
+    pool_.unpin(page);
+  }
+  bool can_share_prefix() const override {
+    return pool_.on() && std::find(paged_.begin(), paged_.end(), false) == paged_.end();
+  }
+  void share_prefix(int seq_id, const int* pages, int n) override {
+    check_layer_seq("share_prefix", 0, seq_id);
+    if (!can_share_prefix()) kv_cache::share_prefix(seq_id, pages, n);
+    for (int il = 0; il < p_.n_layer; ++il)
+      if (pos_[(size_t)il * p_.n_seq + seq_id] != 0)
+        fail_input("[kv_cache] share_prefix: seq " + std::to_string(seq_id) + " is not empty");
+    if ((int64_t)n * p_.page_size >= p_.n_ctx)
+      fail_input("[kv_cache] share_prefix: " + std::to_string(n) + " pages of " + std::to_string(p_.page_size) +
+                 " rows leave no room in n_ctx " + std::to_string(p_.n_ctx));
+    pool_.check_adopt("share_prefix", seq_id, pages, n);
+    pool_.adopt(seq_id, pages, n);
+    for (int il = 0; il < p_.n_layer; ++il) pos_[(size_t)il * p_.n_seq + seq_id] = n * p_.page_size;
   }
   std::string describe() const override {
     return std::string("K ") + elem_name(ek_) + " / V " + elem_name(ev_) + " (dense)";
@@ -165,6 +234,17 @@ class kv_cache_dense final : public kv_cache {
         kv.type_v = ev_;
         kv.row_stride = hd;
         kv.head_dim = hd;
+        if (paged_[il]) {
+          // One view over rows [lo, hi), as the contiguous cache passes it (the kernels' results
+          // depend on the view's rows and bounds only): pages gathered into per-thread rows when
+          // the view spans several.
+          kv.k = gather(il, a.seq_id, w.kv_head, lo, hi, k_, ek_, gk_);
+          kv.v = gather(il, a.seq_id, w.kv_head, lo, hi, v_, ev_, gv_);
+          kv.pos_begin = lo;
+          kv.n_pos = hi - lo;
+          attn_dense(kv, qv, ls);
+          return;
+        }
         for (int r = lo; r < hi;) {
           const int r1 = std::min(hi, r + ring - r % ring);
           kv.k = k_.data() + row_index(il, a.seq_id, w.kv_head, r) * hd * kv_elem_bytes(ek_);
@@ -180,10 +260,42 @@ class kv_cache_dense final : public kv_cache {
     pool.parallel_for(n_tok, (int64_t)n_tok * n_head * hd * 8,
                       [&](int64_t tg, int) { plan_.finish_token((int)tg, seqs[plan_.seq_of_token((int)tg)].out); });
   }
-  // Row of position pos: layer il's rows start at row0_[il], then [n_seq, n_kv_head, ring]
+  // Row of position pos: layer il's rows start at row0_[il], then [n_seq, n_kv_head, ring], or
+  // for a paged layer [n_pages, n_kv_head, page_size]
   int64_t row_index(int il, int seq, int h, int pos) const {
+    if (paged_[il]) {
+      const int pg = pool_.page_of(seq, (size_t)pos);
+      return (int64_t)row0_[il] + ((int64_t)pg * p_.n_kv_head + h) * p_.page_size + pos % p_.page_size;
+    }
     return (int64_t)row0_[il] + ((int64_t)seq * p_.n_kv_head + h) * ring_[il] + pos % ring_[il];
   }
+  // Rows [lo, hi) of kv head h of a paged layer as one contiguous run: in place when on one page,
+  // else copied page by page into the calling thread's buffer `buf`.
+  const void* gather(int il, int seq, int h, int lo, int hi, const std::vector<uint8_t>& side, kv_elem e,
+                     std::vector<uint8_t>& buf) const {
+    const size_t rb = (size_t)p_.head_dim * kv_elem_bytes(e);
+    const int P = p_.page_size;
+    if (lo / P == (hi - 1) / P) return side.data() + row_index(il, seq, h, lo) * rb;
+    buf.resize((size_t)(hi - lo) * rb);
+    for (int r = lo; r < hi;) {
+      const int r1 = std::min(hi, (r / P + 1) * P);
+      std::memcpy(buf.data() + (size_t)(r - lo) * rb, side.data() + row_index(il, seq, h, r) * rb, (size_t)(r1 - r) * rb);
+      r = r1;
+    }
+    return buf.data();
+  }
+  // Copy on write (truncate into a shared page): page `from`'s rows of every paged layer to page `to`.
+  void copy_page(int from, int to) {
+    for (int il = 0; il < p_.n_layer; ++il) {
+      if (!paged_[il]) continue;
+      for (auto [side, e] : {std::pair{&k_, ek_}, std::pair{&v_, ev_}}) {
+        const size_t bytes = (size_t)p_.n_kv_head * p_.page_size * p_.head_dim * kv_elem_bytes(e);
+        std::memcpy(side->data() + row_index_page(il, to) * p_.head_dim * kv_elem_bytes(e),
+                    side->data() + row_index_page(il, from) * p_.head_dim * kv_elem_bytes(e), bytes);
+      }
+    }
+  }
+  int64_t row_index_page(int il, int pg) const { return (int64_t)row0_[il] + (int64_t)pg * p_.n_kv_head * p_.page_size; }
 
   kv_cache_params p_;
   kv_elem ek_, ev_;
@@ -193,11 +305,26 @@ class kv_cache_dense final : public kv_cache {
   std::vector<uint8_t> v_;      // per layer [n_seq, n_kv_head, ring, head_dim] of ev_
   std::vector<int> pos_;        // [n_layer, n_seq] positions stored per layer
   std::vector<int> first_;      // [n_layer, n_seq] oldest position still held (ring layers)
+  std::vector<bool> paged_;     // [n_layer] rows in the page pool (global layers of a paged cache)
+  kv_page_pool pool_;
+  size_t page_bytes_ = 0;       // one page, every paged layer, K and V
+  static thread_local std::vector<uint8_t> gk_, gv_;  // gather buffers (per thread)
   std::vector<attend_plan_seq> plan_in_;  // attend scratch (one call at a time per cache)
   attend_planner plan_;
 };
 
+thread_local std::vector<uint8_t> kv_cache_dense::gk_, kv_cache_dense::gv_;
+
 }  // namespace
+
+size_t kv_page_bytes_dense(const kv_cache_params& p) {
+  size_t b = 0;
+  for (int il = 0; il < p.n_layer; ++il)
+    if (kv_layer_window(p, il) == 0)
+      b += (size_t)p.n_kv_head * p.page_size * p.head_dim *
+           (kv_elem_bytes(dense_elem_of(p.type_k)) + kv_elem_bytes(dense_elem_of(p.type_v)));
+  return b;
+}
 
 std::unique_ptr<kv_cache> make_kv_cache_dense(const kv_cache_params& p) {
   return std::make_unique<kv_cache_dense>(p);

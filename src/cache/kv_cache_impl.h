@@ -67,6 +67,8 @@ void check_ring_append(const kv_cache_params& p, int il, int n_tokens);
 void check_ring_holds(const kv_cache_params& p, const char* op, int il, int seq_id, int lo, int first);
 
 std::unique_ptr<kv_cache> make_kv_cache_dense(const kv_cache_params& p);
+size_t kv_page_bytes_dense(const kv_cache_params& p);
+size_t kv_page_bytes_quant(const kv_cache_params& p);
 size_t kv_layer_bytes_dense(const kv_cache_params& p, int il);
 double kv_bytes_per_token_dense(const kv_cache_params& p);
 size_t kv_bytes_at_ctx_dense(const kv_cache_params& p);

@@ -15,6 +15,10 @@
 // A prefill batch's queries see the exact windows relative to their own positions: the rows an append
 // compresses while one of its queries still has them in its exact window are also kept exact, in one
 // scratch per sequence that the next append of that sequence reuses (fresh_rows; kv_cache.h, append).
+// Paged (page_size > 0): the body of every global layer lives in the page pool (kv_page_pool.h), per
+// layer [n_pages, n_kv_head, page_size, code_row] (scales alike, per page the scale units of its
+// rows); body row r of a sequence is on page table[r / page_size]. Attention passes the kernels the
+// same views as the contiguous body, gathering a view's rows from its pages when it spans several.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -23,6 +27,7 @@
 
 #include "cache/attend_plan.h"
 #include "cache/kv_cache_impl.h"
+#include "cache/kv_page_pool.h"
 #include "kvq/error.h"
 #include "kvq/f16.h"
 #include "kvq/quant.h"
@@ -69,8 +74,8 @@ struct side_store {
   size_t code_row = 0;                // bytes of one body row
   int64_t scale_stride = 0;           // f16 per row (per_token) or per group (per_channel)
   std::vector<size_t> row0, unit0;    // [n_layer + 1] first body row / scale unit of each layer
-  std::vector<uint8_t> codes;         // per layer [n_seq, n_kv_head, ring_[il], code_row]
-  std::vector<uint16_t> scales;       // per layer [n_seq, n_kv_head, scale_units(ring_[il]), scale_stride]
+  std::vector<uint8_t> codes;         // per layer [n_seq, n_kv_head, ring_[il], code_row] or paged [n_pages, n_kv_head, page_size, code_row]
+  std::vector<uint16_t> scales;       // per layer [n_seq, n_kv_head, scale_units(ring_[il]), scale_stride] or paged alike
   std::vector<uint8_t> exact;         // [n_layer, n_seq, n_kv_head, exact_cap, head_dim] exact_elem
   // channel statistics (channel_scale; K: k_channel_scale), else empty; per sequence so that no
   // sequence's data changes another's results
@@ -117,6 +122,11 @@ class kv_cache_quant final : public kv_cache {
       int ring = body_cap;
       if (w > 0) ring = (int)std::min<int64_t>(body_cap, ((int64_t)w + p.n_ubatch - 1 + unit_ - 1) / unit_ * unit_);
       ring_.push_back(ring);
+      paged_.push_back(p.page_size > 0 && w == 0);
+    }
+    if (p.page_size > 0) {
+      const int per_seq = (body_cap + p.page_size - 1) / p.page_size;
+      pool_.init(p.page_size, p.n_pages > 0 ? p.n_pages : p.n_seq * per_seq, allocate_ ? p.n_seq : 0, per_seq);
     }
     init_side(k_, "K", fk, /*is_v=*/false, heads);
     init_side(v_, "V", fv, /*is_v=*/true, heads);
@@ -145,6 +155,61 @@ class kv_cache_quant final : public kv_cache {
       st(il, seq_id) = {};
       lambda_set_[(size_t)il * p_.n_seq + seq_id] = 0;  // the next append calibrates again
     }
+    if (pool_.on()) pool_.shrink(seq_id, 0);
+  }
+  kv_page_info page_info() const override {
+    if (!pool_.on()) return {};
+    return {p_.page_size, pool_.n_pages(), pool_.n_free(), pool_.n_seq_held(), pool_.max_pages_per_seq(), page_bytes()};
+  }
+  std::vector<int> seq_pages(int seq_id) const override {
+    check_layer_seq("seq_pages", 0, seq_id);
+    return pool_.on() ? pool_.table(seq_id) : std::vector<int>{};
+  }
+  // body rows <= positions (the sink and tail rows take no page)
+  int pages_for(int n) const override {
+    return pool_.on() ? std::min(pool_.pages_for_rows(std::min(n, p_.n_ctx)), pool_.max_pages_per_seq()) : 0;
+  }
+  void pin_page(int page) override {
+    if (!pool_.on()) kv_cache::pin_page(page);
+    pool_.pin(page);
+  }
+  void unpin_page(int page) override {
+    if (!pool_.on()) kv_cache::unpin_page(page);
+    pool_.unpin(page);
+  }
+  // A shared body row must be what the sequence would have stored itself: every row compressed
+  // from its own position's K/V alone (no exact windows: sink / tail rows are per sequence; no
+  // KIVI: its groups and residual; no channel statistics: calibrated on the sequence's first append).
+  bool can_share_prefix() const override {
+    if (!pool_.on() || p_.sink != 0 || min_tail_ != 0 || kivi_) return false;
+    if ((p_.channel_scale || k_channel_scale_) && k_.compressed) return false;
+    if (p_.channel_scale && v_.compressed) return false;
+    return std::find(paged_.begin(), paged_.end(), false) == paged_.end();
+  }
+  void share_prefix(int seq_id, const int* pages, int n) override {
+    check_layer_seq("share_prefix", 0, seq_id);
+    if (!can_share_prefix()) kv_cache::share_prefix(seq_id, pages, n);
+    for (int il = 0; il < p_.n_layer; ++il)
+      if (st(il, seq_id).n != 0) fail_input("[kv_cache] share_prefix: seq " + std::to_string(seq_id) + " is not empty");
+    if ((int64_t)n * p_.page_size >= p_.n_ctx)
+      fail_input("[kv_cache] share_prefix: " + std::to_string(n) + " pages of " + std::to_string(p_.page_size) +
+                 " rows leave no room in n_ctx " + std::to_string(p_.n_ctx));
+    pool_.check_adopt("share_prefix", seq_id, pages, n);
+    pool_.adopt(seq_id, pages, n);
+    for (int il = 0; il < p_.n_layer; ++il) {
+      st(il, seq_id) = {};
+      st(il, seq_id).n = st(il, seq_id).n_comp = n * p_.page_size;  // sink 0, no tail: every row is body
+    }
+  }
+  // Bytes of one page: page_size body rows of every paged layer, every kv head, K and V.
+  size_t page_bytes() const {
+    size_t b = 0;
+    const size_t P = (size_t)std::max(p_.page_size, 0);
+    for (int il = 0; il < p_.n_layer; ++il)
+      if (window_[il] == 0)
+        for (const auto* s : {&k_, &v_})
+          b += (size_t)p_.n_kv_head * (P * s->code_row + s->scale_units(P) * s->scale_stride * 2);
+    return b;
   }
   void truncate(int seq_id, int n_pos) override;
 
@@ -153,12 +218,15 @@ class kv_cache_quant final : public kv_cache {
   size_t bytes_used() const override {
     size_t b = 0;
     for (const auto* s : {&k_, &v_})
-      for (const auto& q : state_) {
+      for (size_t i = 0; i < state_.size(); ++i) {
+        const seq_state& q = state_[i];
         const size_t exact_rows = (size_t)std::min(q.n, p_.sink) + (size_t)tail_len(q);
         b += exact_rows * p_.head_dim * kv_elem_bytes(s->exact_elem) * p_.n_kv_head;
+        if (paged_[i / p_.n_seq]) continue;  // in the pages below
         b += (size_t)(q.n_comp - q.body_lo) * s->code_row * p_.n_kv_head;
         b += (s->scale_units((size_t)q.n_comp) - s->scale_units((size_t)q.body_lo)) * s->scale_stride * 2 * p_.n_kv_head;
       }
+    if (pool_.on()) b += (size_t)pool_.n_seq_held() * page_bytes();  // pages of sequences (not those only pinned)
     // channel statistics of the (layer, sequence) pairs calibrated
     size_t n_set = 0;
     for (uint8_t x : lambda_set_) n_set += x;
@@ -217,8 +285,14 @@ class kv_cache_quant final : public kv_cache {
     size_t b = 0;
     const size_t heads = (size_t)p_.n_seq * p_.n_kv_head, ring = (size_t)ring_[il];
     for (const auto* s : {&k_, &v_}) {
-      b += heads * (ring * s->code_row + s->scale_units(ring) * s->scale_stride * 2 +
-                    (size_t)exact_cap_ * p_.head_dim * kv_elem_bytes(s->exact_elem));
+      if (paged_[il]) {
+        const size_t P = (size_t)p_.page_size;
+        b += (size_t)pool_.n_pages() * p_.n_kv_head * (P * s->code_row + s->scale_units(P) * s->scale_stride * 2) +
+             heads * (size_t)exact_cap_ * p_.head_dim * kv_elem_bytes(s->exact_elem);
+      } else {
+        b += heads * (ring * s->code_row + s->scale_units(ring) * s->scale_stride * 2 +
+                      (size_t)exact_cap_ * p_.head_dim * kv_elem_bytes(s->exact_elem));
+      }
       if ((p_.channel_scale || (s == &k_ && k_channel_scale_)) && s->compressed)
         b += 2 * heads * p_.head_dim * sizeof(float);  // μ and λ
     }
@@ -285,10 +359,20 @@ class kv_cache_quant final : public kv_cache {
   // Body row `row` / scale unit `unit` of head hi = head_index(il, seq, h): slot row % ring of layer il.
   uint8_t* body_codes(side_store& s, size_t hi, size_t row) {
     const size_t per_layer = (size_t)p_.n_seq * p_.n_kv_head, il = hi / per_layer, ring = ring_[il];
+    if (paged_[il]) {  // page table[row / P] of the sequence, slot row % P
+      const size_t nh = p_.n_kv_head, seq = hi % per_layer / nh, h = hi % nh, P = p_.page_size;
+      const size_t pg = pool_.page_of((int)seq, row);
+      return s.codes.data() + (s.row0[il] + (pg * nh + h) * P + row % P) * s.code_row;
+    }
     return s.codes.data() + (s.row0[il] + hi % per_layer * ring + (ring ? row % ring : row)) * s.code_row;
   }
   uint16_t* body_scales(side_store& s, size_t hi, size_t unit) {
     const size_t per_layer = (size_t)p_.n_seq * p_.n_kv_head, il = hi / per_layer, units = s.scale_units(ring_[il]);
+    if (paged_[il]) {  // a page holds the scale units of its rows (KIVI: page_size % kivi_group == 0)
+      const size_t nh = p_.n_kv_head, seq = hi % per_layer / nh, h = hi % nh, upp = s.scale_units(p_.page_size);
+      const size_t pg = pool_.table((int)seq)[unit / upp];
+      return s.scales.data() + (s.unit0[il] + (pg * nh + h) * upp + unit % upp) * s.scale_stride;
+    }
     return s.scales.data() + (s.unit0[il] + hi % per_layer * units + (units ? unit % units : unit)) * s.scale_stride;
   }
   void check_layer_seq(const char* op, int il, int seq_id) const { kvq::check_layer_seq(p_, op, il, seq_id); }
@@ -299,6 +383,32 @@ class kv_cache_quant final : public kv_cache {
   // Quantizes `n_units` units of rows x[rows, head_dim] into body rows starting at `row`.
   void store_body(side_store& s, size_t hi, size_t row, const float* x, int n_rows);
   void load_body_rows(side_store& s, size_t hi, size_t row0, int n_rows, float* y);
+  void copy_page(int from, int to);  // every paged layer's rows and scales (copy on write)
+  // Body rows [r0, r1) of head hi (a paged layer) copied page by page into the calling thread's
+  // buffers; points v's codes and scales there (r0 starts a scale unit).
+  void gather(side_store& s, size_t hi, int r0, int r1, kv_quant_side& v) {
+    thread_local std::vector<uint8_t> codes_k, codes_v;
+    thread_local std::vector<uint16_t> scales_k, scales_v;
+    auto& codes = &s == &k_ ? codes_k : codes_v;
+    auto& scales = &s == &k_ ? scales_k : scales_v;
+    const int P = p_.page_size;
+    codes.resize((size_t)(r1 - r0) * s.code_row);
+    for (int r = r0; r < r1;) {
+      const int e = std::min(r1, (r / P + 1) * P);
+      std::memcpy(&codes[(size_t)(r - r0) * s.code_row], body_codes(s, hi, r), (size_t)(e - r) * s.code_row);
+      r = e;
+    }
+    v.codes = codes.data();
+    if (!s.scale_stride) return;
+    const size_t u0 = s.unit_of_row(r0), u1 = s.unit_of_row(r1 - 1) + 1, upp = s.scale_units(P);
+    scales.resize((u1 - u0) * s.scale_stride);
+    for (size_t u = u0; u < u1;) {
+      const size_t e = std::min(u1, (u / upp + 1) * upp);
+      std::memcpy(&scales[(u - u0) * s.scale_stride], body_scales(s, hi, u), (e - u) * s.scale_stride * 2);
+      u = e;
+    }
+    v.scales = scales.data();
+  }
 
   kv_cache_params p_;
   bool allocate_ = true;  // false: sized only (kv_bytes_at_ctx)
@@ -307,6 +417,8 @@ class kv_cache_quant final : public kv_cache {
   int unit_ = 1, min_tail_ = 0, tail_cap_ = 0, exact_cap_ = 0;
   std::vector<int> window_;  // [n_layer] attn_spec::window (0: global)
   std::vector<int> ring_;    // [n_layer] body rows held per (seq, kv head): all, or a windowed layer's ring
+  std::vector<bool> paged_;  // [n_layer] body in the page pool (global layers of a paged cache)
+  kv_page_pool pool_;
   side_store k_, v_;
   std::vector<seq_state> state_;     // [n_layer, n_seq]
   std::vector<uint8_t> lambda_set_;  // [n_layer, n_seq] channel statistics calibrated
@@ -347,6 +459,12 @@ void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, 
   s.row0.assign(p_.n_layer + 1, 0);
   s.unit0.assign(p_.n_layer + 1, 0);
   for (int il = 0; il < p_.n_layer; ++il) {
+    if (paged_[il]) {
+      const size_t slots = (size_t)pool_.n_pages() * p_.n_kv_head;
+      s.row0[il + 1] = s.row0[il] + slots * p_.page_size;
+      s.unit0[il + 1] = s.unit0[il] + slots * s.scale_units(p_.page_size);
+      continue;
+    }
     s.row0[il + 1] = s.row0[il] + per_layer * ring_[il];
     s.unit0[il + 1] = s.unit0[il] + per_layer * s.scale_units(ring_[il]);
   }
@@ -486,12 +604,15 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
   if (n_tokens == 0) return;
   const int hd = p_.head_dim, nh = p_.n_kv_head;
   const size_t n = (size_t)n_tokens * nh * hd;
+  const int body_rows = std::max(q.n_comp, comp_rule(q.n + n_tokens));
+  if (paged_[il]) pool_.check_grow("append", seq_id, body_rows);  // nothing is modified when out of pages
   xk_.resize(n);
   xv_.resize(n);
   // 1. validate and transform (nothing is modified before this succeeds, except λ calibration)
   transform_side(k_, il, seq_id, q.n, n_tokens, k, xk_.data());
   transform_side(v_, il, seq_id, q.n, n_tokens, v, xv_.data());
   lambda_set_[(size_t)il * p_.n_seq + seq_id] = 1;
+  if (paged_[il]) pool_.grow(seq_id, body_rows);
   // 2. sink rows
   const int n_new = q.n + n_tokens;
   int t0 = 0;
@@ -559,6 +680,18 @@ void kv_cache_quant::truncate(int seq_id, int n_keep) {
                  std::to_string(p_.sink + n_comp_new) + ", which keeping " + std::to_string(n_keep) +
                  " positions needs (its ring holds positions from " + std::to_string(p_.sink + q.body_lo) + ")");
   }
+  // body rows any paged layer keeps; a shared page kept in part is copied first (copy on write)
+  int rows = 0;
+  for (int il = 0; il < p_.n_layer; ++il) {
+    const seq_state& q = st(il, seq_id);
+    if (!paged_[il]) continue;
+    rows = std::max(rows, n_keep >= q.n || n_keep >= p_.sink + q.n_comp
+                              ? q.n_comp
+                              : unit_ * (std::max(0, n_keep - p_.sink) / unit_));
+  }
+  if (pool_.on() && pool_.needs_copy(seq_id, rows) && pool_.n_free() == 0)
+    fail_input("[kv_cache] truncate: seq " + std::to_string(seq_id) + " keeps part of a shared page, whose copy needs a "
+               "free page; the pool has none");
   for (int il = 0; il < p_.n_layer; ++il) {
     seq_state& q = st(il, seq_id);
     if (n_keep == 0) lambda_set_[(size_t)il * p_.n_seq + seq_id] = 0;  // as clear: calibrate again
@@ -581,6 +714,26 @@ void kv_cache_quant::truncate(int seq_id, int n_keep) {
     }
     q.n_comp = n_comp_new;
     q.fresh_id = 0;  // no exact copies after a truncate into the body
+  }
+  if (pool_.on()) {
+    const auto [from, to] = pool_.shrink(seq_id, rows);
+    if (from >= 0) copy_page(from, to);
+  }
+}
+
+void kv_cache_quant::copy_page(int from, int to) {
+  const size_t P = p_.page_size, nh = p_.n_kv_head;
+  for (int il = 0; il < p_.n_layer; ++il) {
+    if (!paged_[il]) continue;
+    for (auto* s : {&k_, &v_}) {
+      const size_t rows = nh * P, units = nh * s->scale_units(P);
+      std::memcpy(s->codes.data() + (s->row0[il] + (size_t)to * rows) * s->code_row,
+                  s->codes.data() + (s->row0[il] + (size_t)from * rows) * s->code_row, rows * s->code_row);
+      if (s->scale_stride)
+        std::memcpy(s->scales.data() + (s->unit0[il] + (size_t)to * units) * s->scale_stride,
+                    s->scales.data() + (s->unit0[il] + (size_t)from * units) * s->scale_stride,
+                    units * s->scale_stride * 2);
+    }
   }
 }
 
@@ -700,6 +853,9 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
           side->scales = s->scale_stride ? body_scales(*s, hi, s->unit_of_row(a0)) : nullptr;
           side->scale_stride = s->scale_stride;
           side->group = s->group;
+          // a paged view spanning pages: its rows (and scale units) gathered into one run, so that
+          // the kernel sees the contiguous cache's view (its results depend on the view only)
+          if (paged_[il] && a0 / p_.page_size != (a1 - 1) / p_.page_size) gather(*s, hi, a0, a1, *side);
         }
         kv.pos_begin = p_.sink + a0;
         kv.n_pos = a1 - a0;
@@ -810,5 +966,7 @@ double kv_bytes_per_token_quant(const kv_cache_params& p) { return kv_cache_quan
 size_t kv_layer_bytes_quant(const kv_cache_params& p, int il) { return kv_cache_quant(p, false).layer_bytes(il); }
 
 size_t kv_bytes_at_ctx_quant(const kv_cache_params& p) { return kv_cache_quant(p, false).planned_bytes(); }
+
+size_t kv_page_bytes_quant(const kv_cache_params& p) { return kv_cache_quant(p, false).page_bytes(); }
 
 }  // namespace kvq

@@ -1,0 +1,139 @@
+// Private: the page pool of the paged CPU caches (kv_cache_params::page_size > 0; docs/architecture.md,
+// "Paged KV cache"). Bookkeeping only: page ids, reference counts and one page table per sequence
+// (vLLM's block table, Kwon et al. 2023, "PagedAttention", SOSP '23, §4.2-4.3). The caches own the
+// page storage (per layer [n_pages, n_kv_head, page_size, row]) and map a sequence's row r to page
+// table(seq)[r / page_size], slot r % page_size.
+//
+// References: each sequence whose table lists a page holds one, each pin (a prefix cache) one more;
+// a page with no reference is free. A page with more than one reference is shared and never
+// written: sequences share only full pages, and a truncate that leaves a shared page partly kept
+// copies it first (copy on write).
+#pragma once
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvq/error.h"
+
+namespace kvq {
+
+class kv_page_pool {
+ public:
+  // page_size 0: not paged (every other call but on() is then invalid).
+  void init(int page_size, int n_pages, int n_seq, int max_pages_per_seq) {
+    P_ = page_size;
+    max_per_seq_ = max_pages_per_seq;
+    refs_.assign((size_t)n_pages, 0);
+    pins_.assign((size_t)n_pages, 0);
+    free_.clear();
+    for (int i = n_pages - 1; i >= 0; --i) free_.push_back(i);  // lowest id taken first
+    table_.assign((size_t)n_seq, {});
+  }
+  bool on() const { return P_ > 0; }
+  int page_size() const { return P_; }
+  int n_pages() const { return (int)refs_.size(); }
+  int n_free() const { return (int)free_.size(); }
+  int max_pages_per_seq() const { return max_per_seq_; }
+  const std::vector<int>& table(int seq) const { return table_[(size_t)seq]; }
+  int page_of(int seq, size_t row) const { return table_[(size_t)seq][row / (size_t)P_]; }
+  int pages_for_rows(int rows) const { return rows <= 0 ? 0 : (rows + P_ - 1) / P_; }
+  // Pages referenced by at least one sequence (not only pinned).
+  int n_seq_held() const {
+    int n = 0;
+    for (size_t i = 0; i < refs_.size(); ++i) n += refs_[i] > pins_[i];
+    return n;
+  }
+
+  // invalid_input (op first) unless seq's table can cover rows [0, rows) from the free pages.
+  void check_grow(const char* op, int seq, int rows) const {
+    const int need = pages_for_rows(rows) - (int)table(seq).size();
+    if (need > n_free())
+      fail_input(std::string("[kv_cache] ") + op + ": seq " + std::to_string(seq) + " needs " + std::to_string(need) +
+                 " more pages of " + std::to_string(P_) + " rows, the pool has " + std::to_string(n_free()) +
+                 " free of " + std::to_string(n_pages()) + " (raise n_pages / --kv-budget, or end sequences)");
+  }
+  // Takes pages until seq's table covers rows [0, rows) (check_grow first).
+  void grow(int seq, int rows) {
+    auto& t = table_[(size_t)seq];
+    while ((int)t.size() < pages_for_rows(rows)) {
+      KVQ_ASSERT(!free_.empty());
+      const int pg = free_.back();
+      free_.pop_back();
+      refs_[(size_t)pg] = 1;
+      t.push_back(pg);
+    }
+  }
+  // Whether keeping rows [0, rows) of seq leaves a shared page partly kept (shrink then needs a free page).
+  bool needs_copy(int seq, int rows) const {
+    const auto& t = table(seq);
+    const int j = rows / P_;
+    return rows % P_ != 0 && j < (int)t.size() && refs_[(size_t)t[(size_t)j]] > 1;
+  }
+  // Drops seq's pages beyond rows [0, rows). When the last kept page is shared and partly kept, it
+  // is replaced by a fresh page and {old, new} is returned for the cache to copy (else {-1, -1});
+  // check needs_copy() against n_free() first.
+  std::pair<int, int> shrink(int seq, int rows) {
+    auto& t = table_[(size_t)seq];
+    const int keep = pages_for_rows(rows);
+    while ((int)t.size() > keep) {
+      unref(t.back());
+      t.pop_back();
+    }
+    if (!needs_copy(seq, rows)) return {-1, -1};
+    KVQ_ASSERT(!free_.empty());
+    const int old = t.back(), pg = free_.back();
+    free_.pop_back();
+    refs_[(size_t)pg] = 1;
+    t.back() = pg;
+    unref(old);
+    return {old, pg};
+  }
+  // seq (empty table) takes references to pages[0, n) as its first n pages.
+  void check_adopt(const char* op, int seq, const int* pages, int n) const {
+    if (!table(seq).empty())
+      fail_input(std::string("[kv_cache] ") + op + ": seq " + std::to_string(seq) + " is not empty");
+    if (n < 0 || n > max_per_seq_)
+      fail_input(std::string("[kv_cache] ") + op + ": " + std::to_string(n) + " pages, a sequence holds at most " +
+                 std::to_string(max_per_seq_));
+    for (int i = 0; i < n; ++i) check_held(op, pages[i]);
+  }
+  void adopt(int seq, const int* pages, int n) {
+    auto& t = table_[(size_t)seq];
+    for (int i = 0; i < n; ++i) {
+      ++refs_[(size_t)pages[i]];
+      t.push_back(pages[i]);
+    }
+  }
+  void pin(int page) {
+    check_held("pin_page", page);
+    ++refs_[(size_t)page];
+    ++pins_[(size_t)page];
+  }
+  void unpin(int page) {
+    if (page < 0 || page >= n_pages() || pins_[(size_t)page] == 0)
+      fail_input("[kv_cache] unpin_page: page " + std::to_string(page) + " is not pinned");
+    --pins_[(size_t)page];
+    unref(page);
+  }
+
+ private:
+  void check_held(const char* op, int page) const {
+    if (page < 0 || page >= n_pages())
+      fail_input(std::string("[kv_cache] ") + op + ": page " + std::to_string(page) + " out of range [0, " +
+                 std::to_string(n_pages()) + ")");
+    if (refs_[(size_t)page] == 0)
+      fail_input(std::string("[kv_cache] ") + op + ": page " + std::to_string(page) + " is free (no sequence or pin holds it)");
+  }
+  void unref(int page) {
+    KVQ_ASSERT(refs_[(size_t)page] > 0);
+    if (--refs_[(size_t)page] == 0) free_.push_back(page);
+  }
+
+  int P_ = 0, max_per_seq_ = 0;
+  std::vector<int> refs_;                // [n_pages] references: sequence tables + pins
+  std::vector<int> pins_;                // [n_pages] pins
+  std::vector<int> free_;                // free page ids (taken from the back)
+  std::vector<std::vector<int>> table_;  // [n_seq] page ids in row order
+};
+
+}  // namespace kvq
