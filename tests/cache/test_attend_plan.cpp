@@ -92,7 +92,9 @@ TEST(attend_plan, chunks_depend_on_the_sequence_alone) {
       for (int h = 0; h < 2; ++h) EXPECT_EQ(a.at({0, h}), in_batch.at({b, h})) << "seq " << b;
       const int len = seqs[(size_t)b].split_hi - seqs[(size_t)b].split_lo;
       const auto& c = a.at({0, 0});
-      if (len < 2 * opt.min_chunk) EXPECT_EQ(c.size(), 1u) << len;
+      if (len < 2 * opt.min_chunk) {
+        EXPECT_EQ(c.size(), 1u) << len;
+      }
       for (size_t i = 0; i + 1 < c.size(); ++i) {
         EXPECT_GE(c[i].second - c[i].first, opt.min_chunk);
         EXPECT_EQ((c[i].second - c[i].first) % opt.chunk_align, 0);
