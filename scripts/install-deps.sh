@@ -20,3 +20,10 @@ python3 -m pip install --quiet --disable-pip-version-check --break-system-packag
 # build and test the module with the python3 on PATH), numpy for its arrays, pytest for its tests.
 python3 -m pip install --quiet --disable-pip-version-check --break-system-packages \
   'nanobind>=2.4' 'scikit-build-core>=0.10' 'pytest>=7' numpy
+# kvq.hf (python/kvq/hf.py: a transformers Cache on kvq's compressed cache) and its tests
+# (tests/python/test_hf.py): torch and transformers from PyPI, pinned to the versions the tests ran
+# on (kvq.hf.SUPPORTED_TRANSFORMERS); accelerate is what transformers needs to load a GGUF file.
+# PyPI's Linux torch wheel brings the nvidia-* CUDA wheels: about 3.0 GB downloaded, 5.3 GB
+# installed, 2 min 20 s on the 2-core CI machine (README "From Python").
+python3 -m pip install --quiet --disable-pip-version-check --break-system-packages \
+  'torch==2.15.0' 'transformers==5.23.0' 'accelerate==1.15.0'

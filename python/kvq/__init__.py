@@ -4,7 +4,9 @@
   ``perplexity`` (the figures of the CLI's ``--json`` output).
 - ``kvq.KVCache(n_layer, n_kv_head, head_dim, n_ctx, type_k=..., type_v=..., ...)``: the cache
   alone, over numpy float32 arrays or torch CPU tensors: ``append``, ``attend``, ``truncate``,
-  ``bytes_used``.
+  ``bytes_used``, ``attend_batch``.
+- ``kvq.hf`` (import it; needs torch and transformers): ``KVQCache``, a transformers ``Cache`` on
+  kvq's compressed cache, and ``attn_implementation="kvq"``, which attends on it.
 
 Cache options are keyword arguments spelled as the CLI's KV flags: ``type_k="q4"`` (-ctk),
 ``type_v`` (-ctv), ``rotation`` (--kv-rot), ``group_size`` (--kv-group), ``sink`` (--kv-sink),

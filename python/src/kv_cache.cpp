@@ -4,6 +4,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cmath>
 #include <memory>
@@ -136,6 +137,56 @@ void bind_kv_cache(nb::module_& m) {
           "multiple of n_kv_head, GQA) sits at position pos0 + t and attends to positions [0, pos0 + t], which "
           "must be appended. scale: default 1/sqrt(head_dim). Returns a numpy float32 array [n_tokens, n_head, "
           "head_dim]. Errors as append(); ValueError when the positions are not in the cache.")
+      .def(
+          "attend_batch",
+          [](py_kv_cache& s, int layer, const std::vector<array_in>& qs, const std::vector<int>& pos0,
+             std::optional<float> scale_opt, std::optional<std::vector<int>> seq_ids_opt) {
+            const kv_cache_params& p = s.c->params();
+            const size_t n = qs.size();
+            if (pos0.size() != n)
+              throw nb::value_error(("[KVCache.attend_batch] pos0: " + std::to_string(pos0.size()) +
+                                     " positions for " + std::to_string(n) + " query arrays")
+                                        .c_str());
+            if (seq_ids_opt && seq_ids_opt->size() != n)
+              throw nb::value_error(("[KVCache.attend_batch] seq_ids: " + std::to_string(seq_ids_opt->size()) +
+                                     " ids for " + std::to_string(n) + " query arrays")
+                                        .c_str());
+            std::vector<std::vector<float>> copies(n);
+            std::vector<attend_seq> seqs(n);
+            std::vector<nb::ndarray<nb::numpy, float, nb::ndim<3>>> outs;
+            size_t n_head = 0;
+            for (size_t i = 0; i < n; ++i) {
+              const std::string arg = "q[" + std::to_string(i) + "]";
+              seqs[i].q = rows_3d("attend_batch", arg.c_str(), qs[i], -1, p.n_kv_head, p.head_dim, copies[i]);
+              if (i == 0) n_head = qs[i].shape(1);
+              if (qs[i].shape(1) != n_head)
+                throw nb::value_error(("[KVCache.attend_batch] " + arg + ": n_head " + std::to_string(qs[i].shape(1)) +
+                                       ", q[0] has " + std::to_string(n_head) + " (one n_head per call)")
+                                          .c_str());
+              const size_t n_tokens = qs[i].shape(0), elems = n_tokens * n_head * p.head_dim;
+              auto* out = new float[elems];
+              nb::capsule owner(out, [](void* o) noexcept { delete[] static_cast<float*>(o); });
+              outs.emplace_back(out, std::initializer_list<size_t>{n_tokens, n_head, (size_t)p.head_dim}, owner);
+              seqs[i].out = out;
+              seqs[i].n_tokens = (int)n_tokens;
+              seqs[i].pos0 = pos0[i];
+              seqs[i].seq_id = seq_ids_opt ? (*seq_ids_opt)[i] : (int)i;
+            }
+            const float scale = scale_opt ? *scale_opt : 1.0f / std::sqrt((float)p.head_dim);
+            if (n > 0) {
+              nb::gil_scoped_release release;
+              std::lock_guard<std::mutex> lock(s.mu);
+              s.c->attend_batch(layer, seqs.data(), (int)n, (int)n_head, scale, s.pool);
+            }
+            return outs;
+          },
+          "layer"_a, "q"_a, "pos0"_a, "scale"_a = nb::none(), "seq_ids"_a = nb::none(),
+          "attend() for several sequences of `layer` in one call (one decode step or prefill chunk of a batch), "
+          "each as if attended alone (the same outputs bit for bit), threaded over sequences and heads together. "
+          "q: a list of float32 [n_tokens_i, n_head, head_dim] arrays (n_tokens may differ, n_head may not); "
+          "pos0: the position of each list entry's first query; seq_ids: the sequence of each entry (default "
+          "0, 1, ...; each at most once). Returns a list of numpy float32 arrays [n_tokens_i, n_head, head_dim]. "
+          "Errors as attend(); ValueError for list lengths that differ or a seq_id given twice.")
       .def("n_pos", [](const py_kv_cache& s, int seq_id) { return s.c->n_pos(seq_id); }, "seq_id"_a = 0,
            "Positions stored for seq_id (all layers).")
       .def(

@@ -86,6 +86,52 @@ def test_attend_matches_float64(type_k, type_v, tol, n_pos):
             assert err <= 0.6 * uniform  # better than a cache that lost K
 
 
+@pytest.mark.parametrize("type_k,type_v", [("f32", "f32"), ("kivi4", "q4a")])
+def test_attend_batch_equals_attend_per_sequence(type_k, type_v):
+    # 3 sequences of 17, 5 and 30 positions; queries: a prefill chunk at pos0 12, one decode query,
+    # and a chunk at position 0: each output equals attend() of that sequence alone, bit for bit, and
+    # float64 attention within the format's tolerance (TOLERANCES)
+    rng = np.random.default_rng(11)
+    n_kv_head, n_head, head_dim = 2, 8, 64
+    lens, n_q = [17, 5, 30], [5, 1, 4]
+    data = [kv_data(rng, n, n_kv_head, head_dim) for n in lens]
+    cache = kvq.KVCache(2, n_kv_head, head_dim, 32, n_seq=4, type_k=type_k, type_v=type_v)
+    for s, (k, v) in enumerate(data):
+        for layer in range(2):
+            cache.append(layer, k, v, s + 1)  # sequences 1, 2, 3
+    qs = [rng.normal(size=(n, n_head, head_dim)).astype(np.float32) for n in n_q]
+    pos0 = [17 - 5, 5 - 1, 0]
+    tol = {"f32": 1e-6, "kivi4": 0.17}[type_k]
+    for layer in range(2):
+        outs = cache.attend_batch(layer, qs, pos0, 0.125, seq_ids=[1, 2, 3])
+        assert len(outs) == 3
+        for i, out in enumerate(outs):
+            assert out.shape == (n_q[i], n_head, head_dim) and out.dtype == np.float32
+            np.testing.assert_array_equal(out, cache.attend(layer, qs[i], pos0[i], 0.125, i + 1))
+            assert rel_err(out, attend_f64(*data[i], qs[i], pos0[i], 0.125)) <= tol
+    assert cache.attend_batch(0, [], []) == []
+
+
+def test_attend_batch_argument_errors():
+    cache = kvq.KVCache(1, 2, 16, 8, n_seq=2, type_k="f32", type_v="f32")
+    z = np.zeros((3, 2, 16), np.float32)
+    for s in range(2):
+        cache.append(0, z, z, s)
+    q = np.zeros((1, 4, 16), np.float32)
+    with pytest.raises(ValueError, match=r"\[KVCache.attend_batch\] pos0: 1 positions for 2 query arrays"):
+        cache.attend_batch(0, [q, q], [0])
+    with pytest.raises(ValueError, match=r"seq_ids: 1 ids for 2 query arrays"):
+        cache.attend_batch(0, [q, q], [0, 0], seq_ids=[0])
+    with pytest.raises(ValueError, match=r"q\[1\]: n_head 2, q\[0\] has 4"):
+        cache.attend_batch(0, [q, np.zeros((1, 2, 16), np.float32)], [0, 0])
+    with pytest.raises(ValueError, match=r"seq_id 1 appears twice"):
+        cache.attend_batch(0, [q, q], [0, 0], seq_ids=[1, 1])
+    with pytest.raises(TypeError, match=r"\[KVCache.attend_batch\] q\[0\]: dtype float64"):
+        cache.attend_batch(0, [q.astype(np.float64)], [0])
+    with pytest.raises(ValueError, match=r"^\[kv_cache\]"):
+        cache.attend_batch(0, [q], [3])  # position 3 not stored
+
+
 def test_default_scale_is_inverse_sqrt_head_dim():
     rng = np.random.default_rng(1)
     k, v = kv_data(rng, 9, 1, 32)
