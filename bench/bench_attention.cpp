@@ -17,7 +17,11 @@
 #include <string>
 #include <vector>
 
+#include "kvq/attention.h"
+#include "kvq/cpu.h"
+#include "kvq/f16.h"
 #include "kvq/kv_cache.h"
+#include "kvq/quant.h"
 #include "kvq/thread_pool.h"
 
 namespace {
@@ -100,6 +104,115 @@ BENCHMARK(BM_attend_q8_fused)->CTX_ARGS;
 BENCHMARK(BM_attend_q4_fused)->CTX_ARGS;
 BENCHMARK(BM_attend_kivi2_fused)->CTX_ARGS;
 BENCHMARK(BM_attend_q4_dequantize_then_attend)->CTX_ARGS;
+
+// The attention tier by head_dim (issue 15 item 6): the kernel alone, attn_quant (the best tier:
+// the SIMD engine now takes head dims that are multiples of 16) against attn_quant_ref (the scalar
+// tier those head dims ran before) on one kv head, 4096 keys, a decode query for each of its GQA 7
+// query heads (Qwen2.5's 14 / 2), one thread. Args: head_dim, format (0 q4, 1 q8, 2 f16, 3 kivi4/q4a),
+// tier (1 best, 0 scalar). Default groups (32, or head_dim when 32 does not divide it).
+struct kernel_case {
+  std::vector<uint8_t> kc, vc;
+  std::vector<uint16_t> ks, vs;
+  std::vector<float> q;
+  std::vector<int8_t> q8;
+  std::vector<int16_t> q16;
+  std::vector<float> qs, o;
+  kvq::kv_quant_view kv;
+  kvq::attn_query_view qv;
+};
+kernel_case make_kernel_case(int hd, int fmt) {
+  using namespace kvq;
+  constexpr int n = 4096, ng = 7;
+  const kv_format fk[] = {kv_format::q4, kv_format::q8, kv_format::f16, kv_format::kivi4};
+  const kv_format fv[] = {kv_format::q4, kv_format::q8, kv_format::f16, kv_format::q4a};
+  const int group = hd % 32 == 0 ? 32 : hd;
+  kernel_case c;
+  std::mt19937 rng(2);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> x((size_t)n * hd);
+  auto side = [&](kv_format f, std::vector<uint8_t>& codes, std::vector<uint16_t>& sc, kv_quant_side& s) {
+    for (auto& e : x) e = nd(rng);
+    const auto& t = kv_traits(f);
+    s.format = f;
+    if (t.layout == kv_layout::dense) {
+      codes.resize((size_t)n * hd * 2);
+      for (size_t i = 0; i < x.size(); ++i) reinterpret_cast<uint16_t*>(codes.data())[i] = f32_to_f16(x[i]);
+      s.code_stride = hd * 2;
+    } else if (t.layout == kv_layout::per_token) {
+      const size_t row = kv_code_bytes(f, hd), nsc = kv_row_scale_count(f, hd, group);
+      codes.resize(n * row);
+      sc.resize(n * nsc);
+      for (int j = 0; j < n; ++j) quantize_row_ref(f, &x[(size_t)j * hd], hd, group, &codes[j * row], &sc[j * nsc]);
+      s.code_stride = (int64_t)row;
+      s.scale_stride = (int64_t)nsc;
+      s.group = group;
+    } else {  // KIVI K: per channel over 32 tokens
+      const size_t row = kv_code_bytes(f, hd);
+      codes.resize(n * row);
+      sc.resize((size_t)n / 32 * 2 * hd);
+      for (int j = 0; j < n; j += 32)
+        quantize_channel_group_ref(f, &x[(size_t)j * hd], 32, hd, &codes[j * row], &sc[(size_t)j / 32 * 2 * hd]);
+      s.code_stride = (int64_t)row;
+      s.scale_stride = 2 * hd;
+      s.group = 32;
+    }
+    s.codes = codes.data();
+    s.scales = sc.empty() ? nullptr : sc.data();
+  };
+  side(fk[fmt], c.kc, c.ks, c.kv.k);
+  side(fv[fmt], c.vc, c.vs, c.kv.v);
+  c.kv.n_pos = n;
+  c.kv.head_dim = hd;
+  c.q.resize((size_t)ng * hd);
+  for (auto& e : c.q) e = nd(rng);
+  c.qv.q = c.q.data();
+  c.qv.n_tokens = 1;
+  c.qv.n_group = ng;
+  c.qv.head_dim = hd;
+  c.qv.pos0 = n - 1;
+  c.qv.spec.scale = 1.0f / std::sqrt((float)hd);
+  if (kv_traits(fk[fmt]).layout == kv_layout::per_token) {  // the query the cache builds: per head
+    c.qs.resize(ng);
+    c.q8.resize(c.q.size());
+    c.q16.resize(c.q.size());
+    for (int g = 0; g < ng; ++g)
+      c.qs[g] = kv_traits(fk[fmt]).bits == 8 ? quantize_q16_ref(&c.q[(size_t)g * hd], hd, &c.q16[(size_t)g * hd])
+                                             : quantize_q8_ref(&c.q[(size_t)g * hd], hd, &c.q8[(size_t)g * hd]);
+    if (kv_traits(fk[fmt]).bits == 8) c.qv.q16 = c.q16.data();
+    else c.qv.q8 = c.q8.data();
+    c.qv.q8_scale = c.qs.data();
+  }
+  c.o.resize((size_t)ng * hd);
+  return c;
+}
+void BM_kernel_head_dim(benchmark::State& state) {
+  const int hd = (int)state.range(0), fmt = (int)state.range(1);
+  const bool best = state.range(2) != 0;
+  kernel_case c = make_kernel_case(hd, fmt);
+  std::vector<kvq::attn_state> st(7);
+  for (auto _ : state) {
+    for (int g = 0; g < 7; ++g) st[g] = kvq::attn_state::empty(&c.o[(size_t)g * hd], hd);
+    if (c.kv.k.format == kvq::kv_format::f16) {
+      kvq::kv_dense_view d;
+      d.k = c.kc.data();
+      d.v = c.vc.data();
+      d.type_k = d.type_v = kvq::kv_elem::f16;
+      d.row_stride = hd;
+      d.n_pos = c.kv.n_pos;
+      d.head_dim = hd;
+      best ? kvq::attn_dense(d, c.qv, st.data()) : kvq::attn_dense_ref(d, c.qv, st.data());
+    } else {
+      best ? kvq::attn_quant(c.kv, c.qv, st.data()) : kvq::attn_quant_ref(c.kv, c.qv, st.data());
+    }
+    benchmark::DoNotOptimize(c.o.data());
+  }
+  const char* names[] = {"q4", "q8", "f16", "kivi4/q4a"};
+  state.SetLabel(std::string(names[fmt]) + " hd " + std::to_string(hd) + " " +
+                 (best ? kvq::isa_name(kvq::attn_quant_tier(c.kv)) : "scalar"));
+}
+BENCHMARK(BM_kernel_head_dim)
+    ->ArgsProduct({{80, 112, 128}, {0, 1, 2, 3}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond);
 
 // Memory roofline with the same pool: memcpy of a buffer split over the threads (bytes copied per
 // second), and a streaming read (bytes read per second).

@@ -50,10 +50,11 @@ int run_generate(generate_opts& o) {
     std::fprintf(stderr,
                  "\n[kvq] prompt %zu tokens, generated %zu tokens (stop: %s, seed %llu)\n"
                  "[kvq] prefill %.1f tok/s, decode %.1f tok/s\n"
-                 "[kvq] KV cache %s: %.1f bytes/token (f16 %.1f: %.2fx compression), %zu bytes used, %zu allocated (n_ctx %d)\n",
+                 "[kvq] KV cache %s: %.1f bytes/token (f16 %.1f: %.2fx compression), %zu bytes used, %zu allocated (n_ctx %d)\n"
+                 "[kvq] attention tier %s\n",
                  r.prompt_ids.size(), r.ids.size(), r.stop_reason.c_str(), (unsigned long long)r.seed,
                  r.prefill_tokens_per_s, r.decode_tokens_per_s, r.kv_describe.c_str(), r.kv_bytes_per_token,
-                 r.kv_bytes_per_token_f16, ratio, r.kv_bytes_used, r.kv_bytes, r.n_ctx);
+                 r.kv_bytes_per_token_f16, ratio, r.kv_bytes_used, r.kv_bytes, r.n_ctx, r.attn_tier.c_str());
     print_certified_reports(r.certified);
   }
   return 0;

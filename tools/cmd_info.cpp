@@ -20,22 +20,6 @@ struct info_opts {
   std::string rot = "auto";  // --kv-rot, parsed into kv.rotation when the command runs
 };
 
-// The attention tier a decode step of cache p runs on this machine (the SIMD engine, or the scalar
-// reference for head dims it does not take; certified attention is always its f64 reference).
-std::string attn_tier_of(const kv_cache_params& p) {
-  kv_format f;
-  if (!kv_cache_type_format(p.type_k, &f)) return "scalar (certified reference)";
-  const kv_format_traits& t = kv_traits(f);
-  kv_quant_view kv;
-  kv.head_dim = p.head_dim;
-  kv.k.format = f;
-  kv.v.format = t.layout == kv_layout::per_channel ? t.kivi_v : f;
-  const int group = p.group_size ? p.group_size : p.head_dim % 32 == 0 ? 32 : p.head_dim;
-  kv.k.group = t.layout == kv_layout::per_channel ? p.kivi_group : group;
-  kv.v.group = group;
-  return isa_name(attn_quant_tier(kv));
-}
-
 int run_info(info_opts& o) {
   auto m = model::load(o.model_path);
   const model_hparams& hp = m->hparams();
@@ -72,7 +56,7 @@ int run_info(info_opts& o) {
       const kv_layer_kind_bytes lk = kv_bytes_by_layer_kind(p);  // global vs sliding-window layers
       row["bytes_global_layers"] = (int64_t)lk.global;
       row["bytes_window_layers"] = (int64_t)lk.windowed;
-      row["attn_tier"] = attn_tier_of(p);
+      row["attn_tier"] = kv_attn_tier(p);
     } catch (const kvq::error& e) {
       row["error"] = e.what();
     }

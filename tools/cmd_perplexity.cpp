@@ -60,8 +60,8 @@ int run_perplexity(perplexity_opts& o) {
     return 0;
   }
   print_certified_reports(r.certified);
-  std::printf("model %s, KV cache %s (%.1f bytes/token, f16 %.1f)\n", o.model_path.c_str(), r.kv_describe.c_str(),
-              r.kv_bytes_per_token, r.kv_bytes_per_token_f16);
+  std::printf("model %s, KV cache %s (%.1f bytes/token, f16 %.1f), attention tier %s\n", o.model_path.c_str(),
+              r.kv_describe.c_str(), r.kv_bytes_per_token, r.kv_bytes_per_token_f16, r.attn_tier.c_str());
   std::printf("%d chunks of %d tokens, %lld scored tokens, %.1f s (%.0f tok/s)\n", r.n_chunk, r.n_ctx,
               (long long)r.ppl.n_scored, r.seconds, r.tokens_per_s);
   std::printf("Final estimate: PPL = %.4f +/- %.5f\n", r.ppl.ppl, r.ppl.ppl_err);

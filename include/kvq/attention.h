@@ -201,7 +201,7 @@ void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& q, attn_stat
 void attn_quant(const kv_quant_view& kv, const attn_query_view& q, attn_state* states);
 // The tier attn_quant (and attn_dense, for dense formats) runs for views of these formats, groups
 // and head_dim on this machine: best_isa() (lowered by KVQ_ISA) when the SIMD engine takes the
-// shape (head_dim a multiple of 32 up to 256, per-token groups a multiple of 32 or head_dim),
+// shape (head_dim a multiple of 16 up to 256, per-token groups a multiple of 32 or head_dim),
 // else isa::scalar (the reference tier, 10-30x slower). Only the formats, groups and head_dim of
 // kv are read.
 isa attn_quant_tier(const kv_quant_view& kv);

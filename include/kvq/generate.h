@@ -39,6 +39,7 @@ struct generate_result {
   double kv_bytes_per_token = 0;     // asymptotic storage per token (all layers, K+V)
   double kv_bytes_per_token_f16 = 0; // the same for an f16 cache, for the ratio
   std::string kv_describe;
+  std::string attn_tier;  // kv_attn_tier of the cache: the attention kernels' ISA tier
   // The report of the cache when it is certified (append_certified_report, certified.h), taken
   // after the last token; empty otherwise.
   std::vector<certified_report> certified;

@@ -265,4 +265,12 @@ size_t kv_bytes_at_ctx(const kv_cache_params& p);
 // make_kv_cache; invalid_input when p.page_size < 1; unsupported for certified caches.
 size_t kv_page_bytes(const kv_cache_params& p);
 
+// The attention tier attend() of a cache made from p runs on this machine for its compressed body
+// (attn_quant_tier, or the dense tier for f32/f16/bf16): "avx512", "avx2" (best_isa(), lowered by
+// KVQ_ISA) when the SIMD engine takes the formats, groups and head_dim (a multiple of 16 up to
+// 256), else "scalar", the reference (9-18x slower); "scalar (certified reference)" for the
+// certified cache. Reads only the types, groups and head_dim of p (issue 15 item 6: kvq info,
+// generate and perplexity name it, so no slow path is silent).
+std::string kv_attn_tier(const kv_cache_params& p);
+
 }  // namespace kvq

@@ -95,6 +95,7 @@ struct perplexity_result {
   bool has_kld = false;
   kld_stats kld;
   std::string kv_describe;
+  std::string attn_tier;  // kv_attn_tier of the cache: the attention kernels' ISA tier
   double kv_bytes_per_token = 0, kv_bytes_per_token_f16 = 0;
   double seconds = 0, tokens_per_s = 0;  // wall time of the evaluation (all caches evaluated)
   std::vector<double> chunk_ppl;         // running PPL after each chunk (as llama.cpp prints)

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cache/kv_cache_impl.h"
+#include "kvq/attention.h"
 #include "kvq/certified.h"
 #include "kvq/error.h"
 #include "kvq/sys_memory.h"
@@ -381,6 +382,19 @@ size_t kv_bytes_at_ctx(const kv_cache_params& p) {
     case cache_impl::dense: return kv_bytes_at_ctx_dense(p);
     default: return kv_bytes_at_ctx_quant(p);
   }
+}
+
+std::string kv_attn_tier(const kv_cache_params& p) {
+  kv_format f;
+  if (!kv_cache_type_format(p.type_k, &f)) return "scalar (certified reference)";
+  kv_quant_view kv;
+  kv.head_dim = p.head_dim;
+  kv.k.format = f;
+  kv.v.format = side_format(p, true);
+  const int group = p.group_size ? p.group_size : p.head_dim % 32 == 0 ? 32 : p.head_dim;
+  kv.k.group = kv_traits(f).layout == kv_layout::per_channel ? p.kivi_group : group;
+  kv.v.group = group;
+  return isa_name(attn_quant_tier(kv));
 }
 
 }  // namespace kvq

@@ -224,7 +224,7 @@ void attn_quant_ref(const kv_quant_view& kv, const attn_query_view& qv, attn_sta
 // Rows [0, n) of a dense or per-token side to f32 (the AVX2 dequantizer where it applies).
 static void dequantize_side(const kv_quant_side& s, int n, int hd, float* y) {
   const auto& t = kv_traits(s.format);
-  if (t.layout == kv_layout::per_token && best_isa() >= isa::avx2 && hd % 32 == 0 && hd <= 256 &&
+  if (t.layout == kv_layout::per_token && best_isa() >= isa::avx2 && hd % 16 == 0 && hd <= 256 &&
       (s.group % 32 == 0 || s.group == hd))
     return dequantize_rows_avx2(s, 0, n, hd, y);
   for (int r = 0; r < n; ++r) load_v_row_ref(s, r, hd, y + (size_t)r * hd);

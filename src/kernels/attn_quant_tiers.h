@@ -36,7 +36,7 @@ void qk_engine_dots_avx512(const kv_quant_side& k, int r0, int n_rows, const int
 void q8_group_sums(const int8_t* q8, int hd, int group, int32_t* sums);
 void q8_group_sums(const int16_t* q16, int hd, int group, int32_t* sums);
 
-// Per-token rows [r0, r0 + n_rows) dequantized to y[n_rows, hd] (hd % 32 == 0, group % 32 == 0 or
+// Per-token rows [r0, r0 + n_rows) dequantized to y[n_rows, hd] (hd % 16 == 0, group % 32 == 0 or
 // group == hd): the dequantize-then-attend baseline's fast path.
 void dequantize_rows_avx2(const kv_quant_side& side, int r0, int n_rows, int hd, float* y);
 void dequantize_rows_avx512(const kv_quant_side& side, int r0, int n_rows, int hd, float* y);

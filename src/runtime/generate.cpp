@@ -80,6 +80,7 @@ generate_result generate(model& m, const tokenizer& tok, const generate_params& 
   f16.type_k = f16.type_v = kv_cache_type::f16;
   r.kv_bytes_per_token_f16 = kv_bytes_per_token(f16);
   r.kv_describe = cache->describe();
+  r.attn_tier = kv_attn_tier(cache->params());
   append_certified_report(*cache, r.certified);
   return r;
 }

@@ -285,6 +285,7 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
   const kl_codec* base_codec = base_in ? &in_codec : ref_cache ? &cmp_codec : nullptr;
 
   r.kv_describe = cache->describe();
+  r.attn_tier = kv_attn_tier(cache->params());
   r.kv_bytes_per_token = kv_bytes_per_token(cp);
   kv_cache_params f16 = cp;
   f16.type_k = f16.type_v = kv_cache_type::f16;

@@ -453,5 +453,22 @@ TEST(kv_cache_reliability, prefill_out_of_order_attend_falls_back_to_compressed_
   std::printf("[prefill order] layer 0 out of order vs float64 %.4f (in order %.4f)\n", e0, ed);
 }
 
+// Issue 15 item 6: head dims that are multiples of 16 (80, 112: common) run the SIMD attention
+// tier, not the 10-31x slower scalar reference, and kv_attn_tier (kvq info, generate,
+// perplexity) names the tier: before, head_dim 80 / 112 were "scalar".
+TEST(kv_cache_reliability, attention_tier_is_simd_for_head_dims_multiple_of_16) {
+  const std::string best = isa_name(best_isa());
+  for (kv_cache_type t : {kv_cache_type::q4, kv_cache_type::q8, kv_cache_type::q8a, kv_cache_type::q3,
+                          kv_cache_type::q2a, kv_cache_type::kivi4, kv_cache_type::f16, kv_cache_type::bf16})
+    for (int hd : {48, 80, 96, 112, 128, 144, 176, 256}) {
+      kv_cache_params p = params_of(t, t, 1, hd, 8);
+      EXPECT_EQ(kv_attn_tier(p), best) << kv_cache_type_name(t) << " head_dim " << hd;
+    }
+  // outside the engine: head_dim not a multiple of 16, or above 256; certified
+  for (int hd : {8, 40, 272, 320}) EXPECT_EQ(kv_attn_tier(params_of(kv_cache_type::q4, kv_cache_type::q4, 1, hd, 8)), "scalar") << hd;
+  EXPECT_EQ(kv_attn_tier(params_of(kv_cache_type::certified, kv_cache_type::certified, 1, 80, 8)),
+            "scalar (certified reference)");
+}
+
 }  // namespace
 }  // namespace kvq

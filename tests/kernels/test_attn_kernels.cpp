@@ -105,7 +105,7 @@ TEST_P(attn_simd_tiers, qk_integer_dots_bit_exact_with_scalar) {
   std::mt19937 rng(2);
   for (kv_format f : {kv_format::q8, kv_format::q4, kv_format::q3, kv_format::q2, kv_format::q8a, kv_format::q4a,
                       kv_format::q3a, kv_format::q2a})
-    for (int hd : {32, 64, 96, 128, 256})
+    for (int hd : {16, 32, 48, 64, 80, 96, 112, 128, 144, 176, 240, 256})
       for (int group : {32, 64, 128, hd}) {
         if (hd % group) continue;
         auto b = make_side(f, 40, hd, group, rng);
@@ -141,7 +141,7 @@ TEST_P(attn_simd_tiers, engine_integer_scores_bit_exact_with_scalar) {
   int idx = 0, cases = 0;
   for (kv_format f : {kv_format::q8, kv_format::q4, kv_format::q3, kv_format::q2, kv_format::q8a, kv_format::q4a,
                       kv_format::q3a, kv_format::q2a})
-    for (int hd : {64, 128, 96, 256})
+    for (int hd : {64, 128, 96, 256, 80, 112, 48, 176})
       for (int group : {32, 64, 128, 0}) {
         if (group == 0) group = hd;
         else if (group >= hd || hd % group) continue;  // (group == hd runs once, as 0)
@@ -206,7 +206,8 @@ int group_at(int hd, int i) {
   return hd % g[i % 4] == 0 ? g[i % 4] : hd;
 }
 
-// The whole fused kernel: AVX2 vs the scalar reference on the same views (float parts differ only
+// The whole fused kernel: each SIMD tier vs the scalar reference on the same views, head_dim 64,
+// 128, 256 and the 16-mod-32 ones (80, 112, and 16 / 48 / 144 / 176 / 240 in turn; float parts differ only
 // by summation order and the vector exp). Per-token K and V groups cycle through 32, 64, 128 and
 // head_dim (checked below: every such group of every head_dim is met, for K with per-head and
 // per-group query scales).
@@ -214,23 +215,28 @@ TEST_P(attn_simd_tiers, fused_matches_reference) {
   const simd_tier tier = GetParam();
   if (!tier.available) GTEST_SKIP() << "no " << tier.name << " on this CPU (or KVQ_ISA lowers it)";
   std::mt19937 rng(3);
-  const kv_format kfmts[] = {kv_format::q8,  kv_format::q4,    kv_format::q3,    kv_format::q2,  kv_format::q8a,
-                             kv_format::q4a, kv_format::q2a,   kv_format::kivi8, kv_format::kivi4,
-                             kv_format::kivi2, kv_format::f16, kv_format::f32,   kv_format::bf16};
-  const kv_format vfmts[] = {kv_format::q4, kv_format::q8a, kv_format::q3a, kv_format::q2, kv_format::f16,
-                             kv_format::f32, kv_format::bf16};
-  int idx = 0;
+  const kv_format kfmts[] = {kv_format::q8,  kv_format::q4,  kv_format::q3,    kv_format::q2,    kv_format::q8a,
+                             kv_format::q4a, kv_format::q2a, kv_format::kivi8, kv_format::kivi4, kv_format::kivi2,
+                             kv_format::f16, kv_format::f32, kv_format::bf16};
+  const kv_format vfmts[] = {kv_format::q4,  kv_format::q8a, kv_format::q3a, kv_format::q2,
+                             kv_format::f16, kv_format::f32, kv_format::bf16};
+  int idx = 0, jdx = 0;
   double worst = 0;
   std::set<std::tuple<int, int, bool>> k_met;  // (head_dim, K group, per-group query scales)
   std::set<std::pair<int, int>> v_met;         // (head_dim, V group)
   for (kv_format fk : kfmts)
     for (kv_format fv : vfmts)
-      for (int hd : {64, 128, 256}) {
-        ++idx;
-        const int n_pos = 50 + (idx * 37) % 300, ng = 1 + idx % 8, n_tok = idx % 3 == 0 ? 5 : 1;
+      for (int hd0 : {64, 128, 256, 80, 112, 0}) {
+        // head_dim 16 mod 32 (80, 112 every time, the others in turn): the engine's 16-element
+        // tails, with their own case counter (the groups met at 64 / 128 / 256 are checked below)
+        const int odd_hds[] = {16, 48, 144, 176, 240};
+        const bool odd = hd0 == 0 || hd0 % 32 != 0;
+        const int hd = hd0 ? hd0 : odd_hds[jdx % 5];
+        const int ix = odd ? ++jdx : ++idx;
+        const int n_pos = 50 + (ix * 37) % 300, ng = 1 + ix % 8, n_tok = ix % 3 == 0 ? 5 : 1;
         const bool k_chan = kv_traits(fk).layout == kv_layout::per_channel;
-        const int kg = k_chan ? (idx % 2 ? 32 : 16) : group_at(hd, idx / 2);  // (KIVI: tokens per group)
-        const int vg = group_at(hd, idx / 8);
+        const int kg = k_chan ? (ix % 2 ? 32 : 16) : group_at(hd, ix / 2);  // (KIVI: tokens per group)
+        const int vg = group_at(hd, ix / 8);
         auto kb = make_side(fk, n_pos, hd, kg, rng);
         auto vb = make_side(fv, n_pos, hd, vg, rng);
         if (kv_traits(fv).layout == kv_layout::per_token) v_met.insert({hd, vg});
@@ -246,7 +252,7 @@ TEST_P(attn_simd_tiers, fused_matches_reference) {
         // the query the cache builds: int16 for 8-bit K, int8 otherwise; one scale per K group in
         // every other view, one per head in the rest
         const bool k8 = kv_traits(fk).layout == kv_layout::per_token && kv_traits(fk).bits == 8;
-        const int qg = kv_traits(fk).layout == kv_layout::per_token && idx % 2 ? kg : hd, nqg = hd / qg;
+        const int qg = kv_traits(fk).layout == kv_layout::per_token && ix % 2 ? kg : hd, nqg = hd / qg;
         std::vector<int8_t> q8(q.size());
         std::vector<int16_t> q16(q.size());
         std::vector<float> q8s((size_t)n_tok * ng * nqg);
@@ -261,7 +267,7 @@ TEST_P(attn_simd_tiers, fused_matches_reference) {
         qv.n_tokens = n_tok;
         qv.n_group = ng;
         qv.head_dim = hd;
-        qv.pos0 = 3 + n_pos - n_tok - (idx % 5);  // causal: the last rows are masked for some queries
+        qv.pos0 = 3 + n_pos - n_tok - (ix % 5);  // causal: the last rows are masked for some queries
         qv.spec.scale = 1.0f / std::sqrt((float)hd);
         if (k8) qv.q16 = q16.data();
         else qv.q8 = q8.data();
@@ -290,8 +296,12 @@ TEST_P(attn_simd_tiers, fused_matches_reference) {
           m = std::max(m, (double)std::fabs(f_ref[i]));
         }
         worst = std::max(worst, e / m);
-        EXPECT_LE(e / m, 2e-5) << kv_traits(fk).name << "/" << kv_traits(fv).name << " hd " << hd << " K group "
-                               << kg << " V group " << vg << " query scale group " << qg;
+        // 3e-5: the worst view, q4a/q4 at head_dim 80 (one K group of 80 elements), differs by 2.6e-5;
+        // its scores are within 2e-6 relative of float64 in both tiers (the tier's rounding of the
+        // cancelling scale and zero terms, 1.2e-5 absolute, vs the reference's 7.6e-6), amplified
+        // in the output whose largest element is 1.5
+        EXPECT_LE(e / m, 3e-5) << kv_traits(fk).name << "/" << kv_traits(fv).name << " hd " << hd << " K group " << kg
+                               << " V group " << vg << " query scale group " << qg;
       }
   for (int hd : {64, 128, 256})
     for (int g : {32, 64, 128, 256}) {
@@ -302,8 +312,9 @@ TEST_P(attn_simd_tiers, fused_matches_reference) {
       }
       EXPECT_TRUE(v_met.count({hd, g})) << "hd " << hd << " V group " << g;
     }
-  std::printf("[tiers] fused %s vs scalar reference: %d views, worst relative difference %.3g\n", tier.name, idx,
-              worst);
+  std::printf(
+      "[tiers] fused %s vs scalar reference: %d views (%d at head_dim 16 mod 32), worst relative difference %.3g\n",
+      tier.name, idx + jdx, jdx, worst);
 }
 
 // The int16 query of 8-bit K removes the query's rounding from the scores: against float64 scores

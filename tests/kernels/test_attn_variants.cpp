@@ -97,14 +97,15 @@ TEST(attn_variants, fused_tiers_honour_window_and_softcap_vs_float64) {
   const int n_pos = 300, pos_begin = 5, ng = 3;
   double worst[4] = {0, 0, 0, 0};
   int cases = 0;
-  for (int hd : {64, 128})
+  for (int hd : {64, 128, 80, 112})
     for (int ki = 0; ki < 5; ++ki)
       for (int vi = 0; vi < 3; ++vi) {
         const kv_format fk = kf[ki], fv = vf[(vi + ki) % 3];
         const bool k_tok = kv_traits(fk).layout == kv_layout::per_token;
-        const int kg = 32;  // per-token: elements per scale; KIVI: tokens per group
+        // per-token: elements per scale (head_dim when 32 does not divide it); KIVI: tokens per group
+        const int kg = k_tok && hd % 32 ? hd : 32;
         auto kb = make_side(fk, n_pos, hd, kg, rng);
-        auto vb = make_side(fv, n_pos, hd, 32, rng);
+        auto vb = make_side(fv, n_pos, hd, hd % 32 ? hd : 32, rng);
         const std::vector<float> kd = dequantized(kb.side, n_pos, hd), vd = dequantized(vb.side, n_pos, hd);
         kv_quant_view kv;
         kv.k = kb.side;
@@ -171,8 +172,13 @@ TEST(attn_variants, fused_tiers_honour_window_and_softcap_vs_float64) {
               for (size_t ti = 0; ti < tiers.size(); ++ti) {
                 const quant_tier& tier = tiers[ti];
                 if (!tier.available) continue;
-                if (ti == 1 && !attn_quant_supported_avx2(kv)) continue;
-                if (ti == 2 && !attn_quant_supported_avx512(kv)) continue;
+                // every shape here has a SIMD tier (head_dim a multiple of 16)
+                if (ti == 1) {
+                  ASSERT_TRUE(attn_quant_supported_avx2(kv)) << "hd " << hd;
+                }
+                if (ti == 2) {
+                  ASSERT_TRUE(attn_quant_supported_avx512(kv)) << "hd " << hd;
+                }
                 std::vector<float> o((size_t)nq * hd), out((size_t)nq * hd);
                 std::vector<attn_state> st(nq);
                 for (int i = 0; i < nq; ++i) st[i] = attn_state::empty(&o[(size_t)i * hd], hd);
@@ -198,7 +204,7 @@ TEST(attn_variants, fused_tiers_honour_window_and_softcap_vs_float64) {
 // the CPU has them) over f32 / f16 / bf16 rows, same sweep.
 TEST(attn_variants, dense_tiers_honour_window_and_softcap_vs_float64) {
   std::mt19937 rng(12);
-  const int n_pos = 260, pos_begin = 40, ng = 4, hd = 128;
+  const int n_pos = 260, pos_begin = 40, ng = 4;
   struct dense_tier {
     const char* name;
     bool available;
@@ -209,57 +215,59 @@ TEST(attn_variants, dense_tiers_honour_window_and_softcap_vs_float64) {
                               {"avx2", best_isa() >= isa::avx2, attn_dense_avx2},
                               {"avx512", best_isa() >= isa::avx512, attn_dense_avx512}};
   double worst = 0;
-  for (kv_format f : {kv_format::f32, kv_format::f16, kv_format::bf16}) {
-    auto kb = make_side(f, n_pos, hd, 0, rng);
-    auto vb = make_side(f, n_pos, hd, 0, rng);
-    const std::vector<float> kd = dequantized(kb.side, n_pos, hd), vd = dequantized(vb.side, n_pos, hd);
-    kv_dense_view dv;
-    dv.k = kb.codes.data();
-    dv.v = vb.codes.data();
-    dv.type_k = dv.type_v = f == kv_format::f32 ? kv_elem::f32 : f == kv_format::f16 ? kv_elem::f16 : kv_elem::bf16;
-    dv.row_stride = hd;
-    dv.pos_begin = pos_begin;
-    dv.n_pos = n_pos;
-    dv.head_dim = hd;
-    for (int n_tok : {33, 1}) {
-      std::normal_distribution<float> nd(0.f, 1.f);
-      std::vector<float> q((size_t)n_tok * ng * hd);
-      for (auto& x : q) x = nd(rng);
-      attn_query_view qv;
-      qv.q = q.data();
-      qv.stride_t = (int64_t)ng * hd;
-      qv.n_tokens = n_tok;
-      qv.n_group = ng;
-      qv.head_dim = hd;
-      qv.pos0 = pos_begin + n_pos - n_tok;
-      for (float cap : {0.0f, 4.0f})
-        for (int w : kWindows) {
-          qv.spec.scale = 1.0f / std::sqrt((float)hd);
-          qv.spec.window = w;
-          qv.spec.softcap = cap;
-          const int nq = n_tok * ng;
-          std::vector<double> ref((size_t)nq * hd);
-          for (int t = 0; t < n_tok; ++t)
-            for (int g = 0; g < ng; ++g) {
-              const std::vector<double> qq(q.begin() + ((size_t)t * ng + g) * hd, q.begin() + ((size_t)t * ng + g + 1) * hd);
-              const auto r = attend_f64(qq.data(), kd, vd, hd, qv.rows(t, pos_begin, n_pos), qv.spec);
-              std::copy(r.begin(), r.end(), ref.begin() + ((size_t)t * ng + g) * hd);
+  for (int hd : {128, 80, 112})
+    for (kv_format f : {kv_format::f32, kv_format::f16, kv_format::bf16}) {
+      auto kb = make_side(f, n_pos, hd, 0, rng);
+      auto vb = make_side(f, n_pos, hd, 0, rng);
+      const std::vector<float> kd = dequantized(kb.side, n_pos, hd), vd = dequantized(vb.side, n_pos, hd);
+      kv_dense_view dv;
+      dv.k = kb.codes.data();
+      dv.v = vb.codes.data();
+      dv.type_k = dv.type_v = f == kv_format::f32 ? kv_elem::f32 : f == kv_format::f16 ? kv_elem::f16 : kv_elem::bf16;
+      dv.row_stride = hd;
+      dv.pos_begin = pos_begin;
+      dv.n_pos = n_pos;
+      dv.head_dim = hd;
+      for (int n_tok : {33, 1}) {
+        std::normal_distribution<float> nd(0.f, 1.f);
+        std::vector<float> q((size_t)n_tok * ng * hd);
+        for (auto& x : q) x = nd(rng);
+        attn_query_view qv;
+        qv.q = q.data();
+        qv.stride_t = (int64_t)ng * hd;
+        qv.n_tokens = n_tok;
+        qv.n_group = ng;
+        qv.head_dim = hd;
+        qv.pos0 = pos_begin + n_pos - n_tok;
+        for (float cap : {0.0f, 4.0f})
+          for (int w : kWindows) {
+            qv.spec.scale = 1.0f / std::sqrt((float)hd);
+            qv.spec.window = w;
+            qv.spec.softcap = cap;
+            const int nq = n_tok * ng;
+            std::vector<double> ref((size_t)nq * hd);
+            for (int t = 0; t < n_tok; ++t)
+              for (int g = 0; g < ng; ++g) {
+                const std::vector<double> qq(q.begin() + ((size_t)t * ng + g) * hd,
+                                             q.begin() + ((size_t)t * ng + g + 1) * hd);
+                const auto r = attend_f64(qq.data(), kd, vd, hd, qv.rows(t, pos_begin, n_pos), qv.spec);
+                std::copy(r.begin(), r.end(), ref.begin() + ((size_t)t * ng + g) * hd);
+              }
+            for (const dense_tier& tier : tiers) {
+              if (!tier.available) continue;
+              std::vector<float> o((size_t)nq * hd), out((size_t)nq * hd);
+              std::vector<attn_state> st(nq);
+              for (int i = 0; i < nq; ++i) st[i] = attn_state::empty(&o[(size_t)i * hd], hd);
+              tier.fn(dv, qv, st.data());
+              for (int i = 0; i < nq; ++i) st[i].finalize(&out[(size_t)i * hd]);
+              const double e = test_rel_err(out, ref);
+              worst = std::max(worst, e);
+              EXPECT_LE(e, 5e-5) << tier.name << " " << kv_traits(f).name << " hd " << hd << " tokens " << n_tok
+                                 << " window " << w << " cap " << cap;
             }
-          for (const dense_tier& tier : tiers) {
-            if (!tier.available) continue;
-            std::vector<float> o((size_t)nq * hd), out((size_t)nq * hd);
-            std::vector<attn_state> st(nq);
-            for (int i = 0; i < nq; ++i) st[i] = attn_state::empty(&o[(size_t)i * hd], hd);
-            tier.fn(dv, qv, st.data());
-            for (int i = 0; i < nq; ++i) st[i].finalize(&out[(size_t)i * hd]);
-            const double e = test_rel_err(out, ref);
-            worst = std::max(worst, e);
-            EXPECT_LE(e, 5e-5) << tier.name << " " << kv_traits(f).name << " tokens " << n_tok << " window " << w
-                               << " cap " << cap;
           }
-        }
+      }
     }
-  }
   std::printf("[variants] dense tiers: worst relative error vs float64 %.3g\n", worst);
 }
 

@@ -91,6 +91,7 @@ TEST(Cli, GenerateJsonSurvivesInvalidUtf8) {
     const auto j = nlohmann::json::parse(r.out);  // throws (fails the test) on invalid JSON
     EXPECT_EQ(j["ids"].size(), (size_t)std::stoi(e[3])) << e[1];
     EXPECT_TRUE(j["text"].is_string());
+    EXPECT_EQ(j["attn_tier"], isa_name(best_isa())) << "tinylit: head_dim 64, f16 cache";
     if (e[1][0] == 'a') {
       EXPECT_NE(j["prompt"].get<std::string>().find("\xef\xbf\xbd"), std::string::npos) << j["prompt"];
     }
@@ -105,6 +106,7 @@ TEST(Cli, StreamingTextAndSummary) {
   EXPECT_EQ(r.out.rfind("Once upon a time, there was a little girl named Lily.", 0), 0u) << r.out;
   EXPECT_NE(r.err.find("decode"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("bytes/token"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("[kvq] attention tier scalar\n"), std::string::npos) << r.err;  // head_dim 8
 }
 
 // KV bytes per token of the whole model (all layers, K and V) counted by hand from the format
@@ -193,9 +195,9 @@ TEST(Cli, InfoListsKvTypes) {
         EXPECT_EQ(row["bytes_at_n_ctx"].get<int64_t>(), (int64_t)want_bpt * n_ctx) << t;
       }
       // the attention tier (issue 15 item 6: no silent slow path): the SIMD engine takes head dims
-      // that are multiples of 32 up to 256 (default groups), the rest run the scalar reference
+      // that are multiples of 16 up to 256 (default groups), the rest run the scalar reference
       const std::string want_tier = t == "certified"                                   ? "scalar (certified reference)"
-                                    : sh.head_dim % 32 == 0 && sh.head_dim <= 256 ? isa_name(best_isa())
+                                    : sh.head_dim % 16 == 0 && sh.head_dim <= 256 ? isa_name(best_isa())
                                                                                    : "scalar";
       EXPECT_EQ(row.value("attn_tier", ""), want_tier) << t;
     }
