@@ -1,6 +1,7 @@
 // kvq bench: decode and prefill speed and KV memory of KV formats against context depth.
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdio>
 #include <fstream>
 #include <limits>
@@ -36,6 +37,41 @@ std::vector<std::string> split(const std::string& s) {
   while (std::getline(ss, t, ','))
     if (!t.empty()) out.push_back(t);
   return out;
+}
+
+// One --types entry: FORMAT (K and V), or K/V (e.g. kivi4/q4a), either optionally followed by
+// +sinkN (N exact sink tokens for this entry only; without it, --kv-sink). The other cache options
+// (--kv-rot, --kv-group, ...) apply to every entry.
+kv_cache_params types_entry(const std::string& t, const kv_flags& kv) {
+  kv_cache_params c = kv.p;
+  c.rotation = parse_kv_rotation(kv.rotation);
+  std::string spec = t;
+  if (const size_t plus = spec.find('+'); plus != std::string::npos) {
+    const std::string opt = spec.substr(plus + 1);
+    spec.resize(plus);
+    size_t used = 0;
+    long long n = -1;
+    if (opt.rfind("sink", 0) == 0 && opt.size() > 4 && std::isdigit((unsigned char)opt[4])) {
+      try {
+        n = std::stoll(opt.substr(4), &used);
+      } catch (const std::exception&) {
+        n = -1;
+      }
+    }
+    if (n < 0 || 4 + used != opt.size() || n > std::numeric_limits<int>::max())
+      fail_input("'+" + opt + "' must be +sinkN with N >= 0 exact sink tokens (e.g. kivi4/q4a+sink4)");
+    c.sink = (int)n;
+  }
+  const size_t slash = spec.find('/');
+  if (slash == std::string::npos) {
+    c.type_k = c.type_v = parse_kv_cache_type(spec);
+  } else {
+    if (spec.find('/', slash + 1) != std::string::npos)
+      fail_input("'" + spec + "' must be FORMAT or K/V (one '/')");
+    c.type_k = parse_kv_cache_type(spec.substr(0, slash), "K");
+    c.type_v = parse_kv_cache_type(spec.substr(slash + 1), "V");
+  }
+  return c;
 }
 
 // Machine facts for the report: CPU model name, CPUs online, load averages (1 min).
@@ -92,7 +128,7 @@ nlohmann::json to_json(const bench_opts& o, const bench_result& r, const machine
                   {"load_average_end", mi.load_end}};
   j["rows"] = nlohmann::json::array();
   for (const auto& w : r.rows)
-    j["rows"].push_back({{"type_k", w.type_k}, {"type_v", w.type_v}, {"describe", w.describe},
+    j["rows"].push_back({{"type_k", w.type_k}, {"type_v", w.type_v}, {"sink", w.sink}, {"describe", w.describe},
                          {"baseline_only", w.baseline_only}, {"depth", w.depth},
                          {"beyond_train_ctx", w.beyond_train_ctx}, {"fill_seconds", w.fill_seconds},
                          {"decode_tokens_per_s", w.decode_tokens_per_s},
@@ -164,13 +200,7 @@ int run_bench(bench_opts& o) {
     o.p.formats.push_back(parsed(o.kv.type_k == o.kv.type_v ? o.kv.type_k : o.kv.type_k + "/" + o.kv.type_v,
                                  [&] { return o.kv.params(); }));
   if (types.empty() && !o.explicit_kv) types = {"f16", "q8", "q4", "kivi2"};
-  for (const auto& t : types)
-    o.p.formats.push_back(parsed(t, [&] {
-      kv_cache_params c = o.kv.p;
-      c.rotation = parse_kv_rotation(o.kv.rotation);
-      c.type_k = c.type_v = parse_kv_cache_type(t);
-      return c;
-    }));
+  for (const auto& t : types) o.p.formats.push_back(parsed(t, [&] { return types_entry(t, o.kv); }));
   o.p.depths = parse_count_list(o.depths, "bench", "--depths");
   if (o.max_kv_gib > 0) {
     o.p.max_kv_bytes = (size_t)(o.max_kv_gib * 1024.0 * 1024.0 * 1024.0);
@@ -241,7 +271,7 @@ int run_bench(bench_opts& o) {
                 std::string(7, '-').c_str());
     for (const auto& w : r.rows) {
       const std::string name = (w.type_k == w.type_v ? w.type_k : w.type_k + "/" + w.type_v) +
-                               (w.beyond_train_ctx ? "*" : "");
+                               (w.sink > 0 ? "+sink" + std::to_string(w.sink) : "") + (w.beyond_train_ctx ? "*" : "");
       std::printf("| %-11s | %6d | %12.2f | %6.2f | %12.1f | %6.2f | %10.2f | %7.2f |\n", name.c_str(), w.depth,
                   w.decode_tokens_per_s, w.decode_speedup_vs_f16, w.prefill_tokens_per_s, w.prefill_speedup_vs_f16,
                   w.kv_bytes_used / 1048576.0, w.kv_bytes_ratio_vs_f16);
@@ -271,7 +301,8 @@ const registrar reg{{"bench", "decode/prefill speed and KV memory of KV formats 
   app->add_option("--shape-layers", o->shape_layers, "layers of the synthetic model (0: the shape's)")->capture_default_str();
   app->add_option("--weights", o->weights, "weight type of the synthetic model: f16, q8_0, q4_0")->capture_default_str();
   app->add_option("-f,--file", o->text_path, "text whose tokens feed fill/prefill/decode (default: pseudo-random ids)");
-  app->add_option("--types", o->types, "comma-separated KV formats, each for K and V (default f16,q8,q4,kivi2)");
+  app->add_option("--types", o->types, "comma-separated KV formats: FORMAT (K and V) or K/V, each optionally +sinkN "
+                  "(e.g. f16,q4,kivi4/q4a+sink4; default f16,q8,q4,kivi2)");
   app->add_option("--depths", o->depths, "comma-separated depths (tokens, 'k' = 1024)")->capture_default_str();
   app->add_option("-n,--n-decode", o->p.n_decode, "timed decode steps per format and depth")->capture_default_str();
   app->add_option("-p,--n-prefill", o->p.n_prefill, "timed prefill tokens per format and depth (0: skip)")->capture_default_str();

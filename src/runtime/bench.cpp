@@ -157,7 +157,7 @@ double median(std::vector<double> v) {
 
 std::string format_name(const kv_cache_params& f) {
   const std::string k = kv_cache_type_name(f.type_k), v = kv_cache_type_name(f.type_v);
-  return k == v ? k : k + "/" + v;
+  return (k == v ? k : k + "/" + v) + (f.sink > 0 ? "+sink" + std::to_string(f.sink) : "");
 }
 
 std::string gib(double bytes) {
@@ -314,6 +314,7 @@ bench_result bench(model& m, std::span<const int32_t> tokens, const bench_params
         w.type_k = kv_cache_type_name(formats[fi].type_k);
         w.type_v = kv_cache_type_name(formats[fi].type_v);
         w.describe = describe[fi];
+        w.sink = formats[fi].sink;
         w.baseline_only = baseline_only[fi];
         w.depth = d;
         w.beyond_train_ctx = r.n_ctx_train > 0 && (int64_t)d + timed > r.n_ctx_train;

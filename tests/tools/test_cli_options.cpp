@@ -96,5 +96,41 @@ TEST(CliOptions, InfoRefusesBadKvOptionsAndNamesItself) {
   }
 }
 
+// kvq bench --types takes K/V pairs and a per-entry exact sink (the README's recommended
+// `-ctk kivi4 -ctv q4a --kv-sink 4` beside plain formats in one run, issue 14 point 5).
+TEST(CliOptions, BenchTypesTakeKvPairsAndSink) {
+  KVQ_REQUIRE_DATA(model, "models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.gguf");
+  const int depth = 32;
+  const auto r = run_cmd({test::kvq_bin(), "bench", "-m", model, "--types", "f16,kivi4/q4a+sink4,q4,q4+sink4",
+                          "--depths", std::to_string(depth), "-n", "1", "-p", "0", "-t", "1", "--no-progress",
+                          "--json"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const auto rows = nlohmann::json::parse(r.out)["rows"];
+  ASSERT_EQ(rows.size(), 4u) << r.out;
+  EXPECT_EQ(rows[1]["type_k"], "kivi4");
+  EXPECT_EQ(rows[1]["type_v"], "q4a");
+  EXPECT_EQ(rows[1]["sink"], 4);
+  EXPECT_EQ(rows[2]["type_k"], "q4");
+  EXPECT_EQ(rows[2]["type_v"], "q4");
+  EXPECT_EQ(rows[2]["sink"], 0);
+  EXPECT_EQ(rows[3]["sink"], 4);
+  // The sink reaches the cache: at depth 32 its 4 first rows are f16 (64 x 2 bytes) instead of q4
+  // (32 code bytes + 2 f16 group scales), for K and V, 6 layers x 2 kv heads (tinylit).
+  const int64_t sink_extra = (int64_t)2 * 6 * 2 * 4 * (128 - (32 + 4));
+  EXPECT_EQ(rows[3]["kv_bytes_used"].get<int64_t>() - rows[2]["kv_bytes_used"].get<int64_t>(), sink_extra)
+      << rows[2].dump() << "\n" << rows[3].dump();
+  // The text table names each entry as it was given.
+  const auto t = run_cmd({test::kvq_bin(), "bench", "-m", model, "--types", "kivi4/q4a+sink4", "--depths", "0", "-n",
+                          "1", "-p", "0", "-t", "1", "--no-progress"});
+  ASSERT_EQ(t.rc, 0) << t.err;
+  EXPECT_NE(t.out.find("| kivi4/q4a+sink4 "), std::string::npos) << t.out;
+  for (const std::string bad : {"q4+sinkx", "q4+sink", "q4+rot4", "q4+sink-1", "q4/q4/q4", "q4/zz"}) {
+    const auto b = run_cmd({test::kvq_bin(), "bench", "-m", model, "--types", bad, "--depths", "0", "-n", "1", "-p",
+                            "0", "--no-progress"});
+    EXPECT_EQ(b.rc, 2) << bad;
+    EXPECT_NE(b.err.find("[bench] KV format '" + bad + "'"), std::string::npos) << b.err;
+  }
+}
+
 }  // namespace
 }  // namespace kvq
