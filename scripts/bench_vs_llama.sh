@@ -140,6 +140,9 @@ for i in range(1, rounds + 1):
                     add("pp", 0, cfg, r["prefill_tokens_per_s"])
     for t in ltypes:
         for f in sorted(glob.glob(f"{out}/llama-{t}.{i}.*.json") + glob.glob(f"{out}/llama-{t}@*.{i}.*.json")):
+            if os.path.getsize(f) == 0:  # a job stopped before it wrote (e.g. by a timeout)
+                print(f"note: {os.path.basename(f)} is empty: no result", file=sys.stderr)
+                continue
             for r in json.load(open(f)):
                 for v in r.get("samples_ts") or [r["avg_ts"]]:
                     add("pp" if r["n_gen"] == 0 else "tg", r["n_depth"], "llama " + t, v)
