@@ -29,6 +29,12 @@ struct server_params {
   int n_http_threads = 0;           // HTTP worker threads (0: n_parallel + n_queue + 4)
   std::string chat_template_file;   // "" = the model's tokenizer.chat_template
   kv_cache_params cache;            // types and options; shapes, n_ctx and n_seq come from the model
+  // Paged KV cache (docs/server.md, "KV pages and prefix reuse"): tokens per page (0: contiguous
+  // slots, no prefix reuse), and the page pool's size in GiB (0: every slot can hold n_ctx), so the
+  // same budget holds more tokens in a smaller format. Requests wait in the queue for pages.
+  int kv_page = 64;
+  double kv_budget_gib = 0;
+  bool prefix_reuse = true;         // share cached prompt pages where the cache type allows it
 };
 
 // A running server. create() loads the model, checks the chat template (an unknown template is an

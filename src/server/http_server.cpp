@@ -3,6 +3,7 @@
 #include <httplib.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -83,6 +84,11 @@ http_server::http_server(const server_params& p) : p_(p) {
   sp.n_queue = p_.n_queue;
   sp.n_threads = p_.n_threads;
   sp.cache = p_.cache;
+  sp.kv_page = p_.kv_page;
+  if (!(p_.kv_budget_gib >= 0) || !std::isfinite(p_.kv_budget_gib))
+    fail_input("[server] --kv-budget must be a finite number of GiB >= 0, got " + std::to_string(p_.kv_budget_gib));
+  sp.kv_budget_bytes = (size_t)(p_.kv_budget_gib * 1024.0 * 1024.0 * 1024.0);
+  sp.prefix_reuse = p_.prefix_reuse;
   sched_ = std::make_unique<scheduler>(*model_, *tok_, sp);
 
   const int n_http = p_.n_http_threads > 0 ? p_.n_http_threads : p_.n_parallel + p_.n_queue + 4;
@@ -102,6 +108,11 @@ http_server::http_server(const server_params& p) : p_(p) {
   std::fprintf(stderr, "[server] model %s (%s), n_ctx %d per slot, %d slots, prefill chunk %d, KV cache %s\n",
                model_id_.c_str(), model_->hparams().arch.c_str(), sp.n_ctx, sp.n_parallel, sp.n_batch,
                sched_->cache_describe().c_str());
+  const scheduler_metrics m0 = sched_->metrics();
+  if (m0.page_size > 0)
+    std::fprintf(stderr, "[server] KV pages: %d of %d tokens (%.1f MiB), prefix reuse %s\n", m0.pages_total,
+                 m0.page_size, (double)m0.kv_budget_bytes / (1024.0 * 1024.0),
+                 m0.prefix_reuse ? "on" : "off (this cache type cannot promise a cold start's result)");
   std::fprintf(stderr, "[server] chat template: %s\n",
                template_ ? chat_format_name(template_->format()) : template_note_.c_str());
 }
@@ -362,6 +373,13 @@ std::string http_server::metrics_text() const {
   metric("sequences_queued", "gauge", "requests waiting for a slot", (double)m.queued);
   metric("kv_cache_bytes_used", "gauge", "KV cache bytes holding stored positions", (double)m.kv_bytes_used);
   metric("kv_cache_bytes", "gauge", "KV cache bytes allocated", (double)m.kv_bytes);
+  metric("kv_budget_bytes", "gauge", "bytes of the KV page pool (--kv-budget; 0: not paged)", (double)m.kv_budget_bytes);
+  metric("kv_page_tokens", "gauge", "tokens per KV page (--kv-page; 0: not paged)", (double)m.page_size);
+  metric("kv_pages_total", "gauge", "KV pages in the pool", (double)m.pages_total);
+  metric("kv_pages_in_use", "gauge", "KV pages held by a sequence", (double)m.pages_in_use);
+  metric("kv_pages_cached", "gauge", "KV pages held only by the prefix cache (reclaimable)", (double)m.pages_cached);
+  metric("prefix_cache_hits_total", "counter", "requests that reused cached prompt pages", (double)m.prefix_hits);
+  metric("prefix_cache_hit_tokens_total", "counter", "prompt tokens reused from cached pages", (double)m.prefix_hit_tokens);
   return s;
 }
 

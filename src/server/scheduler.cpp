@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <numeric>
 
+#include "kvq/certified.h"
 #include "kvq/error.h"
 #include "server/api.h"
+#include "server/prefix_cache.h"
 
 namespace kvq::server_detail {
 
@@ -18,6 +21,8 @@ struct scheduler::slot {
   int32_t next = -1;     // token to feed next (decoding)
   int n_generated = 0;
   uint64_t order = 0;    // admission order (prefill priority)
+  int reserved = 0;      // pages its longest run may hold (paged cache)
+  int cached_pages = 0;  // its full prompt pages given to the prefix cache
   bool active() const { return job != nullptr; }
   bool prefilling() const { return n_past < (int)req.prompt.size(); }
 };
@@ -45,10 +50,38 @@ scheduler::scheduler(model& m, const tokenizer& tok, const scheduler_params& p)
   if (p_.n_parallel < 1) fail_input("[server] --parallel " + std::to_string(p_.n_parallel) + " must be >= 1");
   if (p_.n_batch < 1) fail_input("[server] --batch-size " + std::to_string(p_.n_batch) + " must be >= 1");
   if (p_.n_queue < 0) fail_input("[server] --queue " + std::to_string(p_.n_queue) + " must be >= 0");
+  if (p_.kv_page < 0) fail_input("[server] --kv-page " + std::to_string(p_.kv_page) + " must be >= 0 (0: contiguous slots)");
+  if (p_.kv_budget_bytes > 0 && p_.kv_page == 0) fail_input("[server] --kv-budget needs a paged cache (--kv-page > 0)");
   kv_cache_params cp = m_.cache_params(p_.n_ctx, p_.cache, p_.n_parallel);
   cp.n_ubatch = std::max(cp.n_ubatch, p_.n_batch);  // sliding-window rings hold one prefill chunk
+  // the certified cache has no paged layout: contiguous slots unless a budget asks for pages
+  cp.page_size = is_certified(cp) && p_.kv_budget_bytes == 0 ? 0 : p_.kv_page;
+  auto gib = [](double b) {
+    char s[32];
+    std::snprintf(s, sizeof s, "%.3g GiB", b / (1024.0 * 1024.0 * 1024.0));
+    return std::string(s);
+  };
+  if (p_.kv_page > 0 && p_.kv_budget_bytes > 0) {
+    const size_t page_bytes = kv_page_bytes(cp);
+    const int64_t full = (int64_t)p_.n_parallel * ((p_.n_ctx + p_.kv_page - 1) / p_.kv_page);
+    cp.n_pages = page_bytes == 0 ? 0 : (int)std::min<int64_t>(full, (int64_t)(p_.kv_budget_bytes / page_bytes));
+    if (page_bytes > 0 && cp.n_pages == 0)
+      fail_input("[server] --kv-budget " + gib((double)p_.kv_budget_bytes) + " holds no page of " +
+                 std::to_string(p_.kv_page) + " tokens (" + std::to_string(page_bytes) + " bytes each)");
+  }
   cache_ = make_kv_cache(cp);
   cache_describe_ = cache_->describe();
+  pages_ = cache_->page_info();
+  if (pages_.page_size > 0 && pages_.max_pages_per_seq > pages_.n_pages)
+    fail_input("[server] --kv-budget " + gib((double)p_.kv_budget_bytes) + " holds " + std::to_string(pages_.n_pages) +
+               " pages of " + std::to_string(p_.kv_page) + " tokens (" + std::to_string(pages_.page_bytes) +
+               " bytes each), fewer than the " + std::to_string(pages_.max_pages_per_seq) + " one sequence at -c " +
+               std::to_string(p_.n_ctx) + " needs: raise --kv-budget to at least " +
+               gib((double)pages_.max_pages_per_seq * pages_.page_bytes) + " or lower -c");
+  if (p_.prefix_reuse && cache_->can_share_prefix()) {
+    prefix_ = std::make_unique<prefix_cache>(*cache_);
+    reuse_step_ = std::lcm(p_.kv_page, p_.n_batch);
+  }
   for (int i = 0; i < p_.n_parallel; ++i) slots_.push_back(std::make_unique<slot>());
 
   kv_bytes_ = cache_->bytes();
@@ -63,6 +96,72 @@ scheduler::~scheduler() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  prefix_.reset();  // unpins its pages (before the cache goes)
+}
+
+void scheduler::publish_pages() {
+  if (pages_.page_size == 0) return;
+  const kv_page_info pi = cache_->page_info();
+  pages_in_use_ = pi.n_seq_held;
+  pages_cached_ = pi.n_pages - pi.n_free - pi.n_seq_held;
+}
+
+bool scheduler::admit(int i, uint64_t order) {
+  auto& [job, req] = waiting_.front();
+  const int n_prompt = (int)req.prompt.size();
+  std::vector<int> shared;  // cached prefix pages this request takes
+  int reserve = 0;
+  if (pages_.page_size > 0) {
+    const int P = pages_.page_size;
+    const int n_max = req.max_tokens >= 0 ? (int)std::min<int64_t>(p_.n_ctx, (int64_t)n_prompt + req.max_tokens) : p_.n_ctx;
+    reserve = cache_->pages_for(n_max);
+    if (prefix_ && !job->cancelled()) {
+      // the last prompt token always runs (its logits); whole reuse steps only
+      shared = prefix_->match(req.prompt.data(), n_prompt - 1);
+      shared.resize((size_t)((int)shared.size() * P / reuse_step_ * reuse_step_ / P));
+    }
+    // pages the running requests may still take
+    auto outstanding = [&] {
+      int o = 0;
+      for (int j = 0; j < p_.n_parallel; ++j)
+        if (slots_[j]->active()) o += std::max(0, slots_[j]->reserved - (int)cache_->seq_pages(j).size());
+      return o;
+    };
+    const int need = reserve - (int)shared.size(), owed = outstanding();
+    kv_page_info pi = cache_->page_info();
+    const int cached_only = pi.n_pages - pi.n_free - pi.n_seq_held;
+    if (pi.n_free + cached_only - owed < need) return false;  // waits: evicting would not make room
+    while (pi.n_free - owed < need) {
+      if (!prefix_ || !prefix_->evict_one(shared)) return false;
+      pi = cache_->page_info();
+    }
+  }
+  slot& s = *slots_[i];
+  s.job = job;
+  s.req = std::move(req);
+  waiting_.pop_front();
+  s.n_past = 0;
+  s.n_generated = 0;
+  s.next = -1;
+  s.order = order;
+  s.reserved = reserve;
+  s.cached_pages = 0;
+  s.text = std::make_unique<text_stream>(s.req.stop);
+  ++n_active_;
+  n_prompt_tokens_ += s.req.prompt.size();
+  if (!shared.empty()) {
+    try {
+      cache_->share_prefix(i, shared.data(), (int)shared.size());
+      s.n_past = (int)shared.size() * pages_.page_size;
+      s.cached_pages = (int)shared.size();
+      ++prefix_hits_;
+      prefix_hit_tokens_ += s.n_past;
+    } catch (const std::exception& e) {  // (a bug: the request then runs cold)
+      std::fprintf(stderr, "[server] prefix reuse failed, running the prompt cold: %s\n", e.what());
+      cache_->clear(i);
+    }
+  }
+  return true;
 }
 
 void scheduler::wake() {
@@ -88,7 +187,7 @@ std::shared_ptr<seq_job> scheduler::submit(const seq_request& r) {
     std::lock_guard lk(mu_);
     if (n_active_.load() + (int)waiting_.size() >= p_.n_parallel + p_.n_queue)
       throw api_error(503, "the server is busy: " + std::to_string(waiting_.size()) +
-                               " requests are waiting for a slot (--queue " + std::to_string(p_.n_queue) + ")",
+                               " requests are waiting for a slot or KV pages (--queue " + std::to_string(p_.n_queue) + ")",
                       "unavailable_error", "", "queue_full");
     waiting_.emplace_back(job, r);
     ++n_requests_;
@@ -114,6 +213,14 @@ scheduler_metrics scheduler::metrics() const {
   }
   s.kv_bytes_used = kv_bytes_used_;
   s.kv_bytes = kv_bytes_;
+  s.pages_in_use = pages_in_use_;
+  s.pages_cached = pages_cached_;
+  s.pages_total = pages_.n_pages;
+  s.page_size = pages_.page_size;
+  s.kv_budget_bytes = (size_t)pages_.n_pages * pages_.page_bytes;
+  s.prefix_hits = prefix_hits_;
+  s.prefix_hit_tokens = prefix_hit_tokens_;
+  s.prefix_reuse = prefix_ != nullptr;
   return s;
 }
 
@@ -147,6 +254,8 @@ void scheduler::loop() {
     // Slot and counters first, so a reader that sees the end also sees them.
     cache_->clear(i);
     kv_bytes_used_ = cache_->bytes_used();
+    publish_pages();
+    s.reserved = 0;
     if (reason == "cancelled") ++n_cancelled_;
     else if (reason == "error") ++n_failed_;
     else ++n_finished_;
@@ -162,25 +271,39 @@ void scheduler::loop() {
       std::unique_lock lk(mu_);
       cv_.wait(lk, [&] { return stop_ || !waiting_.empty() || n_active_.load() > 0; });
       if (stop_) break;
+      // requests cancelled while queued (client gone) end here, without a slot
+      for (auto it = waiting_.begin(); it != waiting_.end();) {
+        if (!it->first->cancelled()) {
+          ++it;
+          continue;
+        }
+        {
+          std::lock_guard jl(it->first->mu_);
+          it->first->pending_.done = true;
+          it->first->pending_.finish_reason = "cancelled";
+          it->first->changed_ = true;
+        }
+        it->first->cv_.notify_all();
+        ++n_cancelled_;
+        it = waiting_.erase(it);
+      }
+      // FIFO: the first request waits (and the rest behind it) until a slot and its pages are free
       for (int i = 0; i < p_.n_parallel && !waiting_.empty(); ++i) {
         slot& s = *slots_[i];
         if (s.active()) continue;
-        auto [job, req] = std::move(waiting_.front());
-        waiting_.pop_front();
-        s.job = job;
-        s.req = std::move(req);
-        s.n_past = 0;
-        s.n_generated = 0;
-        s.next = -1;
-        s.order = n_admitted++;
-        s.text = std::make_unique<text_stream>(s.req.stop);
-        ++n_active_;
-        n_prompt_tokens_ += s.req.prompt.size();
+        if (!admit(i, n_admitted)) break;
+        ++n_admitted;
         try {
           s.smp = std::make_unique<sampler>(s.req.sampling);
         } catch (const std::exception& e) {
           finish(i, "error", e.what());
         }
+      }
+      publish_pages();
+      // nothing runs and the first request cannot get pages: wait for a change (a new request or stop)
+      if (n_active_.load() == 0 && !waiting_.empty()) {
+        cv_.wait_for(lk, std::chrono::milliseconds(100));
+        continue;
       }
     }
     for (int i = 0; i < p_.n_parallel; ++i)
@@ -231,6 +354,16 @@ void scheduler::loop() {
     ++n_steps_;
     n_batch_tokens_ += tokens.size();
     for (int i = 0; i < p_.n_parallel; ++i) slots_[i]->n_past += chunk_len[i];
+    // full prompt pages written this step go to the prefix cache
+    if (prefix_)
+      for (int i = 0; i < p_.n_parallel; ++i) {
+        slot& s = *slots_[i];
+        if (chunk_len[i] == 0) continue;
+        const int full = std::min(s.n_past, (int)s.req.prompt.size()) / pages_.page_size;
+        if (full <= s.cached_pages) continue;
+        prefix_->insert(s.req.prompt.data(), full, cache_->seq_pages(i));
+        s.cached_pages = full;
+      }
 
     for (int r = 0; r < n_out; ++r) {
       const int i = out_slot[r];
@@ -271,6 +404,7 @@ void scheduler::loop() {
     }
     kv_bytes_used_ = cache_->bytes_used();
     kv_bytes_ = cache_->bytes();
+    publish_pages();
   }
   // Shutting down: end what is left.
   for (int i = 0; i < p_.n_parallel; ++i)

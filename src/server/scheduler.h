@@ -15,6 +15,17 @@
 // The compressed caches' channel statistics (the default K channel scale μ_K, λ_K) are kept per
 // sequence and reset when a slot is cleared, so a request calibrates on its own first prompt
 // chunk, never on another request's data.
+//
+// Paged cache (kv_page > 0): the slots share one pool of pages (--kv-budget bytes). A request is
+// admitted when a slot is free and the pool can give it the pages of its longest possible run
+// (prompt + max_tokens, or n_ctx), counting what the running requests may still take; otherwise it
+// waits in the queue (FIFO). So an admitted request never runs out of pages, and nothing is
+// preempted. Its pages go back when it ends (finished, cancelled, failed). Prefix reuse
+// (prefix_cache.h): full prompt pages stay cached after their request; a new request whose prompt
+// starts with cached blocks takes them when the cache can promise the cold result
+// (kv_cache::can_share_prefix), from a position that is a multiple of both the page and the
+// prefill chunk, so that every later chunk is the one a cold run computes (attention's split
+// depends on a chunk's queries).
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -35,6 +46,8 @@
 
 namespace kvq::server_detail {
 
+class prefix_cache;
+
 struct scheduler_params {
   int n_ctx = 0;          // positions per slot (resolved, > 0)
   int n_parallel = 4;     // slots
@@ -43,6 +56,11 @@ struct scheduler_params {
   int n_threads = 0;      // compute threads (0: all)
   bool record_logits = false;  // tests: seq_update::logits_hash of every sampled row
   kv_cache_params cache;  // types and options (shapes come from the model)
+  int kv_page = 64;       // tokens per page; 0: contiguous slots (no pool, no prefix reuse)
+  // Bytes of the page pool (all layers, K and V); 0: every slot can hold n_ctx. Pages =
+  // kv_budget_bytes / kv_page_bytes (at most n_parallel slots at n_ctx).
+  size_t kv_budget_bytes = 0;
+  bool prefix_reuse = true;  // share cached prompt pages where the cache type allows it
 };
 
 struct seq_request {
@@ -89,13 +107,19 @@ struct scheduler_metrics {
   uint64_t steps = 0, batch_tokens = 0;
   int active = 0, queued = 0;
   size_t kv_bytes_used = 0, kv_bytes = 0;
+  // page pool (paged caches; zeros otherwise): pages held by a sequence, pinned only by the prefix
+  // cache, all; the pool's bytes (the budget); requests served from a cached prefix and its tokens
+  int pages_in_use = 0, pages_cached = 0, pages_total = 0, page_size = 0;
+  size_t kv_budget_bytes = 0;
+  uint64_t prefix_hits = 0, prefix_hit_tokens = 0;
+  bool prefix_reuse = false;  // the cache type shares prefixes
 };
 
 class scheduler {
  public:
-  // Creates the cache (n_seq = n_parallel) and starts the
-  // thread. Throws invalid_input for n_parallel < 1, n_batch < 1, n_queue < 0, and what
-  // make_kv_cache throws.
+  // Creates the cache (n_seq = n_parallel) and starts the thread. Throws invalid_input for
+  // n_parallel < 1, n_batch < 1, n_queue < 0, kv_page < 0, a budget without pages or smaller than
+  // one sequence at n_ctx, and what make_kv_cache throws.
   scheduler(model& m, const tokenizer& tok, const scheduler_params& p);
   ~scheduler();  // stops the thread; unfinished requests end with finish_reason "cancelled"
 
@@ -111,12 +135,17 @@ class scheduler {
   struct slot;
   void loop();
   void wake();
+  // Admits the queue's first request into slot i when the pool can hold its longest run (mu_ held);
+  // false when it must wait.
+  bool admit(int i, uint64_t order);
+  void publish_pages();  // the page gauges (scheduler thread)
   friend class seq_job;
 
   model& m_;
   const tokenizer& tok_;
   scheduler_params p_;
   std::unique_ptr<kv_cache> cache_;
+  std::unique_ptr<prefix_cache> prefix_;  // null: no prefix reuse
   std::string cache_describe_;
   thread_pool pool_;
   std::vector<std::unique_ptr<slot>> slots_;
@@ -131,6 +160,10 @@ class scheduler {
   std::atomic<uint64_t> n_prompt_tokens_{0}, n_generated_tokens_{0}, n_steps_{0}, n_batch_tokens_{0};
   std::atomic<int> n_active_{0};
   std::atomic<size_t> kv_bytes_used_{0}, kv_bytes_{0};
+  std::atomic<int> pages_in_use_{0}, pages_cached_{0};
+  std::atomic<uint64_t> prefix_hits_{0}, prefix_hit_tokens_{0};
+  kv_page_info pages_;  // the pool's shape (constant)
+  int reuse_step_ = 0;  // prefix reuse in multiples of lcm(kv_page, n_batch) tokens
 };
 
 }  // namespace kvq::server_detail

@@ -5,7 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <optional>
+#include <thread>
 
+#include "kvq/error.h"
 #include "kvq/generate.h"
 #include "server/api.h"
 #include "server/scheduler.h"
@@ -154,6 +157,128 @@ TEST(Scheduler, EndsAndCancels) {
   EXPECT_EQ(s.metrics().active, 0);
   EXPECT_EQ(s.metrics().queued, 0);
   EXPECT_EQ(s.metrics().kv_bytes_used, 0u);
+}
+
+// Prefix reuse: requests whose prompts share a prefix take its cached pages, and return exactly
+// (tokens and logits bits) what they return cold, for the cache types that share; the others
+// (the q4 default: its K channel scale is calibrated on the first append) never reuse.
+TEST(Scheduler, PrefixReuseReturnsTheColdResult) {
+  KVQ_REQUIRE_MODEL(path, kQwen);
+  auto m = model::load(path);
+  auto tok = tokenizer::from_gguf(m->gguf());
+  const std::string system =
+      "You are a careful Python programmer. Write short functions with docstrings, type hints and no "
+      "external dependencies. Prefer clear names over comments, and return early on bad input. Use only the "
+      "standard library and keep every function under twenty lines of code.\n";
+  std::vector<seq_request> reqs;
+  for (const char* tail : {"def add(a: int, b: int) -> int:", "class Point:\n    def __init__(self", "def add(a: int, b: int) -> int:"}) {
+    seq_request r;
+    r.prompt = tok->encode(system + tail, tok->add_bos_default(), true);
+    r.max_tokens = 4;
+    r.sampling.temp = 0;
+    r.ignore_eos = true;
+    reqs.push_back(r);
+  }
+  ASSERT_GT(reqs[0].prompt.size(), 40u);
+  struct cfg {
+    const char* type;
+    std::optional<bool> k_channel_scale;
+    bool reuses;
+  };
+  for (const cfg& c : {cfg{"f16", std::nullopt, true}, cfg{"q8", false, true}, cfg{"q4", false, true},
+                       cfg{"q4", std::nullopt, false}}) {
+    SCOPED_TRACE(std::string(c.type) + (c.k_channel_scale ? " k_channel_scale off" : ""));
+    scheduler_params sp;
+    sp.n_ctx = 128;
+    sp.n_parallel = 2;
+    sp.n_batch = 16;
+    sp.kv_page = 16;
+    sp.n_threads = 2;
+    sp.record_logits = true;
+    sp.cache.type_k = sp.cache.type_v = parse_kv_cache_type(c.type);
+    sp.cache.k_channel_scale = c.k_channel_scale;
+    std::vector<seq_update> cold, warm;
+    {
+      sp.prefix_reuse = false;
+      scheduler s(*m, *tok, sp);
+      for (const auto& r : reqs) cold.push_back(wait_done(*s.submit(r)));
+      EXPECT_EQ(s.metrics().prefix_hits, 0u);
+    }
+    sp.prefix_reuse = true;
+    scheduler s(*m, *tok, sp);
+    for (const auto& r : reqs) warm.push_back(wait_done(*s.submit(r)));
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      EXPECT_EQ(warm[i].ids, cold[i].ids) << "request " << i;
+      EXPECT_EQ(warm[i].logits_hash, cold[i].logits_hash) << "request " << i;
+    }
+    const scheduler_metrics mt = s.metrics();
+    EXPECT_EQ(mt.prefix_reuse, c.reuses);
+    // the 2nd request reuses the shared system prompt's pages, the 3rd (the 1st again) its whole
+    // prompt but the last token, both in whole prefill chunks of 16
+    EXPECT_EQ(mt.prefix_hits, c.reuses ? 2u : 0u);
+    if (c.reuses) EXPECT_GE(mt.prefix_hit_tokens, 2u * 32u);
+    EXPECT_EQ(mt.active, 0);
+    EXPECT_EQ(mt.pages_in_use, 0);
+    EXPECT_EQ(mt.kv_bytes_used, 0u);
+    EXPECT_EQ(mt.pages_cached > 0, c.reuses);
+  }
+}
+
+// --kv-budget: admission by pages. A pool of 4 pages of 16 tokens holds one request of up to 64
+// positions; each request below may take 3, so they run one at a time (the others wait in the
+// queue) and return what they return alone. A budget below one sequence at n_ctx is refused.
+TEST(Scheduler, KvBudgetAdmitsByPages) {
+  KVQ_REQUIRE_MODEL(path, kQwen);
+  auto m = model::load(path);
+  auto tok = tokenizer::from_gguf(m->gguf());
+  scheduler_params sp;
+  sp.n_ctx = 64;
+  sp.n_parallel = 3;
+  sp.n_batch = 16;
+  sp.kv_page = 16;
+  sp.n_threads = 2;
+  kv_cache_params cp = m->cache_params(sp.n_ctx, sp.cache, sp.n_parallel);
+  cp.page_size = sp.kv_page;
+  const size_t page_bytes = kv_page_bytes(cp);
+  sp.kv_budget_bytes = 3 * page_bytes + page_bytes / 2;
+  try {
+    scheduler bad(*m, *tok, sp);
+    ADD_FAILURE() << "no error for a budget of 3.5 pages";
+  } catch (const error& e) {
+    EXPECT_NE(std::string(e.what()).find("holds 3 pages of 16 tokens (" + std::to_string(page_bytes) +
+                                         " bytes each), fewer than the 4 one sequence at -c 64 needs"),
+              std::string::npos)
+        << e.what();
+  }
+  sp.kv_budget_bytes = 4 * page_bytes;
+  scheduler s(*m, *tok, sp);
+  EXPECT_EQ(s.metrics().pages_total, 4);
+  EXPECT_EQ(s.metrics().kv_budget_bytes, 4 * page_bytes);
+  std::vector<seq_request> reqs;
+  for (const char* p : {"def fibonacci(n):", "SELECT name FROM", "The capital of France is"}) {
+    seq_request r;
+    r.prompt = tok->encode(p, tok->add_bos_default(), true);
+    r.max_tokens = 30;  // <= 40 positions: 3 pages
+    r.sampling.temp = 0;
+    r.ignore_eos = true;
+    reqs.push_back(r);
+  }
+  std::vector<seq_update> alone;
+  for (const auto& r : reqs) alone.push_back(wait_done(*s.submit(r)));
+  std::vector<std::shared_ptr<seq_job>> jobs;
+  for (const auto& r : reqs) jobs.push_back(s.submit(r));
+  int max_active = 0, max_pages = 0;
+  for (;;) {
+    const scheduler_metrics mt = s.metrics();
+    max_active = std::max(max_active, mt.active);
+    max_pages = std::max(max_pages, mt.pages_in_use);
+    if (mt.finished == 6) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(wait_done(*jobs[i]).ids, alone[i].ids) << "request " << i;
+  EXPECT_EQ(max_active, 1);
+  EXPECT_LE(max_pages, 4);
+  EXPECT_EQ(s.metrics().pages_in_use, 0);
 }
 
 }  // namespace

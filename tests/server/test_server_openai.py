@@ -3,9 +3,11 @@
 Qwen2.5-Coder-0.5B model (servers on 127.0.0.1, any free port): completion, chat, streaming, usage
 counts, stop strings, concurrent greedy requests equal to the same request alone (f16 and q4
 caches), malformed input with its status code and OpenAI error body, the API key, a full queue
-(503 + Retry-After), a client that disconnects mid-stream (its slot is freed: /metrics shows
-zero active sequences) and a bounded load run (32 requests, 16 at a time: none fails, nothing left
-active, queued or holding KV bytes).
+(503 + Retry-After), a client that disconnects mid-stream (its slot and pages are freed: /metrics
+shows zero active sequences and zero KV pages in use), a bounded load run (32 requests, 16 at a
+time: none fails, nothing left active, queued or holding KV bytes or pages) and prefix reuse (a
+shared system prompt's pages reused with f16, not with q4's default K channel scale; warm reply ==
+cold reply).
 
 usage: test_server_openai.py KVQ_BINARY   (exit 77 = skipped: no `openai` package or no model)
 """
@@ -256,7 +258,37 @@ def test_load(srv, n=32, at_once=16, max_tokens=2):
     check(not bad, f"load: {n} requests, {at_once} at a time: {len(bad)} failed {sorted(set(bad))[:3]}")
     check(wait_idle(srv), f"load: sequences_active {srv.metric('sequences_active')} queued {srv.metric('sequences_queued')}")
     check(srv.metric("kv_cache_bytes_used") == 0, f"load: kv_cache_bytes_used {srv.metric('kv_cache_bytes_used')}")
+    check(srv.metric("kv_pages_in_use") == 0 and srv.metric("kv_pages_total") > 0,
+          f"load: kv_pages_in_use {srv.metric('kv_pages_in_use')} of {srv.metric('kv_pages_total')}")
     print(f"note: load: {n} requests x {max_tokens} tokens, {at_once} at a time, in {time.time() - t0:.1f} s")
+
+
+SYSTEM = ("You are a careful Python programmer. Write short functions with docstrings, type hints and no external "
+          "dependencies. Prefer clear names over comments, return early on bad input, use only the standard library "
+          "and keep every function under twenty lines of code. Explain nothing unless asked; answer with code. "
+          "Name tests test_<function>, one assertion per case, and cover the empty input, one element and many.\n")
+
+
+def test_prefix_reuse(srv, reuses):
+    """Two prompts sharing a system prompt longer than a page (64 tokens) and a prefill chunk (-b 64):
+    the second takes the first's cached pages where the cache type allows it (f16: yes; q4 with its
+    default K channel scale: no), and every reply equals the same request's cold reply."""
+    with srv.client() as c:
+        hits0 = srv.metric("prefix_cache_hits_total")
+        a = greedy(c, SYSTEM + "def add(a: int, b: int) -> int:", 12)
+        hits1 = srv.metric("prefix_cache_hits_total")
+        b = greedy(c, SYSTEM + "class Point:", 12)
+        a2 = greedy(c, SYSTEM + "def add(a: int, b: int) -> int:", 12)
+        hits2 = srv.metric("prefix_cache_hits_total")
+    check(hits1 == hits0, f"prefix reuse: the first request is cold (hits {hits0} -> {hits1})")
+    check(a2 == a, f"prefix reuse: warm reply == cold reply ({a2!r} vs {a!r})")
+    if reuses:
+        check(hits2 == hits1 + 2, f"prefix reuse: hits {hits1} -> {hits2} (want +2)")
+        check(srv.metric("kv_pages_cached") > 0, f"prefix reuse: kv_pages_cached {srv.metric('kv_pages_cached')}")
+    else:
+        check(hits2 == hits1, f"prefix reuse: none for this cache type (hits {hits1} -> {hits2})")
+    check(wait_idle(srv) and srv.metric("kv_pages_in_use") == 0, f"prefix reuse: kv_pages_in_use {srv.metric('kv_pages_in_use')}")
+    return b
 
 
 def test_auth_queue_disconnect(srv):
@@ -289,6 +321,7 @@ def test_auth_queue_disconnect(srv):
         h.sock.close()
         h.close()
     check(wait_idle(srv), f"after the clients hung up: sequences_active {srv.metric('sequences_active')}")
+    check(srv.metric("kv_pages_in_use") == 0, f"after the clients hung up: kv_pages_in_use {srv.metric('kv_pages_in_use')}")
     check(srv.metric("requests_cancelled_total") >= 4, f"requests_cancelled_total {srv.metric('requests_cancelled_total')}")
     check(srv.proc.poll() is None, "the server survived the disconnects")
 
@@ -305,6 +338,7 @@ def main():
             if kv == "f16":
                 test_f16(srv)
             test_concurrent(srv, kv)
+            test_prefix_reuse(srv, reuses=(kv == "f16"))
             if kv == "f16":
                 test_load(srv)
             if kv == "q4":
