@@ -1,8 +1,9 @@
 // Decode attention for one layer on CPU (issue: the compressed KV cache). head_dim 128, 32 query
 // heads over 8 KV heads, 2 threads, context n_ctx in {1K, 4K, 16K, 64K}: f32, f16, q8, q4
-// (hadamard) fused, kivi2 fused, and q4 dequantize-then-attend. Counter bytes_per_second: bytes of
-// the cache read per second (bytes_used() of the layer); the copy_roofline benchmarks of the same
-// binary give the memory roofline (bytes copied per second with 2 threads, and bytes read).
+// (hadamard) fused, kivi2 fused, and q4 dequantize-then-attend; f16 and q4 also paged (pages of 64
+// tokens, kv_cache_params::page_size: the same outputs, views spanning pages gathered per thread).
+// Counter bytes_per_second: bytes of the cache read per second (bytes_used() of the layer); the
+// copy_roofline benchmarks of the same binary give the memory roofline (bytes copied per second with 2 threads, and bytes read).
 //   ./bench_attention --benchmark_counters_tabular=true   (KVQ_BENCH_THREADS=N: N threads instead of 2)
 #include <benchmark/benchmark.h>
 
@@ -40,9 +41,9 @@ struct fixture {
 };
 
 // One cache per (type, impl, n_ctx), filled once with random K/V (appended in chunks of 4096).
-fixture& get(const std::string& type, const std::string& impl, int n_ctx) {
+fixture& get(const std::string& type, const std::string& impl, int n_ctx, int page = 0) {
   static std::map<std::string, std::unique_ptr<fixture>> all;
-  const std::string key = type + "/" + impl + "/" + std::to_string(n_ctx);
+  const std::string key = type + "/" + impl + "/" + std::to_string(n_ctx) + "/" + std::to_string(page);
   auto& f = all[key];
   if (f) return *f;
   if (all.size() > 1)  // keep at most the current cache alive (64K f32 is 512 MiB)
@@ -56,6 +57,7 @@ fixture& get(const std::string& type, const std::string& impl, int n_ctx) {
   p.n_ctx = n_ctx;
   p.type_k = p.type_v = kvq::parse_kv_cache_type(type);
   p.attn = kvq::parse_attn_path(impl);
+  p.page_size = page;
   f->cache = kvq::make_kv_cache(p);
   std::mt19937 rng(1);
   std::normal_distribution<float> nd(0.f, 1.f);
@@ -75,9 +77,9 @@ fixture& get(const std::string& type, const std::string& impl, int n_ctx) {
   return *f;
 }
 
-void attend(benchmark::State& state, const std::string& type, const std::string& impl) {
+void attend(benchmark::State& state, const std::string& type, const std::string& impl, int page = 0) {
   const int n_ctx = (int)state.range(0);
-  fixture& f = get(type, impl, n_ctx);
+  fixture& f = get(type, impl, n_ctx, page);
   const float scale = 1.0f / std::sqrt((float)kHeadDim);
   for (auto _ : state) {
     f.cache->attend(0, 0, n_ctx - 1, 1, kHeads, f.q.data(), scale, f.out.data(), pool());
@@ -96,12 +98,16 @@ void BM_attend_q8_fused(benchmark::State& s) { attend(s, "q8", "fused"); }
 void BM_attend_q4_fused(benchmark::State& s) { attend(s, "q4", "fused"); }
 void BM_attend_kivi2_fused(benchmark::State& s) { attend(s, "kivi2", "fused"); }
 void BM_attend_q4_dequantize_then_attend(benchmark::State& s) { attend(s, "q4", "dequant"); }
+void BM_attend_f16_paged64(benchmark::State& s) { attend(s, "f16", "fused", 64); }
+void BM_attend_q4_fused_paged64(benchmark::State& s) { attend(s, "q4", "fused", 64); }
 
 #define CTX_ARGS Arg(1 << 10)->Arg(1 << 12)->Arg(1 << 14)->Arg(1 << 16)->Unit(benchmark::kMicrosecond)->UseRealTime()
 BENCHMARK(BM_attend_f32)->CTX_ARGS;
 BENCHMARK(BM_attend_f16)->CTX_ARGS;
 BENCHMARK(BM_attend_q8_fused)->CTX_ARGS;
 BENCHMARK(BM_attend_q4_fused)->CTX_ARGS;
+BENCHMARK(BM_attend_f16_paged64)->CTX_ARGS;
+BENCHMARK(BM_attend_q4_fused_paged64)->CTX_ARGS;
 BENCHMARK(BM_attend_kivi2_fused)->CTX_ARGS;
 BENCHMARK(BM_attend_q4_dequantize_then_attend)->CTX_ARGS;
 
