@@ -275,20 +275,52 @@ void http_server::completion(const httplib::Request& req, httplib::Response& res
   };
 
   if (!r.stream) {
-    std::string text;
-    seq_update u;
-    for (;;) {
-      u = job->poll(std::chrono::milliseconds(200));
-      text += u.text;
-      if (u.done) break;
+    auto text = std::make_shared<std::string>();
+    auto reply = [=, this](const seq_update& u) {
+      json choice = {{"index", 0}, {"finish_reason", finish_reason(u)}, {"logprobs", nullptr}};
+      if (chat) choice["message"] = {{"role", "assistant"}, {"content", *text}};
+      else choice["text"] = *text;
+      return dump(json{{"id", id}, {"object", chat ? "chat.completion" : "text_completion"}, {"created", created},
+                       {"model", model_id_}, {"choices", json::array({choice})},
+                       {"usage", usage(n_prompt, u.n_generated)}});
+    };
+    // A reply within a second (or an early failure) keeps its status and Content-Length.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    while (std::chrono::steady_clock::now() < until) {
+      const seq_update u = job->poll(std::chrono::milliseconds(200));
+      *text += u.text;
+      if (!u.done) continue;
+      if (u.finish_reason == "error") throw api_error(500, "generation failed: " + u.error, "server_error");
+      res.set_content(reply(u), "application/json");
+      return;
     }
-    if (u.finish_reason == "error") throw api_error(500, "generation failed: " + u.error, "server_error");
-    json choice = {{"index", 0}, {"finish_reason", finish_reason(u)}, {"logprobs", nullptr}};
-    if (chat) choice["message"] = {{"role", "assistant"}, {"content", text}};
-    else choice["text"] = text;
-    json j = {{"id", id}, {"object", chat ? "chat.completion" : "text_completion"}, {"created", created},
-              {"model", model_id_}, {"choices", json::array({choice})}, {"usage", usage(n_prompt, u.n_generated)}};
-    res.set_content(dump(j), "application/json");
+    // Longer: a chunked body that sends one space (JSON allows leading whitespace) per poll while
+    // generating, so that a client gone (the write fails) cancels the request and frees its slot
+    // and pages: cpp-httplib 0.11 cannot tell a handler that its connection closed otherwise. A
+    // failure from here on is a 200 with the error body.
+    res.set_chunked_content_provider(
+        "application/json",
+        [=](size_t, httplib::DataSink& sink) {
+          const seq_update u = job->poll(std::chrono::milliseconds(200));
+          *text += u.text;
+          if (!u.done) {
+            if (!sink.write(" ", 1)) {
+              job->cancel();
+              return false;
+            }
+            return true;
+          }
+          const std::string body =
+              u.finish_reason == "error"
+                  ? dump(error_body(api_error(500, "generation failed: " + u.error, "server_error")))
+                  : reply(u);
+          sink.write(body.data(), body.size());
+          sink.done();
+          return true;
+        },
+        [job](bool success) {
+          if (!success) job->cancel();
+        });
     return;
   }
 

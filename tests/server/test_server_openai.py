@@ -322,6 +322,18 @@ def test_auth_queue_disconnect(srv):
         h.close()
     check(wait_idle(srv), f"after the clients hung up: sequences_active {srv.metric('sequences_active')}")
     check(srv.metric("kv_pages_in_use") == 0, f"after the clients hung up: kv_pages_in_use {srv.metric('kv_pages_in_use')}")
+    # a non-streamed request whose client hangs up is cancelled too (its body trickles spaces)
+    cancelled = srv.metric("requests_cancelled_total")
+    h = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    h.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True}),
+              headers=auth)
+    time.sleep(1.5)
+    h.sock.close()
+    h.close()
+    check(wait_idle(srv) and srv.metric("requests_cancelled_total") == cancelled + 1,
+          f"non-streamed request, client gone: sequences_active {srv.metric('sequences_active')}, "
+          f"requests_cancelled_total {cancelled} -> {srv.metric('requests_cancelled_total')}")
+    check(srv.metric("kv_pages_in_use") == 0, f"non-streamed, client gone: kv_pages_in_use {srv.metric('kv_pages_in_use')}")
     check(srv.metric("requests_cancelled_total") >= 4, f"requests_cancelled_total {srv.metric('requests_cancelled_total')}")
     check(srv.proc.poll() is None, "the server survived the disconnects")
 
