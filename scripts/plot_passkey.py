@@ -10,6 +10,7 @@ accuracy.
 import json
 import math
 import sys
+import textwrap
 
 import plot_common  # matplotlib's headless backend first
 import matplotlib.pyplot as plt
@@ -35,7 +36,7 @@ def panel(ax, r):
     ax.set_ylabel("context length (tokens)", fontsize=7)
     kv = r["kv_type_k"] if r["kv_type_k"] == r["kv_type_v"] else r["kv_type_k"] + "/" + r["kv_type_v"]
     ax.set_title("%s  %.0f B/tok\n%s\naccuracy %.1f %% (%d trials/cell)" %
-                 (kv, r["kv_bytes_per_token"], r["kv_cache"], 100 * r["accuracy"], r["trials_per_cell"]), fontsize=7)
+                 (kv, r["kv_bytes_per_token"], "\n".join(textwrap.wrap(r["kv_cache"], 48)), 100 * r["accuracy"], r["trials_per_cell"]), fontsize=7)
     return im
 
 
