@@ -17,6 +17,11 @@ and the text around them is kept (a new file gets a title and the markers). Both
 atomically (temp file + rename). Protocol (golden/tinylit-hd64-gqa4/README.md): -c 512, 200 chunks
 of the held-out novels, 100 of TinyStories and WikiText-2; stories260K on TinyStories at -c 512.
 --chunks N overrides every chunk count (a quick draft; the tables say so). Standard library only.
+
+--real: the real-model tables (Qwen2.5-Coder-0.5B, Gemma 3 270M; issue 14 point 4), in their own
+marked region and results file: see scripts/quality_real.py. For example
+    scripts/quality.py --real --kvq build/kvq --threads 1 --jobs 2 --base-dir /tmp/kvq_kld
+    scripts/quality.py --real --kvq build/kvq --threads 1 --jobs 2 --greedy
 """
 import argparse
 import datetime
@@ -457,12 +462,25 @@ def main():
     ap.add_argument("--dataset", help="dataset key of --golden (default: its first)")
     ap.add_argument("--base-dir", help="keep the f16 base log-prob files here and reuse one that exists "
                     "(its stored base row must have the same chunk count) instead of re-running the base")
+    ap.add_argument("--real", action="store_true", help="the real-model tables instead (scripts/quality_real.py): "
+                    "Qwen2.5-Coder-0.5B and Gemma 3 270M from --models-dir, results in docs/quality_real.json; "
+                    "--formats then takes keys separated by ';'")
+    ap.add_argument("--models", help="--real: comma-separated subset of the real models")
+    ap.add_argument("--models-dir", default=os.path.join(repo, "models"), help="--real: folder of the GGUF files "
+                    "(scripts/fetch-models.sh)")
+    ap.add_argument("--greedy", action="store_true", help="--real: greedy 64-token agreement with the f16 cache "
+                    "instead of perplexity")
+    ap.add_argument("--jobs", type=int, default=1, help="--real: kvq runs at a time (each with --threads)")
     args = ap.parse_args()
+    args.repo = repo
+    if args.real:
+        import quality_real
+        quality_real.main(args)
+        return
     if bool(args.model) != bool(args.golden):
         sys.exit("quality.py: --model and --golden go together")
     if args.model and not os.path.exists(args.model):
         sys.exit("quality.py: model '%s' not found (scripts/fetch-models.sh)" % args.model)
-    args.repo = repo
     kvq = os.path.abspath(args.kvq)
     if not args.render_only and not os.access(kvq, os.X_OK):
         sys.exit("quality.py: kvq binary '%s' not found or not executable" % args.kvq)
