@@ -23,8 +23,10 @@ import fcntl
 import json
 import os
 import subprocess
+import tempfile
 import threading
 import time
+import zlib
 
 import quality as q
 
@@ -125,7 +127,8 @@ def update(path, fn):
     """Read-modify-write of the results file under a thread lock and an flock (two processes may
     run other models or formats at once)."""
     with _lock:
-        with open(path + ".lock", "w") as lk:
+        lock = os.path.join(tempfile.gettempdir(), "kvq_quality_real_%x.lock" % zlib.crc32(os.path.abspath(path).encode()))
+        with open(lock, "w") as lk:
             fcntl.flock(lk, fcntl.LOCK_EX)
             r = load(path)
             fn(r)
