@@ -216,7 +216,9 @@ TEST(Scheduler, PrefixReuseReturnsTheColdResult) {
     // the 2nd request reuses the shared system prompt's pages, the 3rd (the 1st again) its whole
     // prompt but the last token, both in whole prefill chunks of 16
     EXPECT_EQ(mt.prefix_hits, c.reuses ? 2u : 0u);
-    if (c.reuses) EXPECT_GE(mt.prefix_hit_tokens, 2u * 32u);
+    if (c.reuses) {
+      EXPECT_GE(mt.prefix_hit_tokens, 2u * 32u);
+    }
     EXPECT_EQ(mt.active, 0);
     EXPECT_EQ(mt.pages_in_use, 0);
     EXPECT_EQ(mt.kv_bytes_used, 0u);
