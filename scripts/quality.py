@@ -178,8 +178,8 @@ def machine():
     return "%s, %d CPUs visible (%s)" % (cpu, os.cpu_count() or 0, platform.system())
 
 
-def run_kvq(kvq, args, threads):
-    cmd = [kvq, "perplexity"] + args + ["-t", str(threads), "--json", "--no-progress"]
+def run_json(cmd):
+    """Runs a kvq command that prints --json: (result, None, seconds), or (None, its last stderr line, seconds)."""
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True)
     dt = time.time() - t0
@@ -187,6 +187,10 @@ def run_kvq(kvq, args, threads):
         lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
         return None, (lines[-1] if lines else "exit %d" % p.returncode), dt
     return json.loads(p.stdout), None, dt
+
+
+def run_kvq(kvq, args, threads):
+    return run_json([kvq, "perplexity"] + args + ["-t", str(threads), "--json", "--no-progress"])
 
 
 # ---------------------------------------------------------------- golden rows (llama.cpp)

@@ -22,7 +22,6 @@ import datetime
 import fcntl
 import json
 import os
-import subprocess
 import tempfile
 import threading
 import time
@@ -140,16 +139,6 @@ def bits_of(j):
     return q.kvq_bits(j)[0]
 
 
-def run_json(cmd):
-    t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    dt = time.time() - t0
-    if p.returncode != 0:
-        lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
-        return None, (lines[-1] if lines else "exit %d" % p.returncode), dt
-    return json.loads(p.stdout), None, dt
-
-
 # ---------------------------------------------------------------- perplexity / KLD
 
 def run_ppl(args, kvq, mkey, want, commit, path):
@@ -182,7 +171,7 @@ def run_ppl(args, kvq, mkey, want, commit, path):
         j, err, dt = json.load(open(base_file + ".json")), None, 0.0
         q.log("%s: f16 base reused from %s" % (mkey, base_file))
     else:
-        j, err, dt = run_json([kvq, "perplexity"] + common + FLAGS[BASE] + ["--kl-base", base_file, "--kl-top-k", "0"])
+        j, err, dt = q.run_json([kvq, "perplexity"] + common + FLAGS[BASE] + ["--kl-base", base_file, "--kl-top-k", "0"])
         if not err:
             q.write_atomic(base_file + ".json", json.dumps(j) + "\n")
         q.log("%s: f16 base %.0f s%s" % (mkey, dt, " FAILED: " + err if err else ", PPL %.4f" % j["ppl"]))
@@ -201,7 +190,7 @@ def run_ppl(args, kvq, mkey, want, commit, path):
         return {"flags": FLAGS[BASE], "commit": commit, "seconds": 0.0, "result": b}
 
     def one(key):
-        j, err, dt = run_json([kvq, "perplexity"] + common + FLAGS[key] + ["--kl-compare", base_file])
+        j, err, dt = q.run_json([kvq, "perplexity"] + common + FLAGS[key] + ["--kl-compare", base_file])
         row = {"flags": FLAGS[key], "commit": commit, "seconds": round(dt, 1)}
         row.update({"error": err} if err else {"result": j})
         def put(r):
@@ -271,7 +260,7 @@ def run_greedy(args, kvq, mkey, want, commit, path):
         [("long %d" % (i + 1), p, None) for i, p in enumerate(long_prompts(args, golden_prompts))]
 
     def gen(key, prompt):
-        return run_json([kvq, "generate", "-m", mp, "-p", prompt, "-n", "64", "--temp", "0", "--ignore-eos",
+        return q.run_json([kvq, "generate", "-m", mp, "-p", prompt, "-n", "64", "--temp", "0", "--ignore-eos",
                          "-c", "1024", "-t", str(args.threads), "--json"] + FLAGS[key])
 
     old = load(path).get("models", {}).get(mkey, {}).get("greedy") or {}
