@@ -1,6 +1,7 @@
 // kvq bench: decode and prefill speed and KV memory of KV formats against context depth.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <fstream>
@@ -263,16 +264,21 @@ int run_bench(bench_opts& o) {
     std::printf("threads %d, fill %s, %d decode steps (median), %d prefill tokens (median of %d), formats interleaved, "
                 "cache n_ctx %d\n\n",
                 r.n_threads, r.fill.c_str(), o.p.n_decode, o.p.n_prefill, o.p.prefill_repeats, r.n_ctx);
-    std::printf("| %-11s | %6s | %12s | %6s | %12s | %6s | %10s | %7s |\n", "KV", "depth", "decode tok/s", "x f16",
+    // the KV column is as wide as its widest label ("kivi4/q4a+sink4*"), at least 11
+    auto label = [](const bench_row& w) {
+      return (w.type_k == w.type_v ? w.type_k : w.type_k + "/" + w.type_v) +
+             (w.sink > 0 ? "+sink" + std::to_string(w.sink) : "") + (w.beyond_train_ctx ? "*" : "");
+    };
+    int kv_w = 11;
+    for (const auto& w : r.rows) kv_w = std::max(kv_w, (int)label(w).size());
+    std::printf("| %-*s | %6s | %12s | %6s | %12s | %6s | %10s | %7s |\n", kv_w, "KV", "depth", "decode tok/s", "x f16",
                 "prefill t/s", "x f16", "KV MiB", "f16/KV");
-    std::printf("| %s | %s | %s | %s | %s | %s | %s | %s |\n", std::string(11, '-').c_str(),
+    std::printf("| %s | %s | %s | %s | %s | %s | %s | %s |\n", std::string(kv_w, '-').c_str(),
                 std::string(6, '-').c_str(), std::string(12, '-').c_str(), std::string(6, '-').c_str(),
                 std::string(12, '-').c_str(), std::string(6, '-').c_str(), std::string(10, '-').c_str(),
                 std::string(7, '-').c_str());
     for (const auto& w : r.rows) {
-      const std::string name = (w.type_k == w.type_v ? w.type_k : w.type_k + "/" + w.type_v) +
-                               (w.sink > 0 ? "+sink" + std::to_string(w.sink) : "") + (w.beyond_train_ctx ? "*" : "");
-      std::printf("| %-11s | %6d | %12.2f | %6.2f | %12.1f | %6.2f | %10.2f | %7.2f |\n", name.c_str(), w.depth,
+      std::printf("| %-*s | %6d | %12.2f | %6.2f | %12.1f | %6.2f | %10.2f | %7.2f |\n", kv_w, label(w).c_str(), w.depth,
                   w.decode_tokens_per_s, w.decode_speedup_vs_f16, w.prefill_tokens_per_s, w.prefill_speedup_vs_f16,
                   w.kv_bytes_used / 1048576.0, w.kv_bytes_ratio_vs_f16);
     }

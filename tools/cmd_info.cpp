@@ -1,12 +1,18 @@
 // kvq info: architecture, shapes and KV bytes/token of every cache type.
+#include <algorithm>
 #include <cmath>
+#include <map>
 #include <cstdio>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
 
 #include "cli.h"
 #include "kvq/attention.h"
 #include "kvq/error.h"
 #include "kvq/generate.h"
+#include "kvq/gguf.h"
 #include "kvq/model.h"
 
 namespace kvq::cli {
@@ -43,6 +49,23 @@ int run_info(info_opts& o) {
 
   kv_layer_kind_bytes kinds;  // layer counts of each kind
   for (int il = 0; il < base.n_layer; ++il) (kv_layer_window(base, il) > 0 ? kinds.n_windowed : kinds.n_global) += 1;
+  // each kind's distinct RoPE bases (and the sliding layers' windows), in layer order
+  std::vector<double> rope_global, rope_sliding;
+  std::vector<int> windows;
+  auto add_once = [](auto& v, auto x) {
+    if (std::find(v.begin(), v.end(), x) == v.end()) v.push_back(x);
+  };
+  for (int il = 0; il < base.n_layer; ++il) {
+    const int w = kv_layer_window(base, il);
+    const double rb = il < (int)hp.layers.size() ? hp.layers[il].rope_freq_base : hp.rope_freq_base;
+    add_once(w > 0 ? rope_sliding : rope_global, rb);
+    if (w > 0) add_once(windows, w);
+  }
+  // weight tensor types: name -> count, most frequent first
+  std::map<std::string, int> type_count;
+  for (const gguf_tensor_info& t : m->gguf().tensors()) type_count[ggml_type_name(t.type)] += 1;
+  std::vector<std::pair<std::string, int>> types(type_count.begin(), type_count.end());
+  std::stable_sort(types.begin(), types.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
   nlohmann::json rows = nlohmann::json::array();
   for (const std::string& t : kv_type_names()) {
     kv_cache_params p = base;
@@ -70,7 +93,17 @@ int run_info(info_opts& o) {
                      {"rope", hp.rope == rope_type::neox ? "neox" : "norm"}, {"rms_eps", hp.rms_eps},
                      {"attn_scale", hp.attn_scale}, {"tied_output", hp.tied_output}, {"n_params", hp.n_params},
                      {"n_ctx", n_ctx}, {"n_global_layers", kinds.n_global}, {"n_window_layers", kinds.n_windowed},
-                     {"kv_types", rows}};
+                     {"sliding_window", hp.sliding_window}, {"kv_types", rows}};
+    j["layer_kinds"] = nlohmann::json::array();
+    if (kinds.n_global > 0)
+      j["layer_kinds"].push_back({{"kind", "global"}, {"n_layers", kinds.n_global}, {"rope_freq_base", rope_global}});
+    if (kinds.n_windowed > 0)
+      j["layer_kinds"].push_back({{"kind", "sliding"}, {"n_layers", kinds.n_windowed}, {"window", windows},
+                                  {"rope_freq_base", rope_sliding}});
+    // bytes_per_token counts the global layers; bytes_window_layers is the sliding layers' fixed ring at n_ctx
+    j["bytes_per_token_layers"] = "global";
+    j["tensor_types"] = nlohmann::json::object();
+    for (const auto& [t, n] : types) j["tensor_types"][t] = n;
     std::printf("%s\n", json_text(j, 2).c_str());
     return 0;
   }
@@ -83,6 +116,19 @@ int run_info(info_opts& o) {
               hp.rope_freq_base, hp.rope_freq_scale);
   std::printf("rms_eps %g  attn_scale %g  output %s  n_ctx_train %d\n", hp.rms_eps, hp.attn_scale,
               hp.tied_output ? "tied" : "separate", hp.n_ctx_train);
+  auto list = [](const auto& v) {
+    std::string out;
+    for (const auto& x : v) out += (out.empty() ? "" : ", ") + fmt::format("{}", x);
+    return out;
+  };
+  std::printf("layers       %d global (RoPE base %s)", kinds.n_global, list(rope_global).c_str());
+  if (kinds.n_windowed > 0)
+    std::printf(", %d sliding-window (window %s tokens, RoPE base %s)", kinds.n_windowed, list(windows).c_str(),
+                list(rope_sliding).c_str());
+  std::printf("\n");
+  std::string tl;
+  for (const auto& [t, n] : types) tl += (tl.empty() ? "" : "  ") + t + ": " + std::to_string(n);
+  std::printf("tensors      %s\n", tl.c_str());
   std::printf("\nKV cache at n_ctx %d (K and V the same type; options: rot %s, group %d, exact sink %d, exact recent %d)\n",
               n_ctx, kv_rotation_name(base.rotation).c_str(), base.group_size, base.sink, base.exact_recent);
   // bytes/token is asymptotic (compressed rows); bytes at n_ctx is what a cache of n_ctx positions
@@ -91,10 +137,11 @@ int run_info(info_opts& o) {
   // a fixed ring), and the bytes at n_ctx are split by layer kind
   const bool split = kinds.n_windowed > 0;
   if (split)
-    std::printf("%d global layers, %d sliding-window layers (a ring of window - 1 + n_ubatch positions each)\n",
+    std::printf("bytes/token counts the %d global layers only; the %d sliding-window layers hold a fixed ring of\n"
+                "min(n_ctx, window - 1 + n_ubatch) positions each (last column, bytes at this n_ctx)\n",
                 kinds.n_global, kinds.n_windowed);
-  std::printf("%-10s %14s %10s %16s", "type", "bytes/token", "vs f16", "bytes at n_ctx");
-  if (split) std::printf(" %16s %16s", "global layers", "window layers");
+  std::printf("%-10s %14s %10s %16s", "type", split ? "B/token global" : "bytes/token", "vs f16", "bytes at n_ctx");
+  if (split) std::printf(" %16s %16s", "global layers", "sliding (fixed)");
   std::printf("  attention tier\n");
   for (const auto& r : rows) {
     if (r.contains("error")) {

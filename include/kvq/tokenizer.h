@@ -43,9 +43,11 @@ class tokenizer {
   // Throws invalid_input for an id outside [0, n_vocab()).
   virtual std::string decode(std::span<const int32_t> ids) const = 0;
   // Raw bytes of one token (byte-fallback tokens give their byte; "▁" becomes ' '); control and
-  // unknown tokens give "" (llama_token_to_piece with special=false); user-defined tokens give
-  // their text. Throws invalid_input for an id outside [0, n_vocab()).
-  virtual std::string token_to_piece(int32_t id) const = 0;
+  // unknown tokens give "" (llama_token_to_piece with special=false), or with special = true
+  // their vocabulary text such as "<start_of_turn>" (llama_token_to_piece with special=true, as
+  // llama-tokenize --show-pieces prints them); user-defined tokens give their text. Throws
+  // invalid_input for an id outside [0, n_vocab()).
+  virtual std::string token_to_piece(int32_t id, bool special = false) const = 0;
   // The vocabulary string as stored in tokenizer.ggml.tokens (e.g. "▁the", "<0x0A>", "Ġthe").
   virtual const std::string& token_text(int32_t id) const = 0;
 

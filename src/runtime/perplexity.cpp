@@ -2,8 +2,10 @@
 #include "kvq/perplexity.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -23,8 +25,13 @@ std::string read_text_file(const std::string& path, const std::string& op) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec))
     fail_input("[" + op + "] text file '" + path + "' is a directory, not a file");
+  errno = 0;
   std::ifstream f(path, std::ios::binary);
-  if (!f) fail(errc::io, "[" + op + "] cannot open text file '" + path + "'");
+  if (!f) {  // the OS reason, as the model loader gives it (gguf_file::open)
+    const int e = errno;
+    fail(errc::io, "[" + op + "] cannot open text file '" + path + "': " +
+                       (e != 0 ? std::strerror(e) : "unknown reason"));
+  }
   std::ostringstream ss;
   ss << f.rdbuf();
   std::string s = ss.str();

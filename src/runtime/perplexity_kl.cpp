@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -121,7 +122,7 @@ std::string kl_header_text(const nlohmann::json& header) {
 kl_file_writer::kl_file_writer(const std::string& path, const nlohmann::json& header)
     : path_(path), tmp_(path + ".tmp." + std::to_string(::getpid())) {
   f_ = std::fopen(tmp_.c_str(), "wb");
-  if (!f_) fail(errc::io, "[perplexity] cannot open '" + tmp_ + "' for writing the KL base file");
+  if (!f_) fail(errc::io, "[perplexity] cannot open '" + tmp_ + "' for writing the KL base file: " + std::strerror(errno));
   const std::string h = kl_header_text(header);
   const uint32_t n = (uint32_t)h.size();
   write(reinterpret_cast<const uint8_t*>(kMagic), 8);
@@ -156,7 +157,7 @@ kl_file_reader::kl_file_reader(const std::string& path) : path_(path) {
   if (std::filesystem::is_directory(path, ec))
     fail_input("[perplexity] KL base file '" + path + "' is a directory, not a file");
   f_ = std::fopen(path.c_str(), "rb");
-  if (!f_) fail(errc::io, "[perplexity] cannot open the KL base file '" + path + "'");
+  if (!f_) fail(errc::io, "[perplexity] cannot open the KL base file '" + path + "': " + std::strerror(errno));
   try {
     read_header();
   } catch (...) {

@@ -2,9 +2,11 @@
 // streaming, Prometheus metrics. The scheduler (scheduler.h) does the model work.
 #include <httplib.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -65,8 +67,11 @@ http_server::http_server(const server_params& p) : p_(p) {
   model_id_ = p_.model_alias.empty() ? std::filesystem::path(p_.model_path).filename().string() : p_.model_alias;
 
   if (!p_.chat_template_file.empty()) {
+    errno = 0;
     std::ifstream f(p_.chat_template_file, std::ios::binary);
-    if (!f) fail(errc::io, "[server] cannot open --chat-template-file '" + p_.chat_template_file + "'");
+    if (!f)
+      fail(errc::io, "[server] cannot open --chat-template-file '" + p_.chat_template_file +
+                         "': " + (errno != 0 ? std::strerror(errno) : "unknown reason"));
     std::stringstream ss;
     ss << f.rdbuf();
     template_text_ = ss.str();

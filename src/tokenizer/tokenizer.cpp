@@ -90,7 +90,11 @@ class gguf_tokenizer final : public tokenizer {
     return s;
   }
 
-  std::string token_to_piece(int32_t id) const override { return piece(id); }
+  std::string token_to_piece(int32_t id, bool special = false) const override {
+    if (!special) return piece(id);
+    check(id);
+    return v_.piece[id];  // llama_token_to_piece(special=true): control/unknown give their text
+  }
 
   const std::string& token_text(int32_t id) const override {
     check(id);

@@ -115,6 +115,11 @@ TEST(golden_vocab_meta, special_ids_and_flags) {
   EXPECT_EQ(ts->token_to_piece(13), "\n");
   EXPECT_EQ(ts->token_to_piece(1), "");  // control
   EXPECT_EQ(ts->token_to_piece(0), "");  // unknown
+  // special = true (llama-tokenize --show-pieces): control and unknown tokens give their text
+  EXPECT_EQ(ts->token_to_piece(1, true), "<s>");
+  EXPECT_EQ(ts->token_to_piece(0, true), "<unk>");
+  EXPECT_EQ(ts->token_to_piece(13, true), "\n");
+  EXPECT_THROW(ts->token_to_piece(32000, true), kvq::error);
   EXPECT_THROW(ts->token_to_piece(32000), kvq::error);
   EXPECT_THROW(ts->token_to_piece(-1), kvq::error);
 
