@@ -45,6 +45,11 @@ void add_kv_flags(CLI::App* app, kv_flags& f, bool& explicit_kv);
 // --json (one JSON object on stdout) and --no-progress, as the measuring commands take them.
 void add_report_flags(CLI::App* app, bool& json, bool& no_progress);
 
+// The progress callback of a long command (perplexity, eval-passkey): a bar on stderr, redrawn in
+// place on a terminal, one line per ~10 % otherwise; `unit` names what is counted ("chunks").
+// Empty (no output) when `enabled` is false.
+std::function<void(int done, int total, int64_t tokens, double seconds)> progress_bar(bool enabled, const char* unit);
+
 // A comma-separated list of token counts, "4k" meaning 4096 ("0,512,4k,32K"); empty items are
 // skipped. Errors (invalid_input): "[op] what: 'x' is not an integer", a value above INT_MAX.
 std::vector<int> parse_count_list(const std::string& s, const std::string& op, const char* what);

@@ -64,26 +64,6 @@ std::string haystack_path(const std::string& given) {
   return p;
 }
 
-passkey_progress progress_bar(bool enabled) {
-  if (!enabled) return {};
-  const bool tty = ::isatty(2);
-  auto last_decile = std::make_shared<int>(-1);
-  return [tty, last_decile](int done, int total, int64_t tokens, double s) {
-    const double frac = (double)done / total;
-    const int decile = (int)(frac * 10);
-    if (!tty && decile == *last_decile && done != total) return;
-    *last_decile = decile;
-    const double tps = s > 0 ? tokens / s : 0;
-    const double eta = done > 0 ? s * (total - done) / done : 0;
-    const int width = 30, fill = (int)(frac * width);
-    std::string bar(fill, '#');
-    bar.resize(width, '.');
-    std::fprintf(stderr, "%s[%s] %d/%d prompts, %.0f tok/s, ETA %.0fs%s", tty ? "\r" : "", bar.c_str(), done, total,
-                 tps, eta, tty ? (done == total ? "\n" : "") : "\n");
-    std::fflush(stderr);
-  };
-}
-
 nlohmann::json to_json(const passkey_opts& o, const passkey_result& r) {
   const passkey_params& p = o.p;
   nlohmann::json j{{"model", o.model_path},
@@ -156,7 +136,7 @@ int run_passkey(passkey_opts& o) {
   if (!o.no_progress)
     std::fprintf(stderr, "[kvq] haystack %s: %zu tokens; %zu lengths x %zu depths x %d trials\n", path.c_str(),
                  text.haystack.size(), o.p.lengths.size(), o.p.depths.size(), o.p.trials);
-  const passkey_result r = eval_passkey(*m, *tok, text, o.p, progress_bar(!o.no_progress));
+  const passkey_result r = eval_passkey(*m, *tok, text, o.p, progress_bar(!o.no_progress, "prompts"));
   const nlohmann::json j = to_json(o, r);
   if (o.json) std::printf("%s\n", json_text(j).c_str());
   else print_table(o, r);

@@ -20,27 +20,6 @@ struct perplexity_opts {
   bool json = false, no_progress = false;
 };
 
-// Progress bar on stderr: redrawn in place on a terminal, one line per ~10% otherwise.
-perplexity_progress progress_bar(bool enabled) {
-  if (!enabled) return {};
-  const bool tty = ::isatty(2);
-  auto last_decile = std::make_shared<int>(-1);
-  return [tty, last_decile](int done, int total, int64_t tokens, double s) {
-    const double frac = (double)done / total;
-    const int decile = (int)(frac * 10);
-    if (!tty && decile == *last_decile && done != total) return;
-    *last_decile = decile;
-    const double tps = s > 0 ? tokens / s : 0;
-    const double eta = done > 0 ? s * (total - done) / done : 0;
-    const int width = 30, fill = (int)(frac * width);
-    std::string bar(fill, '#');
-    bar.resize(width, '.');
-    std::fprintf(stderr, "%s[%s] %d/%d chunks, %.0f tok/s, ETA %.0fs%s", tty ? "\r" : "", bar.c_str(), done,
-                 total, tps, eta, tty ? (done == total ? "\n" : "") : "\n");
-    std::fflush(stderr);
-  };
-}
-
 int run_perplexity(perplexity_opts& o) {
   o.p.cache = o.kv.params();
   if (!o.compare.empty()) o.p.compare_type = parse_kv_cache_type(o.compare);
@@ -52,7 +31,7 @@ int run_perplexity(perplexity_opts& o) {
   if (!o.no_progress)
     std::fprintf(stderr, "[kvq] %s: %zu tokens; chunks of %d tokens, last %d positions scored\n",
                  o.text_path.c_str(), ids.size(), o.p.n_ctx, o.p.n_ctx - 1 - o.p.n_ctx / 2);
-  const perplexity_result r = perplexity(*m, ids, perplexity_bos(*tok), o.p, progress_bar(!o.no_progress));
+  const perplexity_result r = perplexity(*m, ids, perplexity_bos(*tok), o.p, progress_bar(!o.no_progress, "chunks"));
   if (o.json) {
     nlohmann::json j = perplexity_json(o.model_path, o.p, r);
     j["text"] = o.text_path;

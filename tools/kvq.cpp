@@ -6,6 +6,9 @@
 #include <limits>
 #include <sstream>
 #include <map>
+#include <memory>
+
+#include <unistd.h>
 
 #include "cli.h"
 #include "kvq/error.h"
@@ -15,6 +18,26 @@ namespace kvq::cli {
 std::vector<command>& registry() {
   static std::vector<command> r;
   return r;
+}
+
+std::function<void(int, int, int64_t, double)> progress_bar(bool enabled, const char* unit) {
+  if (!enabled) return {};
+  const bool tty = ::isatty(2);
+  auto last_decile = std::make_shared<int>(-1);
+  return [tty, last_decile, unit](int done, int total, int64_t tokens, double s) {
+    const double frac = (double)done / total;
+    const int decile = (int)(frac * 10);
+    if (!tty && decile == *last_decile && done != total) return;
+    *last_decile = decile;
+    const double tps = s > 0 ? tokens / s : 0;
+    const double eta = done > 0 ? s * (total - done) / done : 0;
+    const int width = 30, fill = (int)(frac * width);
+    std::string bar(fill, '#');
+    bar.resize(width, '.');
+    std::fprintf(stderr, "%s[%s] %d/%d %s, %.0f tok/s, ETA %.0fs%s", tty ? "\r" : "", bar.c_str(), done, total, unit,
+                 tps, eta, tty ? (done == total ? "\n" : "") : "\n");
+    std::fflush(stderr);
+  };
 }
 
 kv_cache_params kv_flags::params() const {
