@@ -22,8 +22,9 @@ attention sinks (s_aux), 4-D / custom masks, dropout in training, beam search (r
 tensors. Errors: ``ValueError`` for a model or input kvq cannot serve, ``TypeError`` for a wrong
 dtype or device, ``NotImplementedError`` for the cache operations kvq does not have.
 
-transformers versions: SUPPORTED_TRANSFORMERS (tested: TESTED_TRANSFORMERS); importing this module
-with another version raises ImportError naming both.
+transformers versions: SUPPORTED_TRANSFORMERS, >=5.22,<5.24 (tests/python/test_hf.py, the real-model
+test included, passed on TESTED_TRANSFORMERS: 5.22.2 and 5.23.0); importing this module with another
+version raises ImportError naming both.
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ from . import KVCache
 # The Cache / CacheLayerMixin API (transformers 5: layers with update / get_seq_length /
 # get_mask_sizes / get_max_length, the attention interface receiving the 2-D mask of an unknown
 # implementation as is) this module is written against, and the versions its tests ran on.
-SUPPORTED_TRANSFORMERS = SpecifierSet(">=5.23,<5.24")
-TESTED_TRANSFORMERS = ("5.23.0",)
+SUPPORTED_TRANSFORMERS = SpecifierSet(">=5.22,<5.24")
+TESTED_TRANSFORMERS = ("5.22.2", "5.23.0")
 
 
 
