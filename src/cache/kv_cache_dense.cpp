@@ -150,17 +150,12 @@ class kv_cache_dense final : public kv_cache {
     const size_t pages = pool_.on() ? (size_t)pool_.n_seq_held() : 0;  // (not those only pinned)
     return rows * p_.n_kv_head * p_.head_dim * (size_t)(kv_elem_bytes(ek_) + kv_elem_bytes(ev_)) + pages * page_bytes_;
   }
-  kv_page_info page_info() const override {
-    if (!pool_.on()) return {};
-    return {p_.page_size, pool_.n_pages(), pool_.n_free(), pool_.n_seq_held(), pool_.max_pages_per_seq(), page_bytes_};
-  }
+  kv_page_info page_info() const override { return pool_.info(page_bytes_); }
   std::vector<int> seq_pages(int seq_id) const override {
     check_layer_seq("seq_pages", 0, seq_id);
     return pool_.on() ? pool_.table(seq_id) : std::vector<int>{};
   }
-  int pages_for(int n) const override {
-    return pool_.on() ? std::min(pool_.pages_for_rows(std::min(n, p_.n_ctx)), pool_.max_pages_per_seq()) : 0;
-  }
+  int pages_for(int n) const override { return pool_.pages_for(n, p_.n_ctx); }
   void pin_page(int page) override {
     if (!pool_.on()) kv_cache::pin_page(page);
     pool_.pin(page);
@@ -178,10 +173,7 @@ class kv_cache_dense final : public kv_cache {
     for (int il = 0; il < p_.n_layer; ++il)
       if (pos_[(size_t)il * p_.n_seq + seq_id] != 0)
         fail_input("[kv_cache] share_prefix: seq " + std::to_string(seq_id) + " is not empty");
-    if ((int64_t)n * p_.page_size >= p_.n_ctx)
-      fail_input("[kv_cache] share_prefix: " + std::to_string(n) + " pages of " + std::to_string(p_.page_size) +
-                 " rows leave no room in n_ctx " + std::to_string(p_.n_ctx));
-    pool_.check_adopt("share_prefix", seq_id, pages, n);
+    pool_.check_adopt("share_prefix", seq_id, pages, n, p_.n_ctx);
     pool_.adopt(seq_id, pages, n);
     for (int il = 0; il < p_.n_layer; ++il) pos_[(size_t)il * p_.n_seq + seq_id] = n * p_.page_size;
   }

@@ -157,18 +157,13 @@ class kv_cache_quant final : public kv_cache {
     }
     if (pool_.on()) pool_.shrink(seq_id, 0);
   }
-  kv_page_info page_info() const override {
-    if (!pool_.on()) return {};
-    return {p_.page_size, pool_.n_pages(), pool_.n_free(), pool_.n_seq_held(), pool_.max_pages_per_seq(), page_bytes()};
-  }
+  kv_page_info page_info() const override { return pool_.info(page_bytes()); }
   std::vector<int> seq_pages(int seq_id) const override {
     check_layer_seq("seq_pages", 0, seq_id);
     return pool_.on() ? pool_.table(seq_id) : std::vector<int>{};
   }
   // body rows <= positions (the sink and tail rows take no page)
-  int pages_for(int n) const override {
-    return pool_.on() ? std::min(pool_.pages_for_rows(std::min(n, p_.n_ctx)), pool_.max_pages_per_seq()) : 0;
-  }
+  int pages_for(int n) const override { return pool_.pages_for(n, p_.n_ctx); }
   void pin_page(int page) override {
     if (!pool_.on()) kv_cache::pin_page(page);
     pool_.pin(page);
@@ -191,10 +186,7 @@ class kv_cache_quant final : public kv_cache {
     if (!can_share_prefix()) kv_cache::share_prefix(seq_id, pages, n);
     for (int il = 0; il < p_.n_layer; ++il)
       if (st(il, seq_id).n != 0) fail_input("[kv_cache] share_prefix: seq " + std::to_string(seq_id) + " is not empty");
-    if ((int64_t)n * p_.page_size >= p_.n_ctx)
-      fail_input("[kv_cache] share_prefix: " + std::to_string(n) + " pages of " + std::to_string(p_.page_size) +
-                 " rows leave no room in n_ctx " + std::to_string(p_.n_ctx));
-    pool_.check_adopt("share_prefix", seq_id, pages, n);
+    pool_.check_adopt("share_prefix", seq_id, pages, n, p_.n_ctx);
     pool_.adopt(seq_id, pages, n);
     for (int il = 0; il < p_.n_layer; ++il) {
       st(il, seq_id) = {};

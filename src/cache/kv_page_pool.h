@@ -9,11 +9,14 @@
 // written: sequences share only full pages, and a truncate that leaves a shared page partly kept
 // copies it first (copy on write).
 #pragma once
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "kvq/error.h"
+#include "kvq/kv_cache.h"
 
 namespace kvq {
 
@@ -37,6 +40,15 @@ class kv_page_pool {
   const std::vector<int>& table(int seq) const { return table_[(size_t)seq]; }
   int page_of(int seq, size_t row) const { return table_[(size_t)seq][row / (size_t)P_]; }
   int pages_for_rows(int rows) const { return rows <= 0 ? 0 : (rows + P_ - 1) / P_; }
+  // kv_cache::page_info of a cache on this pool ({} when not paged); page_bytes as the cache counts them.
+  kv_page_info info(size_t page_bytes) const {
+    if (!on()) return {};
+    return {P_, n_pages(), n_free(), n_seq_held(), max_per_seq_, page_bytes};
+  }
+  // kv_cache::pages_for: pages a sequence of n positions (at most n_ctx) holds (0 when not paged).
+  int pages_for(int n, int n_ctx) const {
+    return on() ? std::min(pages_for_rows(std::min(n, n_ctx)), max_per_seq_) : 0;
+  }
   // Pages referenced by at least one sequence (not only pinned).
   int n_seq_held() const {
     int n = 0;
@@ -89,7 +101,11 @@ class kv_page_pool {
     return {old, pg};
   }
   // seq (empty table) takes references to pages[0, n) as its first n pages.
-  void check_adopt(const char* op, int seq, const int* pages, int n) const {
+  // n pages must leave room for one more row in n_ctx.
+  void check_adopt(const char* op, int seq, const int* pages, int n, int n_ctx) const {
+    if ((int64_t)n * P_ >= n_ctx)
+      fail_input(std::string("[kv_cache] ") + op + ": " + std::to_string(n) + " pages of " + std::to_string(P_) +
+                 " rows leave no room in n_ctx " + std::to_string(n_ctx));
     if (!table(seq).empty())
       fail_input(std::string("[kv_cache] ") + op + ": seq " + std::to_string(seq) + " is not empty");
     if (n < 0 || n > max_per_seq_)
