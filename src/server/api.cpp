@@ -197,6 +197,37 @@ size_t utf8_incomplete_tail(const std::string& s) {
   return 0;
 }
 
+bool utf8_valid(const std::string& s) {
+  const auto* b = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned c = b[i];
+    size_t len;
+    uint32_t cp;
+    if (c < 0x80) len = 1, cp = c;
+    else if (c >= 0xC2 && c < 0xE0) len = 2, cp = c & 0x1F;
+    else if (c >= 0xE0 && c < 0xF0) len = 3, cp = c & 0x0F;
+    else if (c >= 0xF0 && c < 0xF5) len = 4, cp = c & 0x07;
+    else return false;  // a continuation byte, C0 / C1 (overlong) or F5..FF
+    if (n - i < len) return false;
+    for (size_t k = 1; k < len; ++k) {
+      if ((b[i + k] & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (b[i + k] & 0x3F);
+    }
+    if ((len == 3 && cp < 0x800) || (len == 4 && (cp < 0x10000 || cp > 0x10FFFF)) || (cp >= 0xD800 && cp < 0xE000))
+      return false;
+    i += len;
+  }
+  return true;
+}
+
+json token_piece_json(int32_t id, const std::string& piece) {
+  if (utf8_valid(piece)) return {{"id", id}, {"piece", piece}};
+  json bytes = json::array();
+  for (unsigned char c : piece) bytes.push_back((int)c);
+  return {{"id", id}, {"piece", bytes}};
+}
+
 bool text_stream::append(const std::string& piece) {
   if (stopped_) return true;
   const size_t old = text_.size();

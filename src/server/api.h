@@ -82,4 +82,15 @@ class text_stream {
 // Bytes at the end of s that form an incomplete UTF-8 sequence (0..3).
 size_t utf8_incomplete_tail(const std::string& s);
 
+// True when s is well-formed UTF-8 (RFC 3629: no overlong forms, surrogates or code points above
+// U+10FFFF).
+bool utf8_valid(const std::string& s);
+
+// One entry of POST /tokenize with "with_pieces": true, as llama-server writes it
+// (tools/server/server-context.cpp, post_tokenize): {"id", "piece"}, the piece being the token's text
+// with control tokens by their vocabulary text (token_to_piece special = true, so <|im_start|> is
+// "<|im_start|>", not ""), a string when it is valid UTF-8, else the list of its byte values (a
+// byte-level token holding part of a multi-byte character).
+nlohmann::json token_piece_json(int32_t id, const std::string& piece);
+
 }  // namespace kvq::server_detail

@@ -208,10 +208,15 @@ void http_server::routes() {
       if (!body["with_pieces"].is_boolean()) fail_request("with_pieces", "'with_pieces' must be a boolean", "invalid_type");
       with_pieces = body["with_pieces"];
     }
-    const auto ids = tok_->encode(body["content"].get<std::string>(), add_special && tok_->add_bos_default(), true);
+    bool parse_special = true;  // llama-server's default: "<|im_start|>" in the text is the control token
+    if (body.contains("parse_special")) {
+      if (!body["parse_special"].is_boolean()) fail_request("parse_special", "'parse_special' must be a boolean", "invalid_type");
+      parse_special = body["parse_special"];
+    }
+    const auto ids = tok_->encode(body["content"].get<std::string>(), add_special && tok_->add_bos_default(), parse_special);
     json tokens = json::array();
     for (int32_t id : ids)
-      tokens.push_back(with_pieces ? json{{"id", id}, {"piece", tok_->token_to_piece(id)}} : json(id));
+      tokens.push_back(with_pieces ? token_piece_json(id, tok_->token_to_piece(id, /*special=*/true)) : json(id));
     res.set_content(dump({{"tokens", tokens}}), "application/json");
   });
   http_.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {

@@ -1,6 +1,9 @@
 // OpenAI request parsing and validation, the error body, and the streamed text's stop strings.
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <vector>
+
 #include "server/api.h"
 
 namespace kvq::server_detail {
@@ -127,6 +130,39 @@ TEST(ServerApi, Utf8IncompleteTail) {
   EXPECT_EQ(utf8_incomplete_tail("\xE2\x9C"), 2u);       // ✓ (E2 9C 93) cut
   EXPECT_EQ(utf8_incomplete_tail("\xF0\x9F\x98"), 3u);   // 😀 cut
   EXPECT_EQ(utf8_incomplete_tail("\xF0\x9F\x98\x80"), 0u);
+}
+
+// RFC 3629 section 4's syntax: every scalar value encodes to valid UTF-8; overlong forms, surrogates,
+// values above U+10FFFF, stray continuation bytes and cut sequences are not.
+TEST(ServerApi, Utf8Valid) {
+  auto enc = [](uint32_t c) {  // the encoding of RFC 3629 section 3
+    std::string s;
+    if (c < 0x80) s += (char)c;
+    else if (c < 0x800) s += (char)(0xC0 | c >> 6), s += (char)(0x80 | (c & 0x3F));
+    else if (c < 0x10000) s += (char)(0xE0 | c >> 12), s += (char)(0x80 | (c >> 6 & 0x3F)), s += (char)(0x80 | (c & 0x3F));
+    else
+      s += (char)(0xF0 | c >> 18), s += (char)(0x80 | (c >> 12 & 0x3F)), s += (char)(0x80 | (c >> 6 & 0x3F)),
+          s += (char)(0x80 | (c & 0x3F));
+    return s;
+  };
+  int bad = 0;
+  for (uint32_t c = 0; c <= 0x10FFFF; ++c) bad += utf8_valid(enc(c)) == (c >= 0xD800 && c < 0xE000) ? 1 : 0;
+  EXPECT_EQ(bad, 0);  // scalar values valid, surrogates (ED A0 80 ..) not
+  EXPECT_TRUE(utf8_valid(""));
+  EXPECT_TRUE(utf8_valid("<|im_start|>user\nH\xC3\xA9llo \xF0\x9F\xA6\x99"));
+  for (const char* s : {"\xC0\x80", "\xC1\xBF", "\xE0\x80\x80", "\xF0\x80\x80\x80",  // overlong
+                        "\xF4\x90\x80\x80", "\xF5\x80\x80\x80", "\xFF",              // > U+10FFFF
+                        "\x80", "a\xBF", "\xE4", "\xE4\xB8", "\xF0\x9F\xA6", "\xC3" "a"})  // stray, cut
+    EXPECT_FALSE(utf8_valid(s)) << json(std::vector<int>(s, s + std::strlen(s))).dump();
+}
+
+// POST /tokenize with_pieces as llama-server writes it: text, or the byte values of a piece that is
+// not valid UTF-8 (a byte-level token holding part of a character).
+TEST(ServerApi, TokenPieceJson) {
+  EXPECT_EQ(token_piece_json(151644, "<|im_start|>"), json({{"id", 151644}, {"piece", "<|im_start|>"}}));
+  EXPECT_EQ(token_piece_json(7, " \xC3\xA9"), json({{"id", 7}, {"piece", " \xC3\xA9"}}));
+  EXPECT_EQ(token_piece_json(8, "\xE4\xB8"), json({{"id", 8}, {"piece", {0xE4, 0xB8}}}));
+  EXPECT_EQ(token_piece_json(9, ""), json({{"id", 9}, {"piece", ""}}));
 }
 
 // The text a client receives: the concatenation of every take(), then take(true).

@@ -5,9 +5,10 @@ counts, stop strings, concurrent greedy requests equal to the same request alone
 caches), malformed input with its status code and OpenAI error body, the API key, a full queue
 (503 + Retry-After), a client that disconnects mid-stream (its slot and pages are freed: /metrics
 shows zero active sequences and zero KV pages in use), a bounded load run (32 requests, 16 at a
-time: none fails, nothing left active, queued or holding KV bytes or pages) and prefix reuse (a
+time: none fails, nothing left active, queued or holding KV bytes or pages), prefix reuse (a
 shared system prompt's pages reused with f16, not with q4's default K channel scale; warm reply ==
-cold reply).
+cold reply) and /tokenize with_pieces (control tokens by their text, byte lists where a
+piece is not UTF-8, as llama-server; checked against the GGUF vocabulary).
 
 usage: test_server_openai.py KVQ_BINARY   (exit 77 = skipped: no `openai` package or no model)
 """
@@ -208,6 +209,7 @@ def test_f16_with(srv, c):
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, None, 400, "messages[0].content"),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, None, 400, "messages[0].role"),
         ("POST", "/tokenize", {"content": 5}, None, 400, "content"),
+        ("POST", "/tokenize", {"content": "x", "parse_special": 1}, None, 400, "parse_special"),
         ("POST", "/detokenize", {"tokens": [-1]}, None, 400, "tokens"),
         ("GET", "/v1/nothing", None, None, 404, None),
     ]
@@ -221,6 +223,86 @@ def test_f16_with(srv, c):
         check(status == want and shaped and err.get("param") == param,
               f"{method} {path} {str(body if raw is None else raw)[:50]!r} -> {status} (want {want}), param {err.get('param')!r}")
     check(srv.proc.poll() is None, "the server survived the malformed requests")
+
+
+def gpt2_byte_decoder():
+    """GPT-2's bytes_to_unicode (openai/gpt-2 encoder.py) inverted: vocabulary character -> byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(range(ord("\xae"), ord("\xff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def gguf_vocab(path):
+    """tokenizer.ggml.tokens and tokenizer.ggml.token_type of a GGUF file (GGUF v2/v3 metadata, read
+    here without the gguf package: ggml/docs/gguf.md)."""
+    import struct
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+    with open(path, "rb") as f:
+        data = f.read(64 << 20)  # the metadata is at the start
+    o = 4 + 4 + 8 + 8
+    n_kv = struct.unpack_from("<Q", data, 16)[0]
+
+    def string(o):
+        n = struct.unpack_from("<Q", data, o)[0]
+        return data[o + 8:o + 8 + n], o + 8 + n
+
+    def value(t, o):
+        if t == 8:
+            return string(o)
+        if t == 9:
+            et, n = struct.unpack_from("<IQ", data, o)
+            o += 12
+            if et == 8:
+                out = []
+                for _ in range(n):
+                    v, o = string(o)
+                    out.append(v)
+                return out, o
+            fmt = {4: "I", 5: "i"}.get(et)
+            return (list(struct.unpack_from("<%d%s" % (n, fmt), data, o)) if fmt else None), o + n * sizes[et]
+        return None, o + sizes[t]
+
+    found = {}
+    for _ in range(n_kv):
+        key, o = string(o)
+        t = struct.unpack_from("<I", data, o)[0]
+        v, o = value(t, o + 4)
+        if key in (b"tokenizer.ggml.tokens", b"tokenizer.ggml.token_type"):
+            found[key] = v
+    return [t.decode("utf-8") for t in found[b"tokenizer.ggml.tokens"]], found[b"tokenizer.ggml.token_type"]
+
+
+def test_pieces(srv):
+    """POST /tokenize with_pieces as llama-server: control tokens by their text (token_to_piece
+    special = true), other tokens' bytes as text, or as a list of byte values where they are not valid
+    UTF-8. Reference: the GGUF vocabulary itself (read here), byte-level BPE decoded in Python."""
+    text = "<|im_start|>user\nH\u00e9llo \u4e16\u754c \U0001F999 \u2603<|im_end|>\n"
+    _, plain, _ = srv.http("POST", "/tokenize", {"content": text})
+    _, tk, _ = srv.http("POST", "/tokenize", {"content": text, "with_pieces": True})
+    ids = json.loads(plain)["tokens"]
+    got = json.loads(tk)["tokens"]
+    check([t["id"] for t in got] == ids, f"/tokenize with_pieces: the ids of /tokenize ({len(ids)} tokens)")
+    vocab, types = gguf_vocab(MODEL)
+    dec = gpt2_byte_decoder()
+    want = []
+    for i in ids:
+        t, kind = vocab[i], types[i]
+        b = t.encode("utf-8") if kind in (3, 4) else bytes(dec[ch] for ch in t)  # CONTROL, USER_DEFINED: as written
+        try:
+            want.append({"id": i, "piece": b.decode("utf-8")})
+        except UnicodeDecodeError:
+            want.append({"id": i, "piece": list(b)})
+    check(got == want, f"/tokenize with_pieces == the vocabulary's pieces ({got[:3]} ...; want {want[:3]} ...)")
+    check(got[0]["piece"] == "<|im_start|>" and any(isinstance(t["piece"], list) for t in got),
+          f"/tokenize with_pieces: a control token by its text and a byte list ({[t['piece'] for t in got]})")
+    _, nps, _ = srv.http("POST", "/tokenize", {"content": "<|im_start|>", "parse_special": False})
+    check(len(json.loads(nps)["tokens"]) > 1, f"/tokenize parse_special false: <|im_start|> as text ({nps})")
 
 
 def test_concurrent(srv, label):
@@ -349,6 +431,7 @@ def main():
         try:
             if kv == "f16":
                 test_f16(srv)
+                test_pieces(srv)
             test_concurrent(srv, kv)
             test_prefix_reuse(srv, reuses=(kv == "f16"))
             if kv == "f16":
