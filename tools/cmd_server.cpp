@@ -53,7 +53,7 @@ const registrar reg{{"server", "OpenAI-compatible HTTP server with continuous ba
   app->add_option("--threads-http", p.n_http_threads, "HTTP threads (0: parallel + queue + 4)")->capture_default_str()->check(CLI::Range(0, 100000));
   app->add_option("--kv-page", p.kv_page, "tokens per KV page (0: contiguous slots, no prefix reuse)")->capture_default_str()->check(CLI::Range(0, 65536));
   app->add_option("--kv-budget", p.kv_budget_gib, "GiB of KV pages shared by all slots (0: every slot can hold -c)")->capture_default_str()->check(CLI::NonNegativeNumber);
-  app->add_flag("!--no-prefix-reuse", p.prefix_reuse, "do not share cached prompt pages between requests");
+  app->add_flag("!--no-prefix-reuse", p.prefix_reuse, "do not start requests from saved prompt prefixes (docs/server.md)");
   add_kv_flags(app, o->kv);
   return [o] { return run_server(*o); };
 }}};

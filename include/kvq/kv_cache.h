@@ -141,6 +141,19 @@ struct kv_cache_stats {
   uint64_t heads_certified = 0, heads_partial = 0, heads_exact = 0;
 };
 
+// A sequence's state at one length, kept for prefix reuse (kv_cache::save_prefix): references to
+// the pages that hold its rows and a copy of what it keeps outside pages (exact sink / recent rows,
+// KIVI's residual, channel statistics, sliding-window rings). It keeps its pages referenced
+// (pinned) until destroyed; the cache that made it must outlive it.
+class kv_prefix {
+ public:
+  virtual ~kv_prefix() = default;
+  virtual int n_pos() const = 0;         // positions (tokens) of the sequence it holds
+  virtual int n_pages() const = 0;       // pages it references
+  virtual int n_full_pages() const = 0;  // of those, the pages a load shares (a partly filled last one is copied)
+  virtual size_t bytes() const = 0;      // bytes it holds outside the page pool
+};
+
 class kv_cache {
  public:
   virtual ~kv_cache() = default;
@@ -214,6 +227,21 @@ class kv_cache {
   // Throws unsupported unless can_share_prefix(), invalid_input for a non-empty sequence, a page
   // nobody references, or n * page_size >= n_ctx.
   virtual void share_prefix(int seq_id, const int* pages, int n);
+  // Prefix reuse for every format (the server's prefix cache; docs/server.md): save_prefix(seq)
+  // keeps seq's whole state as it is now, load_prefix gives it to an empty sequence, which then
+  // holds exactly that state: what it appends and attends next gives the bits seq would give (so a
+  // request that continues a saved prompt prefix with the same chunks as a cold run returns the
+  // cold run's result). True for the paged caches (page_size > 0).
+  virtual bool can_save_prefix() const { return false; }
+  // The state of seq_id (n_pos(seq_id) > 0 positions): its pages, pinned, and a copy of its rows and
+  // statistics outside pages. Throws unsupported unless can_save_prefix(), invalid_input for an
+  // empty sequence.
+  virtual std::shared_ptr<const kv_prefix> save_prefix(int seq_id);
+  // The empty sequence seq_id takes prefix p: it references p's full pages (never written while
+  // shared), gets a copy of p's partly filled last page on a free page, and a copy of the rest.
+  // Throws unsupported unless can_save_prefix(), invalid_input for a non-empty sequence, a prefix
+  // saved by another cache, or no free page for the copy (nothing is changed then).
+  virtual void load_prefix(int seq_id, const kv_prefix& p);
   virtual std::string describe() const = 0;  // e.g. "K q4 (hadamard, g32) / V q4 (hadamard, g32)"
 };
 

@@ -34,7 +34,7 @@ struct server_params {
   // same budget holds more tokens in a smaller format. Requests wait in the queue for pages.
   int kv_page = 64;
   double kv_budget_gib = 0;
-  bool prefix_reuse = true;         // share cached prompt pages where the cache type allows it
+  bool prefix_reuse = true;         // start requests from saved prompt prefixes (paged caches; docs/server.md)
 };
 
 // A running server. create() loads the model, checks the chat template (an unknown template is an

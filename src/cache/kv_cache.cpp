@@ -278,6 +278,15 @@ void kv_cache::share_prefix(int seq_id, const int*, int n) {
                    " pages: this cache cannot share a prefix (" + describe() + ")");
 }
 
+std::shared_ptr<const kv_prefix> kv_cache::save_prefix(int seq_id) {
+  fail_unsupported("[kv_cache] save_prefix: seq " + std::to_string(seq_id) + ": this cache cannot save a prefix (" +
+                   describe() + (page_info().page_size == 0 ? ", not paged" : "") + ")");
+}
+void kv_cache::load_prefix(int seq_id, const kv_prefix&) {
+  fail_unsupported("[kv_cache] load_prefix: seq " + std::to_string(seq_id) + ": this cache cannot load a prefix (" +
+                   describe() + (page_info().page_size == 0 ? ", not paged" : "") + ")");
+}
+
 void check_append_order(int il, int seq_id, int n_tokens, int n_layer, int n_ctx, int held, int held_prev, int n_pos) {
   const std::string where = "layer " + std::to_string(il) + " of seq " + std::to_string(seq_id);
   if (n_tokens < 0) fail_input("[kv_cache] append: n_tokens must be >= 0, got " + std::to_string(n_tokens));

@@ -177,6 +177,26 @@ class kv_cache_dense final : public kv_cache {
     pool_.adopt(seq_id, pages, n);
     for (int il = 0; il < p_.n_layer; ++il) pos_[(size_t)il * p_.n_seq + seq_id] = n * p_.page_size;
   }
+  bool can_save_prefix() const override { return pool_.on(); }
+  std::shared_ptr<const kv_prefix> save_prefix(int seq_id) override {
+    check_layer_seq("save_prefix", 0, seq_id);
+    if (!can_save_prefix()) return kv_cache::save_prefix(seq_id);
+    if (n_pos(seq_id) == 0) fail_input("[kv_cache] save_prefix: seq " + std::to_string(seq_id) + " is empty");
+    auto px = std::make_shared<kv_prefix_paged>(this, pool_, n_pos(seq_id), paged_rows(seq_id), pool_.table(seq_id));
+    kv_save_regions(*px, seq_regions(seq_id));
+    return px;
+  }
+  void load_prefix(int seq_id, const kv_prefix& p) override {
+    check_layer_seq("load_prefix", 0, seq_id);
+    if (!can_save_prefix()) kv_cache::load_prefix(seq_id, p);
+    const auto* px = dynamic_cast<const kv_prefix_paged*>(&p);
+    if (!px || px->owner() != this)
+      fail_input("[kv_cache] load_prefix: seq " + std::to_string(seq_id) + ": the prefix was saved by another cache");
+    if (n_pos(seq_id) != 0) fail_input("[kv_cache] load_prefix: seq " + std::to_string(seq_id) + " is not empty");
+    const auto [from, to] = pool_.adopt_rows("load_prefix", seq_id, px->pages(), px->rows());
+    if (from >= 0) copy_page(from, to);
+    kv_load_regions(*px, seq_regions(seq_id));
+  }
   std::string describe() const override {
     return std::string("K ") + elem_name(ek_) + " / V " + elem_name(ev_) + " (dense)";
   }
@@ -251,6 +271,29 @@ class kv_cache_dense final : public kv_cache {
     const int n_tok = plan_.n_tokens();
     pool.parallel_for(n_tok, (int64_t)n_tok * n_head * hd * 8,
                       [&](int64_t tg, int) { plan_.finish_token((int)tg, seqs[plan_.seq_of_token((int)tg)].out); });
+  }
+  // Positions of seq_id the paged layers hold (rows [0, n) of its pages).
+  int paged_rows(int seq_id) const {
+    int rows = 0;
+    for (int il = 0; il < p_.n_layer; ++il)
+      if (paged_[il]) rows = std::max(rows, pos_[(size_t)il * p_.n_seq + seq_id]);
+    return rows;
+  }
+  // What seq_id holds outside pages (save_prefix / load_prefix): per layer its position counters
+  // and, for a sliding-window layer, its ring of rows (K and V, every kv head).
+  std::vector<kv_seq_region> seq_regions(int seq_id) {
+    std::vector<kv_seq_region> r;
+    for (int il = 0; il < p_.n_layer; ++il) {
+      const size_t i = (size_t)il * p_.n_seq + seq_id;
+      r.push_back({reinterpret_cast<uint8_t*>(&pos_[i]), sizeof(int)});
+      r.push_back({reinterpret_cast<uint8_t*>(&first_[i]), sizeof(int)});
+      if (paged_[il]) continue;
+      const size_t rows = (size_t)p_.n_kv_head * ring_[il], hd = p_.head_dim;
+      const size_t row0 = row0_[il] + (size_t)seq_id * rows;
+      r.push_back({k_.data() + row0 * hd * kv_elem_bytes(ek_), rows * hd * kv_elem_bytes(ek_)});
+      r.push_back({v_.data() + row0 * hd * kv_elem_bytes(ev_), rows * hd * kv_elem_bytes(ev_)});
+    }
+    return r;
   }
   // Row of position pos: layer il's rows start at row0_[il], then [n_seq, n_kv_head, ring], or
   // for a paged layer [n_pages, n_kv_head, page_size]

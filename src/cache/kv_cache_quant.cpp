@@ -193,6 +193,27 @@ class kv_cache_quant final : public kv_cache {
       st(il, seq_id).n = st(il, seq_id).n_comp = n * p_.page_size;  // sink 0, no tail: every row is body
     }
   }
+  bool can_save_prefix() const override { return pool_.on(); }
+  std::shared_ptr<const kv_prefix> save_prefix(int seq_id) override {
+    check_layer_seq("save_prefix", 0, seq_id);
+    if (!can_save_prefix()) return kv_cache::save_prefix(seq_id);
+    if (n_pos(seq_id) == 0) fail_input("[kv_cache] save_prefix: seq " + std::to_string(seq_id) + " is empty");
+    auto px = std::make_shared<kv_prefix_paged>(this, pool_, n_pos(seq_id), paged_rows(seq_id), pool_.table(seq_id));
+    kv_save_regions(*px, seq_regions(seq_id));
+    return px;
+  }
+  void load_prefix(int seq_id, const kv_prefix& p) override {
+    check_layer_seq("load_prefix", 0, seq_id);
+    if (!can_save_prefix()) kv_cache::load_prefix(seq_id, p);
+    const auto* px = dynamic_cast<const kv_prefix_paged*>(&p);
+    if (!px || px->owner() != this)
+      fail_input("[kv_cache] load_prefix: seq " + std::to_string(seq_id) + ": the prefix was saved by another cache");
+    if (n_pos(seq_id) != 0) fail_input("[kv_cache] load_prefix: seq " + std::to_string(seq_id) + " is not empty");
+    const auto [from, to] = pool_.adopt_rows("load_prefix", seq_id, px->pages(), px->rows());
+    if (from >= 0) copy_page(from, to);
+    kv_load_regions(*px, seq_regions(seq_id));
+    for (int il = 0; il < p_.n_layer; ++il) st(il, seq_id).fresh_id = 0;  // exact copies belong to an append of the saver
+  }
   // Bytes of one page: page_size body rows of every paged layer, every kv head, K and V.
   size_t page_bytes() const {
     size_t b = 0;
@@ -324,6 +345,41 @@ class kv_cache_quant final : public kv_cache {
     return d + ")";
   }
 
+  // Body rows of seq_id the paged layers hold (rows [0, n) of its pages).
+  int paged_rows(int seq_id) const {
+    int rows = 0;
+    for (int il = 0; il < p_.n_layer; ++il)
+      if (paged_[il]) rows = std::max(rows, st(il, seq_id).n_comp);
+    return rows;
+  }
+  // What seq_id holds outside pages (save_prefix / load_prefix), per layer: its counters, whether
+  // its channel statistics are calibrated, and per side μ / λ, the exact sink and tail rows (KIVI's
+  // residual among them) and, for a sliding-window layer, its ring of body rows and scales. Any new
+  // per-sequence state outside pages must be listed here too, or a loaded prefix continues
+  // differently (kv_cache_paged.a_loaded_prefix_continues_as_the_saved_sequence fails).
+  std::vector<kv_seq_region> seq_regions(int seq_id) {
+    std::vector<kv_seq_region> r;
+    const size_t nh = p_.n_kv_head, hd = p_.head_dim;
+    for (int il = 0; il < p_.n_layer; ++il) {
+      r.push_back({reinterpret_cast<uint8_t*>(&st(il, seq_id)), sizeof(seq_state)});
+      r.push_back({&lambda_set_[(size_t)il * p_.n_seq + seq_id], 1});
+      const size_t h0 = head_index(il, seq_id, 0);
+      for (auto* s : {&k_, &v_}) {
+        if (!s->lambda.empty()) {
+          r.push_back({reinterpret_cast<uint8_t*>(&s->lambda[h0 * hd]), nh * hd * sizeof(float)});
+          r.push_back({reinterpret_cast<uint8_t*>(&s->mu[h0 * hd]), nh * hd * sizeof(float)});
+        }
+        r.push_back({exact_row(*s, h0, 0), nh * (size_t)exact_cap_ * hd * kv_elem_bytes(s->exact_elem)});
+        if (paged_[il]) continue;
+        const size_t ring = ring_[il], units = s->scale_units(ring);
+        r.push_back({s->codes.data() + (s->row0[il] + (size_t)seq_id * nh * ring) * s->code_row, nh * ring * s->code_row});
+        if (s->scale_stride)
+          r.push_back({reinterpret_cast<uint8_t*>(s->scales.data() + (s->unit0[il] + (size_t)seq_id * nh * units) * s->scale_stride),
+                       nh * units * s->scale_stride * 2});
+      }
+    }
+    return r;
+  }
   void init_side(side_store& s, const char* name, kv_format type, bool is_v, size_t heads);
   seq_state& st(int il, int seq) { return state_[(size_t)il * p_.n_seq + seq]; }
   const seq_state& st(int il, int seq) const { return state_[(size_t)il * p_.n_seq + seq]; }

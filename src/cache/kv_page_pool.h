@@ -7,10 +7,14 @@
 // References: each sequence whose table lists a page holds one, each pin (a prefix cache) one more;
 // a page with no reference is free. A page with more than one reference is shared and never
 // written: sequences share only full pages, and a truncate that leaves a shared page partly kept
-// copies it first (copy on write).
+// copies it first (copy on write). One exception: a saved prefix (kv_prefix_paged) pins its
+// sequence's partly filled last page, which that sequence goes on filling past the saved rows (the
+// saved rows never change); a sequence that loads the prefix gets a copy of that page.
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -132,6 +136,22 @@ class kv_page_pool {
     unref(page);
   }
 
+  // seq (empty table) takes references to `pages`, which cover rows [0, rows) (load_prefix). A
+  // partly covered last page is replaced by a fresh page and {old, new} is returned for the cache
+  // to copy (else {-1, -1}). invalid_input (op first) for a non-empty seq, or no free page for the
+  // copy; nothing is changed then.
+  std::pair<int, int> adopt_rows(const char* op, int seq, const std::vector<int>& pages, int rows) {
+    KVQ_ASSERT((int)pages.size() == pages_for_rows(rows));
+    if (!table(seq).empty())
+      fail_input(std::string("[kv_cache] ") + op + ": seq " + std::to_string(seq) + " is not empty");
+    if (rows % P_ != 0 && free_.empty())
+      fail_input(std::string("[kv_cache] ") + op + ": seq " + std::to_string(seq) + " needs a free page for its copy of a "
+                 "partly filled page; the pool has none of " + std::to_string(n_pages()));
+    for (int pg : pages) check_held(op, pg);
+    adopt(seq, pages.data(), (int)pages.size());
+    return shrink(seq, rows);
+  }
+
  private:
   void check_held(const char* op, int page) const {
     if (page < 0 || page >= n_pages())
@@ -151,5 +171,59 @@ class kv_page_pool {
   std::vector<int> free_;                // free page ids (taken from the back)
   std::vector<std::vector<int>> table_;  // [n_seq] page ids in row order
 };
+
+// The kv_prefix of the paged caches (kv_cache::save_prefix): the pages that held a sequence's first
+// `rows` rows, pinned, and byte copies of the sequence's regions outside pages (each cache lists
+// them in one fixed order, for saving and loading alike).
+class kv_prefix_paged final : public kv_prefix {
+ public:
+  kv_prefix_paged(const void* owner, kv_page_pool& pool, int n_pos, int rows, std::vector<int> pages)
+      : owner_(owner), pool_(pool), n_pos_(n_pos), rows_(rows), pages_(std::move(pages)) {
+    for (int pg : pages_) pool_.pin(pg);
+  }
+  ~kv_prefix_paged() override {
+    for (int pg : pages_) pool_.unpin(pg);
+  }
+  kv_prefix_paged(const kv_prefix_paged&) = delete;
+  kv_prefix_paged& operator=(const kv_prefix_paged&) = delete;
+  int n_pos() const override { return n_pos_; }
+  int n_pages() const override { return (int)pages_.size(); }
+  int n_full_pages() const override { return rows_ / pool_.page_size(); }
+  size_t bytes() const override {
+    size_t b = 0;
+    for (const auto& x : blobs_) b += x.size();
+    return b;
+  }
+  const void* owner() const { return owner_; }
+  int rows() const { return rows_; }
+  const std::vector<int>& pages() const { return pages_; }
+  std::vector<std::vector<uint8_t>>& blobs() { return blobs_; }
+  const std::vector<std::vector<uint8_t>>& blobs() const { return blobs_; }
+
+ private:
+  const void* owner_;
+  kv_page_pool& pool_;
+  int n_pos_ = 0, rows_ = 0;
+  std::vector<int> pages_;
+  std::vector<std::vector<uint8_t>> blobs_;
+};
+
+// A byte region of one sequence's state outside pages (kv_prefix_paged).
+struct kv_seq_region {
+  uint8_t* p;
+  size_t n;
+};
+
+// Saves / loads the regions into / from the prefix (the same list, in the same order).
+inline void kv_save_regions(kv_prefix_paged& px, const std::vector<kv_seq_region>& r) {
+  for (const auto& x : r) px.blobs().emplace_back(x.p, x.p + x.n);
+}
+inline void kv_load_regions(const kv_prefix_paged& px, const std::vector<kv_seq_region>& r) {
+  KVQ_ASSERT(px.blobs().size() == r.size());
+  for (size_t i = 0; i < r.size(); ++i) {
+    KVQ_ASSERT(px.blobs()[i].size() == r[i].n);
+    if (r[i].n) std::memcpy(r[i].p, px.blobs()[i].data(), r[i].n);
+  }
+}
 
 }  // namespace kvq

@@ -117,7 +117,7 @@ http_server::http_server(const server_params& p) : p_(p) {
   if (m0.page_size > 0)
     std::fprintf(stderr, "[server] KV pages: %d of %d tokens (%.1f MiB), prefix reuse %s\n", m0.pages_total,
                  m0.page_size, (double)m0.kv_budget_bytes / (1024.0 * 1024.0),
-                 m0.prefix_reuse ? "on" : "off (this cache type cannot promise a cold start's result)");
+                 m0.prefix_reuse ? "on" : "off (--no-prefix-reuse)");
   std::fprintf(stderr, "[server] chat template: %s\n",
                template_ ? chat_format_name(template_->format()) : template_note_.c_str());
 }
@@ -422,6 +422,7 @@ std::string http_server::metrics_text() const {
   metric("kv_pages_cached", "gauge", "KV pages held only by the prefix cache (reclaimable)", (double)m.pages_cached);
   metric("prefix_cache_hits_total", "counter", "requests that reused cached prompt pages", (double)m.prefix_hits);
   metric("prefix_cache_hit_tokens_total", "counter", "prompt tokens reused from cached pages", (double)m.prefix_hit_tokens);
+  metric("prefix_cache_bytes", "gauge", "bytes of saved prompt states outside the KV page pool (exact rows, channel statistics, sliding-window rings)", (double)m.prefix_bytes);
   return s;
 }
 

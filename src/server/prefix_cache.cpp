@@ -5,48 +5,50 @@
 
 namespace kvq::server_detail {
 
-prefix_cache::~prefix_cache() {
-  for (const node& n : nodes_)
-    if (n.live) cache_.unpin_page(n.page);
-}
-
-uint64_t prefix_cache::hash(int parent, const int32_t* block, int n) {
+uint64_t prefix_cache::hash(int parent, const int32_t* block) const {
   uint64_t h = 1469598103934665603ull ^ (uint64_t)(uint32_t)parent;  // FNV-1a
-  for (int i = 0; i < n; ++i) h = (h ^ (uint32_t)block[i]) * 1099511628211ull;
+  for (int i = 0; i < block_; ++i) h = (h ^ (uint32_t)block[i]) * 1099511628211ull;
   return h;
 }
 
 int prefix_cache::find(int parent, const int32_t* block) const {
-  auto [a, b] = index_.equal_range(hash(parent, block, page_));
+  auto [a, b] = index_.equal_range(hash(parent, block));
   for (auto it = a; it != b; ++it) {
     const node& n = nodes_[(size_t)it->second];
-    if (n.parent == parent && std::memcmp(n.tokens.data(), block, (size_t)page_ * sizeof(int32_t)) == 0) return it->second;
+    if (n.parent == parent && std::memcmp(n.tokens.data(), block, (size_t)block_ * sizeof(int32_t)) == 0) return it->second;
   }
   return -1;
 }
 
-std::vector<int> prefix_cache::match(const int32_t* tokens, int n_tokens) {
-  std::vector<int> pages;
+std::shared_ptr<const kv_prefix> prefix_cache::match(const int32_t* tokens, int n_tokens) {
+  std::shared_ptr<const kv_prefix> best;
   ++tick_;
   int parent = -1;
-  for (int j = 0; (j + 1) * page_ <= n_tokens; ++j) {
-    const int id = find(parent, tokens + (size_t)j * page_);
+  for (int j = 0; (j + 1) * block_ <= n_tokens; ++j) {
+    const int id = find(parent, tokens + (size_t)j * block_);
     if (id < 0) break;
     nodes_[(size_t)id].used = tick_;
-    pages.push_back(nodes_[(size_t)id].page);
+    if (nodes_[(size_t)id].state) best = nodes_[(size_t)id].state;
     parent = id;
   }
-  return pages;
+  return best;
 }
 
-void prefix_cache::insert(const int32_t* tokens, int n_pages, const std::vector<int>& pages) {
+bool prefix_cache::contains(const int32_t* tokens, int n_tokens) const {
+  int id = -1;
+  for (int j = 0; (j + 1) * block_ <= n_tokens; ++j)
+    if ((id = find(id, tokens + (size_t)j * block_)) < 0) return false;
+  return id >= 0 && nodes_[(size_t)id].state != nullptr;
+}
+
+void prefix_cache::insert(const int32_t* tokens, int n_tokens,
+                          const std::function<std::shared_ptr<const kv_prefix>()>& save) {
   ++tick_;
   int parent = -1;
-  for (int j = 0; j < n_pages && j < (int)pages.size(); ++j) {
-    const int32_t* block = tokens + (size_t)j * page_;
+  for (int j = 0; (j + 1) * block_ <= n_tokens; ++j) {
+    const int32_t* block = tokens + (size_t)j * block_;
     int id = find(parent, block);
     if (id < 0) {
-      cache_.pin_page(pages[(size_t)j]);
       if (free_nodes_.empty()) {
         id = (int)nodes_.size();
         nodes_.emplace_back();
@@ -56,40 +58,51 @@ void prefix_cache::insert(const int32_t* tokens, int n_pages, const std::vector<
       }
       node& n = nodes_[(size_t)id];
       n.parent = parent;
-      n.tokens.assign(block, block + page_);
-      n.page = pages[(size_t)j];
+      n.tokens.assign(block, block + block_);
+      n.state.reset();
       n.n_children = 0;
       n.live = true;
       ++live_;
       if (parent >= 0) ++nodes_[(size_t)parent].n_children;
-      index_.emplace(hash(parent, block, page_), id);
+      index_.emplace(hash(parent, block), id);
     }
     nodes_[(size_t)id].used = tick_;
     parent = id;
   }
+  if (parent < 0 || nodes_[(size_t)parent].state) return;
+  nodes_[(size_t)parent].state = save();
+  bytes_ += nodes_[(size_t)parent].state->bytes();
+  const kv_prefix* keep = nodes_[(size_t)parent].state.get();
+  while (bytes_ > max_bytes_ && evict_one(keep)) {
+  }
 }
 
-bool prefix_cache::evict_one(const std::vector<int>& keep) {
-  int best = -1;
-  for (size_t i = 0; i < nodes_.size(); ++i) {
-    const node& n = nodes_[i];
-    if (!n.live || n.n_children > 0 || std::find(keep.begin(), keep.end(), n.page) != keep.end()) continue;
-    if (best < 0 || n.used < nodes_[(size_t)best].used) best = (int)i;
-  }
-  if (best < 0) return false;
-  node& n = nodes_[(size_t)best];
-  auto [a, b] = index_.equal_range(hash(n.parent, n.tokens.data(), page_));
+void prefix_cache::drop(int id) {
+  node& n = nodes_[(size_t)id];
+  auto [a, b] = index_.equal_range(hash(n.parent, n.tokens.data()));
   for (auto it = a; it != b; ++it)
-    if (it->second == best) {
+    if (it->second == id) {
       index_.erase(it);
       break;
     }
   if (n.parent >= 0) --nodes_[(size_t)n.parent].n_children;
-  cache_.unpin_page(n.page);
+  if (n.state) bytes_ -= n.state->bytes();
+  n.state.reset();  // unpins its pages unless a sequence or another holder still references them
   n.live = false;
   n.tokens.clear();
-  free_nodes_.push_back(best);
+  free_nodes_.push_back(id);
   --live_;
+}
+
+bool prefix_cache::evict_one(const kv_prefix* keep) {
+  int best = -1;
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    const node& n = nodes_[i];
+    if (!n.live || n.n_children > 0 || (keep && n.state.get() == keep)) continue;
+    if (best < 0 || n.used < nodes_[(size_t)best].used) best = (int)i;
+  }
+  if (best < 0) return false;
+  drop(best);
   return true;
 }
 

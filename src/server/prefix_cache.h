@@ -1,14 +1,18 @@
-// Prefix reuse for the server: the full pages of prompts already run, indexed by their tokens, so
-// that a request whose prompt starts with the same tokens (a shared system prompt) takes those
-// pages instead of recomputing them (kv_cache::share_prefix). A radix tree of page-sized token
-// blocks as SGLang's RadixAttention (Zheng et al. 2024, "SGLang", §3) and vLLM's automatic prefix
-// caching keep it: node j of a path holds the page of tokens [j * page_size, (j + 1) * page_size)
-// given every block before it, compared token by token (no hash is trusted). Each node pins its
-// page (kv_cache::pin_page), so a cached page outlives the request that wrote it until evicted,
-// least recently used leaf first, when admission needs free pages.
+// Prefix reuse for the server: the states of prompts already run, indexed by their tokens, so that a
+// request whose prompt starts with the same tokens (a shared system prompt) starts from that state
+// instead of recomputing it. A radix tree of fixed-size token blocks as SGLang's RadixAttention
+// (Zheng et al. 2024, "SGLang", §3) and vLLM's automatic prefix caching keep it: node j of a path
+// holds tokens [j * block, (j + 1) * block) given every block before it, compared token by token (no
+// hash is trusted), and the cache's saved state of a sequence that held exactly tokens
+// [0, (j + 1) * block) (kv_cache::save_prefix: its pages, pinned, and a copy of what it keeps
+// outside pages). The block is the scheduler's prefill chunk, so a request that starts from a
+// node runs every later chunk as a cold run does. Least recently used leaves are dropped when
+// admission needs pages or the copies outside the pool exceed max_bytes.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <memory>
 #include <vector>
 
 #include "kvq/kv_cache.h"
@@ -17,33 +21,38 @@ namespace kvq::server_detail {
 
 class prefix_cache {
  public:
-  explicit prefix_cache(kv_cache& cache) : cache_(cache), page_(cache.page_info().page_size) {}
-  ~prefix_cache();  // unpins every page
+  // block: tokens per node (> 0); max_bytes: most bytes of saved state outside the page pool.
+  prefix_cache(int block, size_t max_bytes) : block_(block), max_bytes_(max_bytes) {}
 
-  // Pages of the longest run of cached blocks that starts `tokens` (at most n_tokens / page_size);
-  // marks them used.
-  std::vector<int> match(const int32_t* tokens, int n_tokens);
-  // Caches the first n_pages full blocks of `tokens`, held by a sequence on pages[0, n_pages)
-  // (those positions already appended): blocks not cached yet are added and their pages pinned.
-  void insert(const int32_t* tokens, int n_pages, const std::vector<int>& pages);
-  // Unpins the least recently used leaf whose page is not in `keep`; false when there is none.
-  bool evict_one(const std::vector<int>& keep);
+  // The deepest saved state whose tokens start `tokens` (at most n_tokens of them), or null; marks
+  // its path used.
+  std::shared_ptr<const kv_prefix> match(const int32_t* tokens, int n_tokens);
+  // Whether the state after tokens[0, n_tokens) (a multiple of block) is saved.
+  bool contains(const int32_t* tokens, int n_tokens) const;
+  // Saves the state after tokens[0, n_tokens) (a multiple of block), taken from save() unless it is
+  // saved already; missing nodes on its path are added without a state. Then drops least recently
+  // used leaves (never this one) while the saved bytes exceed max_bytes.
+  void insert(const int32_t* tokens, int n_tokens, const std::function<std::shared_ptr<const kv_prefix>()>& save);
+  // Drops the least recently used leaf whose state is not `keep`; false when there is none.
+  bool evict_one(const kv_prefix* keep);
   int n_nodes() const { return (int)live_; }
+  size_t bytes() const { return bytes_; }  // saved state outside the page pool
 
  private:
   struct node {
-    int parent = -1;                // -1: a block at position 0
-    std::vector<int32_t> tokens;    // [page_size]
-    int page = -1;                  // pinned
+    int parent = -1;                        // -1: the block at position 0
+    std::vector<int32_t> tokens;            // [block]
+    std::shared_ptr<const kv_prefix> state; // null: a node on the path only
     int n_children = 0;
-    uint64_t used = 0;              // last use (tick_)
+    uint64_t used = 0;                      // last use (tick_)
     bool live = false;
   };
   int find(int parent, const int32_t* block) const;
-  static uint64_t hash(int parent, const int32_t* block, int n);
+  uint64_t hash(int parent, const int32_t* block) const;
+  void drop(int id);
 
-  kv_cache& cache_;
-  int page_ = 0;
+  int block_ = 0;
+  size_t max_bytes_ = 0, bytes_ = 0;
   std::vector<node> nodes_;
   std::vector<int> free_nodes_;
   std::multimap<uint64_t, int> index_;  // hash(parent, block) -> node

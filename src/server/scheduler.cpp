@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <numeric>
 
 #include "kvq/certified.h"
 #include "kvq/error.h"
@@ -22,7 +21,7 @@ struct scheduler::slot {
   int n_generated = 0;
   uint64_t order = 0;    // admission order (prefill priority)
   int reserved = 0;      // pages its longest run may hold (paged cache)
-  int cached_pages = 0;  // its full prompt pages given to the prefix cache
+  int saved = 0;         // prompt positions up to which its states went to the prefix cache
   bool active() const { return job != nullptr; }
   bool prefilling() const { return n_past < (int)req.prompt.size(); }
 };
@@ -78,9 +77,9 @@ scheduler::scheduler(model& m, const tokenizer& tok, const scheduler_params& p)
                " bytes each), fewer than the " + std::to_string(pages_.max_pages_per_seq) + " one sequence at -c " +
                std::to_string(p_.n_ctx) + " needs: raise --kv-budget to at least " +
                gib((double)pages_.max_pages_per_seq * pages_.page_bytes) + " or lower -c");
-  if (p_.prefix_reuse && cache_->can_share_prefix()) {
-    prefix_ = std::make_unique<prefix_cache>(*cache_);
-    reuse_step_ = std::lcm(p_.kv_page, p_.n_batch);
+  if (p_.prefix_reuse && cache_->can_save_prefix()) {
+    // saved states outside the pool (exact rows, statistics, rings) up to a quarter of the pool
+    prefix_ = std::make_unique<prefix_cache>(p_.n_batch, std::max<size_t>((size_t)pages_.n_pages * pages_.page_bytes / 4, 1u << 20));
   }
   for (int i = 0; i < p_.n_parallel; ++i) slots_.push_back(std::make_unique<slot>());
 
@@ -109,17 +108,13 @@ void scheduler::publish_pages() {
 bool scheduler::admit(int i, uint64_t order) {
   auto& [job, req] = waiting_.front();
   const int n_prompt = (int)req.prompt.size();
-  std::vector<int> shared;  // cached prefix pages this request takes
+  std::shared_ptr<const kv_prefix> shared;  // the saved prompt prefix this request starts from
   int reserve = 0;
   if (pages_.page_size > 0) {
-    const int P = pages_.page_size;
     const int n_max = req.max_tokens >= 0 ? (int)std::min<int64_t>(p_.n_ctx, (int64_t)n_prompt + req.max_tokens) : p_.n_ctx;
     reserve = cache_->pages_for(n_max);
-    if (prefix_ && !job->cancelled()) {
-      // the last prompt token always runs (its logits); whole reuse steps only
-      shared = prefix_->match(req.prompt.data(), n_prompt - 1);
-      shared.resize((size_t)((int)shared.size() * P / reuse_step_ * reuse_step_ / P));
-    }
+    // the last prompt token always runs (its logits)
+    if (prefix_ && !job->cancelled()) shared = prefix_->match(req.prompt.data(), n_prompt - 1);
     // pages the running requests may still take
     auto outstanding = [&] {
       int o = 0;
@@ -127,12 +122,12 @@ bool scheduler::admit(int i, uint64_t order) {
         if (slots_[j]->active()) o += std::max(0, slots_[j]->reserved - (int)cache_->seq_pages(j).size());
       return o;
     };
-    const int need = reserve - (int)shared.size(), owed = outstanding();
+    const int need = reserve - (shared ? shared->n_full_pages() : 0), owed = outstanding();
     kv_page_info pi = cache_->page_info();
     const int cached_only = pi.n_pages - pi.n_free - pi.n_seq_held;
     if (pi.n_free + cached_only - owed < need) return false;  // waits: evicting would not make room
     while (pi.n_free - owed < need) {
-      if (!prefix_ || !prefix_->evict_one(shared)) return false;
+      if (!prefix_ || !prefix_->evict_one(shared.get())) return false;
       pi = cache_->page_info();
     }
   }
@@ -145,15 +140,14 @@ bool scheduler::admit(int i, uint64_t order) {
   s.next = -1;
   s.order = order;
   s.reserved = reserve;
-  s.cached_pages = 0;
+  s.saved = 0;
   s.text = std::make_unique<text_stream>(s.req.stop);
   ++n_active_;
   n_prompt_tokens_ += s.req.prompt.size();
-  if (!shared.empty()) {
+  if (shared) {
     try {
-      cache_->share_prefix(i, shared.data(), (int)shared.size());
-      s.n_past = (int)shared.size() * pages_.page_size;
-      s.cached_pages = (int)shared.size();
+      cache_->load_prefix(i, *shared);
+      s.n_past = s.saved = shared->n_pos();
       ++prefix_hits_;
       prefix_hit_tokens_ += s.n_past;
     } catch (const std::exception& e) {  // (a bug: the request then runs cold)
@@ -221,6 +215,7 @@ scheduler_metrics scheduler::metrics() const {
   s.prefix_hits = prefix_hits_;
   s.prefix_hit_tokens = prefix_hit_tokens_;
   s.prefix_reuse = prefix_ != nullptr;
+  s.prefix_bytes = prefix_bytes_;
   return s;
 }
 
@@ -354,16 +349,21 @@ void scheduler::loop() {
     ++n_steps_;
     n_batch_tokens_ += tokens.size();
     for (int i = 0; i < p_.n_parallel; ++i) slots_[i]->n_past += chunk_len[i];
-    // full prompt pages written this step go to the prefix cache
-    if (prefix_)
+    // a prompt prefilled to a chunk boundary: its state goes to the prefix cache
+    if (prefix_) {
       for (int i = 0; i < p_.n_parallel; ++i) {
         slot& s = *slots_[i];
-        if (chunk_len[i] == 0) continue;
-        const int full = std::min(s.n_past, (int)s.req.prompt.size()) / pages_.page_size;
-        if (full <= s.cached_pages) continue;
-        prefix_->insert(s.req.prompt.data(), full, cache_->seq_pages(i));
-        s.cached_pages = full;
+        if (chunk_len[i] == 0 || s.n_past > (int)s.req.prompt.size() || s.n_past % p_.n_batch != 0 || s.n_past <= s.saved)
+          continue;
+        try {
+          prefix_->insert(s.req.prompt.data(), s.n_past, [&] { return cache_->save_prefix(i); });
+        } catch (const std::exception& e) {  // (a bug: the request goes on, its prefix is not cached)
+          std::fprintf(stderr, "[server] saving a prompt prefix failed: %s\n", e.what());
+        }
+        s.saved = s.n_past;
       }
+      prefix_bytes_ = prefix_->bytes();
+    }
 
     for (int r = 0; r < n_out; ++r) {
       const int i = out_slot[r];

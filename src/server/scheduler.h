@@ -21,11 +21,12 @@
 // (prompt + max_tokens, or n_ctx), counting what the running requests may still take; otherwise it
 // waits in the queue (FIFO). So an admitted request never runs out of pages, and nothing is
 // preempted. Its pages go back when it ends (finished, cancelled, failed). Prefix reuse
-// (prefix_cache.h): full prompt pages stay cached after their request; a new request whose prompt
-// starts with cached blocks takes them when the cache can promise the cold result
-// (kv_cache::can_share_prefix), from a position that is a multiple of both the page and the
-// prefill chunk, so that every later chunk is the one a cold run computes (attention's split
-// depends on a chunk's queries).
+// (prefix_cache.h): whenever a prompt's prefill reaches a chunk boundary (a multiple of n_batch), the
+// cache saves the sequence's state there (kv_cache::save_prefix: its pages, pinned, and what it keeps
+// outside pages); a new request whose prompt starts with a saved prefix loads it
+// (kv_cache::load_prefix) and prefills from that boundary on, with the chunks a cold run computes
+// from there (attention's split depends on a chunk's queries), so it returns the cold result for
+// every cache type.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -60,7 +61,7 @@ struct scheduler_params {
   // Bytes of the page pool (all layers, K and V); 0: every slot can hold n_ctx. Pages =
   // kv_budget_bytes / kv_page_bytes (at most n_parallel slots at n_ctx).
   size_t kv_budget_bytes = 0;
-  bool prefix_reuse = true;  // share cached prompt pages where the cache type allows it
+  bool prefix_reuse = true;  // start requests from saved prompt prefixes (paged caches)
 };
 
 struct seq_request {
@@ -112,7 +113,8 @@ struct scheduler_metrics {
   int pages_in_use = 0, pages_cached = 0, pages_total = 0, page_size = 0;
   size_t kv_budget_bytes = 0;
   uint64_t prefix_hits = 0, prefix_hit_tokens = 0;
-  bool prefix_reuse = false;  // the cache type shares prefixes
+  bool prefix_reuse = false;  // prompt prefixes are reused (a paged cache, not --no-prefix-reuse)
+  size_t prefix_bytes = 0;    // the prefix cache's saved state outside the page pool
 };
 
 class scheduler {
@@ -162,8 +164,8 @@ class scheduler {
   std::atomic<size_t> kv_bytes_used_{0}, kv_bytes_{0};
   std::atomic<int> pages_in_use_{0}, pages_cached_{0};
   std::atomic<uint64_t> prefix_hits_{0}, prefix_hit_tokens_{0};
+  std::atomic<size_t> prefix_bytes_{0};
   kv_page_info pages_;  // the pool's shape (constant)
-  int reuse_step_ = 0;  // prefix reuse in multiples of lcm(kv_page, n_batch) tokens
 };
 
 }  // namespace kvq::server_detail

@@ -2,7 +2,8 @@
 // cache bit for bit (page sizes 16 / 64 / 256, odd lengths, several sequences interleaved and
 // batched, a sequence cleared and its pages reused, a split-K sequence, a sliding-window layer
 // beside paged ones), pages are taken on demand and returned, a shared prefix gives the state a
-// sequence reaches by itself (and copy on write keeps it so), and bad parameters are named.
+// sequence reaches by itself (and copy on write keeps it so), a saved and loaded prefix continues
+// as the saved sequence for every format, and bad parameters are named.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -268,6 +269,86 @@ TEST(kv_cache_paged, a_shared_prefix_gives_the_same_outputs_as_appending_it) {
       EXPECT_THROW(c->unpin_page(pages0[0]), error);
       EXPECT_THROW(c->pin_page(pages0[0]), error);  // free: nothing to keep
     }
+  }
+}
+
+// save_prefix / load_prefix (the server's prefix reuse) for every format: a sequence loaded from
+// the state another one saved after two chunks of 24 gives, chunk for chunk, the bits that one gave
+// after saving, while holding state outside the pages (the K channel scale, KIVI's groups and
+// residual, exact sink / recent rows, a sliding-window layer's ring) and ending inside a page
+// (copied: the saver writes on in its own page, the loader in the copy).
+TEST(kv_cache_paged, a_loaded_prefix_continues_as_the_saved_sequence) {
+  thread_pool pool(2);
+  struct save_config {
+    const char* k;
+    const char* v;
+    int sink, exact_recent;
+    bool windowed;
+    int page;
+  };
+  for (const save_config& cf : {save_config{"f16", "f16", 0, 0, false, 16}, save_config{"q8", "q8", 0, 0, false, 16},
+                                save_config{"q4", "q4", 0, 0, false, 32}, save_config{"kivi4", "q4a", 4, 0, false, 32},
+                                save_config{"kivi2", "kivi2", 0, 0, false, 64}, save_config{"q4", "q4", 4, 8, false, 16},
+                                save_config{"f16", "f16", 0, 0, true, 16}, save_config{"q4", "q4", 0, 0, true, 32}}) {
+    SCOPED_TRACE(std::string(cf.k) + "/" + cf.v + " sink " + std::to_string(cf.sink) + " recent " +
+                 std::to_string(cf.exact_recent) + (cf.windowed ? " windowed" : "") + " page " + std::to_string(cf.page));
+    auto p = params(cf.k, cf.v, 300, 3, cf.page);
+    p.sink = cf.sink;
+    p.exact_recent = cf.exact_recent;
+    if (cf.windowed) p.layers = {{0, 0, 0}, {40, 0, 0}};
+    auto c = make_kv_cache(p);
+    ASSERT_TRUE(c->can_save_prefix());
+    const std::vector<stream> data = {stream(9, 300)};
+    const std::vector<int> stream_of = {0, 0, 0};
+    step(*c, {{0, 24}}, data, stream_of, 1, pool);
+    step(*c, {{0, 24}}, data, stream_of, 2, pool);
+    auto px = c->save_prefix(0);
+    EXPECT_EQ(px->n_pos(), 48);
+    EXPECT_EQ((size_t)px->n_pages(), c->seq_pages(0).size());
+    EXPECT_LE(px->n_full_pages(), px->n_pages());
+    if (cf.sink > 0 || cf.windowed) {
+      EXPECT_GT(px->bytes(), 0u);
+    }
+    std::vector<std::vector<float>> cold, warm;
+    for (int n : {24, 24, 1, 1, 7}) {
+      for (auto& o : step(*c, {{0, n}}, data, stream_of, 10 + n, pool)) cold.push_back(o);
+    }
+    const int free_before = c->page_info().n_free;
+    c->load_prefix(1, *px);
+    EXPECT_EQ(c->n_pos(1), 48);
+    EXPECT_EQ(c->page_info().n_free, free_before - (px->n_pages() - px->n_full_pages()));  // the copy
+    for (int n : {24, 24, 1, 1, 7}) {
+      for (auto& o : step(*c, {{1, n}}, data, stream_of, 10 + n, pool)) warm.push_back(o);
+    }
+    ASSERT_EQ(cold.size(), warm.size());
+    for (size_t i = 0; i < cold.size(); ++i) EXPECT_TRUE(same_bits(cold[i], warm[i])) << "output " << i;
+    // both continue alike (neither wrote on the other's rows)
+    const auto q = queries(1, 77);
+    auto attend_last = [&](int seq) {
+      std::vector<float> o(q.size(), NAN);
+      c->attend(0, seq, c->n_pos(seq) - 1, 1, kHeads, q.data(), kScale, o.data(), pool);
+      return o;
+    };
+    EXPECT_TRUE(same_bits(attend_last(0), attend_last(1)));
+    // errors name the op; nothing changes
+    EXPECT_THROW(c->load_prefix(1, *px), error);  // not empty
+    EXPECT_THROW(c->save_prefix(2), error);       // empty
+    auto other = make_kv_cache(p);
+    EXPECT_THROW(other->load_prefix(0, *px), error);  // another cache's prefix
+    // the prefix pins its pages until it goes
+    for (int s = 0; s < 3; ++s) c->clear(s);
+    EXPECT_EQ(c->page_info().n_free, c->page_info().n_pages - px->n_pages());
+    px.reset();
+    EXPECT_EQ(c->page_info().n_free, c->page_info().n_pages);
+  }
+  auto c = make_kv_cache(params("f16", "f16", 256, 2, 0));  // contiguous: unsupported
+  EXPECT_FALSE(c->can_save_prefix());
+  try {
+    c->save_prefix(0);
+    ADD_FAILURE() << "no error";
+  } catch (const error& e) {
+    EXPECT_EQ(e.code(), errc::unsupported);
+    EXPECT_NE(std::string(e.what()).find("[kv_cache] save_prefix"), std::string::npos) << e.what();
   }
 }
 

@@ -6,8 +6,8 @@ caches), malformed input with its status code and OpenAI error body, the API key
 (503 + Retry-After), a client that disconnects mid-stream (its slot and pages are freed: /metrics
 shows zero active sequences and zero KV pages in use), a bounded load run (32 requests, 16 at a
 time: none fails, nothing left active, queued or holding KV bytes or pages), prefix reuse (a
-shared system prompt's pages reused with f16, not with q4's default K channel scale; warm reply ==
-cold reply) and /tokenize with_pieces (control tokens by their text, byte lists where a
+shared system prompt's saved state reused with f16 and with q4's default K channel scale; warm
+reply == cold reply) and /tokenize with_pieces (control tokens by their text, byte lists where a
 piece is not UTF-8, as llama-server; checked against the GGUF vocabulary).
 
 usage: test_server_openai.py KVQ_BINARY   (exit 77 = skipped: no `openai` package or no model)
@@ -351,10 +351,10 @@ SYSTEM = ("You are a careful Python programmer. Write short functions with docst
           "Name tests test_<function>, one assertion per case, and cover the empty input, one element and many.\n")
 
 
-def test_prefix_reuse(srv, reuses):
-    """Two prompts sharing a system prompt longer than a page (64 tokens) and a prefill chunk (-b 64):
-    the second takes the first's cached pages where the cache type allows it (f16: yes; q4 with its
-    default K channel scale: no), and every reply equals the same request's cold reply."""
+def test_prefix_reuse(srv):
+    """Two prompts sharing a system prompt longer than a prefill chunk (-b 64): the second starts from
+    the first's saved state (f16, and q4 with its default K channel scale), and every reply equals
+    the same request's cold reply."""
     with srv.client() as c:
         hits0 = srv.metric("prefix_cache_hits_total")
         a = greedy(c, SYSTEM + "def add(a: int, b: int) -> int:", 12)
@@ -364,11 +364,8 @@ def test_prefix_reuse(srv, reuses):
         hits2 = srv.metric("prefix_cache_hits_total")
     check(hits1 == hits0, f"prefix reuse: the first request is cold (hits {hits0} -> {hits1})")
     check(a2 == a, f"prefix reuse: warm reply == cold reply ({a2!r} vs {a!r})")
-    if reuses:
-        check(hits2 == hits1 + 2, f"prefix reuse: hits {hits1} -> {hits2} (want +2)")
-        check(srv.metric("kv_pages_cached") > 0, f"prefix reuse: kv_pages_cached {srv.metric('kv_pages_cached')}")
-    else:
-        check(hits2 == hits1, f"prefix reuse: none for this cache type (hits {hits1} -> {hits2})")
+    check(hits2 == hits1 + 2, f"prefix reuse: hits {hits1} -> {hits2} (want +2)")
+    check(srv.metric("kv_pages_cached") > 0, f"prefix reuse: kv_pages_cached {srv.metric('kv_pages_cached')}")
     check(wait_idle(srv) and srv.metric("kv_pages_in_use") == 0, f"prefix reuse: kv_pages_in_use {srv.metric('kv_pages_in_use')}")
     return b
 
@@ -433,7 +430,7 @@ def main():
                 test_f16(srv)
                 test_pieces(srv)
             test_concurrent(srv, kv)
-            test_prefix_reuse(srv, reuses=(kv == "f16"))
+            test_prefix_reuse(srv)
             if kv == "f16":
                 test_load(srv)
             if kv == "q4":
