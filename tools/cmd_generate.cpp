@@ -16,11 +16,13 @@ struct generate_opts {
   std::string model_path;
   generate_params p;
   kv_flags kv;  // p.cache, parsed when the command runs
+  std::string device = "cpu";  // p.device, parsed when the command runs
   bool json = false;
 };
 
 int run_generate(generate_opts& o) {
   o.p.cache = o.kv.params();
+  o.p.device = parse_compute_device(o.device);
   auto m = model::load(o.model_path);
   auto tok = tokenizer::from_gguf(m->gguf());
   generate_result r;
@@ -78,6 +80,9 @@ const registrar reg{{"generate", "generate text from a prompt", [](CLI::App* app
       ->check(CLI::Range((int64_t)-1, (int64_t)0xFFFFFFFF));
   app->add_flag("--ignore-eos", o->p.ignore_eos, "keep generating after end-of-generation tokens");
   app->add_flag("--json", o->json, "print one JSON object instead of streaming text");
+  app->add_option("--device", o->device,
+                  "where the model runs: cpu, or cuda (every layer on the GPU; f16/q8/q4 caches, llama/qwen2)")
+      ->capture_default_str();
   add_kv_flags(app, o->kv);
   app->parse_complete_callback([o] {
     kv_cache_params c;

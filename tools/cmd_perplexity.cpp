@@ -17,11 +17,13 @@ struct perplexity_opts {
   perplexity_params p;
   kv_flags kv;          // p.cache, parsed when the command runs
   std::string compare;  // p.compare_type
+  std::string device = "cpu";  // p.device, parsed when the command runs
   bool json = false, no_progress = false;
 };
 
 int run_perplexity(perplexity_opts& o) {
   o.p.cache = o.kv.params();
+  o.p.device = parse_compute_device(o.device);
   if (!o.compare.empty()) o.p.compare_type = parse_kv_cache_type(o.compare);
   auto m = model::load(o.model_path);
   auto tok = tokenizer::from_gguf(m->gguf());
@@ -80,6 +82,9 @@ const registrar reg{{"perplexity", "perplexity and KL divergence of a KV cache t
       ->capture_default_str();
   app->add_flag("--json", o->json, "print one JSON object with every figure");
   app->add_flag("--no-progress", o->no_progress, "no progress bar on stderr");
+  app->add_option("--device", o->device,
+                  "where the model runs: cpu, or cuda (every layer on the GPU; f16/q8/q4 caches, llama/qwen2)")
+      ->capture_default_str();
   add_kv_flags(app, o->kv);
   return [o] { return run_perplexity(*o); };
 }}};

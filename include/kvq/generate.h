@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kvq/certified.h"
+#include "kvq/cuda_model.h"
 #include "kvq/kv_cache.h"
 #include "kvq/model.h"
 #include "kvq/sampling.h"
@@ -23,6 +24,9 @@ struct generate_params {
   bool ignore_eos = false;
   sampling_params sampling;
   kv_cache_params cache;  // types/options; shapes and n_ctx are filled from the model
+  // cuda: every layer on the GPU (cuda::model_runner, kvq/cuda_model.h; its check_supported errors
+  // for what it does not run, unsupported "[cuda] not supported ..." without CUDA or a GPU)
+  compute_device device = compute_device::cpu;
 };
 
 struct generate_result {

@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "kvq/certified.h"
+#include "kvq/cuda_model.h"
 #include "kvq/kv_cache.h"
 #include "kvq/model.h"
 #include "kvq/tokenizer.h"
@@ -66,6 +67,9 @@ struct perplexity_params {
   // Write this run's log-probs as a base file (written atomically when the run completes).
   std::string kl_base_out;
   int kl_top_k = -1;         // base file records: -1 auto (full if n_vocab <= 1024, else 128), 0 full
+  // cuda: the model on the GPU (kvq/cuda_model.h); KL base files work, --compare does not (one
+  // runner per run). Errors as cuda::check_supported, unsupported without CUDA or a GPU.
+  compute_device device = compute_device::cpu;
 };
 
 struct ppl_stats {

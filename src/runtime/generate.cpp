@@ -29,7 +29,13 @@ generate_result generate(model& m, const tokenizer& tok, const generate_params& 
 
   kv_cache_params cp = m.cache_params(r.n_ctx, p.cache);
   cp.n_ubatch = std::max(cp.n_ubatch, p.n_batch);  // sliding-window layers' rings hold one prompt batch
-  std::unique_ptr<kv_cache> cache = make_kv_cache(cp);  // validates types before any work
+  const bool gpu = p.device == compute_device::cuda;
+  // --device cuda: the model on the GPU, its cache there (checks and uploads before any work);
+  // otherwise the CPU engine with a kv_cache (validates types before any work).
+  std::unique_ptr<cuda::model_runner> runner;
+  std::unique_ptr<kv_cache> cache;
+  if (gpu) runner = std::make_unique<cuda::model_runner>(m, cp, std::min(p.n_batch, r.n_ctx));
+  else cache = make_kv_cache(cp);
 
   r.prompt_ids = tok.encode(p.prompt, p.add_bos && tok.add_bos_default(), /*parse_special=*/true);
   if (r.prompt_ids.empty())  // an empty prompt is BOS alone (as llama.cpp), when the model adds BOS
@@ -49,7 +55,9 @@ generate_result generate(model& m, const tokenizer& tok, const generate_params& 
   const int n_prompt = (int)r.prompt_ids.size();
   for (int i = 0; i < n_prompt; i += p.n_batch) {
     const int nb = std::min(p.n_batch, n_prompt - i);
-    m.forward(std::span<const int32_t>(r.prompt_ids.data() + i, nb), i, 0, *cache, pool, logits.data(), false);
+    const std::span<const int32_t> batch(r.prompt_ids.data() + i, nb);
+    if (gpu) runner->forward(batch, i, {}, logits.data());
+    else m.forward(batch, i, 0, *cache, pool, logits.data(), false);
   }
   const auto t1 = clock::now();
   r.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
@@ -63,7 +71,8 @@ generate_result generate(model& m, const tokenizer& tok, const generate_params& 
     if (on_piece) on_piece(tok.token_to_piece(id));
     if (p.n_predict >= 0 && i + 1 == p.n_predict) break;  // no forward needed for the last token
     if (pos >= r.n_ctx) { r.stop_reason = "context_full"; break; }
-    m.forward(std::span<const int32_t>(&id, 1), pos, 0, *cache, pool, logits.data(), false);
+    if (gpu) runner->forward(std::span<const int32_t>(&id, 1), pos, {}, logits.data());
+    else m.forward(std::span<const int32_t>(&id, 1), pos, 0, *cache, pool, logits.data(), false);
     ++pos;
   }
   const auto t2 = clock::now();
@@ -73,15 +82,20 @@ generate_result generate(model& m, const tokenizer& tok, const generate_params& 
   // Decode steps = forwards after the prompt (the last sampled token needs none).
   const int n_steps = std::max(0, pos - n_prompt);
   r.decode_tokens_per_s = r.decode_seconds > 0 ? n_steps / r.decode_seconds : 0;
-  r.kv_bytes = cache->bytes();
-  r.kv_bytes_used = cache->bytes_used();
+  r.kv_bytes = gpu ? runner->kv_bytes() : cache->bytes();
+  r.kv_bytes_used = gpu ? runner->kv_bytes_used() : cache->bytes_used();
   r.kv_bytes_per_token = kv_bytes_per_token(cp);
   kv_cache_params f16 = cp;
   f16.type_k = f16.type_v = kv_cache_type::f16;
   r.kv_bytes_per_token_f16 = kv_bytes_per_token(f16);
-  r.kv_describe = cache->describe();
-  r.attn_tier = kv_attn_tier(cache->params());
-  append_certified_report(*cache, r.certified);
+  if (gpu) {
+    r.kv_describe = runner->describe();
+    r.attn_tier = "cuda (fused paged decode kernel, kvq/cuda.h)";
+  } else {
+    r.kv_describe = cache->describe();
+    r.attn_tier = kv_attn_tier(cache->params());
+    append_certified_report(*cache, r.certified);
+  }
   return r;
 }
 

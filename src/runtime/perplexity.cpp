@@ -227,6 +227,12 @@ void perplexity_check(const model& m, const perplexity_params& p) {
                std::to_string(V) + "]");
   // Cache types and options.
   const kv_cache_params cp = m.cache_params(p.n_ctx, p.cache);
+  if (p.device == compute_device::cuda) {
+    if (p.compare_type)
+      fail_unsupported("[perplexity] --compare with --device cuda is not supported (one GPU runner per run): write a "
+                       "KL base file with --kl-base and compare against it with --kl-compare");
+    cuda::check_supported(m, cp, std::min(p.n_batch == 0 ? kDefaultBatch : p.n_batch, p.n_ctx));
+  }
   validate(cp);
   if (p.compare_type) {
     kv_cache_params rp = cp;
@@ -264,7 +270,10 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
 
   kv_cache_params cp = m.cache_params(p.n_ctx, p.cache);
   cp.n_ubatch = std::max(cp.n_ubatch, r.n_batch);  // sliding-window layers' rings hold one batch
-  std::unique_ptr<kv_cache> cache = make_kv_cache(cp);
+  const bool gpu = p.device == compute_device::cuda;
+  std::unique_ptr<cuda::model_runner> runner;  // --device cuda: the model and its cache on the GPU
+  if (gpu) runner = std::make_unique<cuda::model_runner>(m, cp, r.n_batch);
+  std::unique_ptr<kv_cache> cache = gpu ? nullptr : make_kv_cache(cp);
   std::unique_ptr<kv_cache> ref_cache;
   if (p.compare_type) {
     kv_cache_params rp = cp;
@@ -291,8 +300,8 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
   cmp_codec.top_k = 0;
   const kl_codec* base_codec = base_in ? &in_codec : ref_cache ? &cmp_codec : nullptr;
 
-  r.kv_describe = cache->describe();
-  r.attn_tier = kv_attn_tier(cache->params());
+  r.kv_describe = gpu ? runner->describe() : cache->describe();
+  r.attn_tier = gpu ? "cuda (fused paged decode kernel, kvq/cuda.h)" : kv_attn_tier(cache->params());
   r.kv_bytes_per_token = kv_bytes_per_token(cp);
   kv_cache_params f16 = cp;
   f16.type_k = f16.type_v = kv_cache_type::f16;
@@ -322,7 +331,8 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
     const int64_t start = (int64_t)c * p.n_ctx;
     std::copy(tokens.begin() + start, tokens.begin() + start + p.n_ctx, chunk.begin());
     if (bos >= 0) chunk[0] = bos;
-    cache->clear(0);
+    if (gpu) runner->clear();
+    else cache->clear(0);
     if (ref_cache) ref_cache->clear(0);
     for (int i0 = 0; i0 < p.n_ctx; i0 += r.n_batch) {
       const int nb = std::min(r.n_batch, p.n_ctx - i0);
@@ -332,7 +342,8 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
       out_mask.assign(nb, 0);
       for (int t = lo; t < hi; ++t) out_mask[t - i0] = 1;
       const std::span<const int32_t> toks(chunk.data() + i0, nb);
-      eval_batch(m, *cache, toks, i0, out_mask, pos, seq, pool, logits.data());
+      if (gpu) runner->forward(toks, i0, out_mask, logits.data());
+      else eval_batch(m, *cache, toks, i0, out_mask, pos, seq, pool, logits.data());
       evaluated += nb;
       if (ref_cache) {
         eval_batch(m, *ref_cache, toks, i0, out_mask, pos, seq, pool, ref_logits.data());
@@ -409,7 +420,7 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
                         base_in->header().value("type_v", "?") + ")";
   }
   if (base_out) base_out->commit();
-  append_certified_report(*cache, r.certified);
+  if (!gpu) append_certified_report(*cache, r.certified);
   if (ref_cache) append_certified_report(*ref_cache, r.certified);
   return r;
 }

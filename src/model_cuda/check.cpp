@@ -1,0 +1,89 @@
+// Host-only parts of the GPU model path (include/kvq/cuda_model.h), built with and without CUDA so
+// that what the GPU refuses is tested everywhere: the device names and check_supported.
+#include <string>
+
+#include "kvq/cuda.h"
+#include "kvq/cuda_model.h"
+#include "kvq/error.h"
+#include "model_cuda/runner_format.h"
+
+namespace kvq {
+
+compute_device parse_compute_device(const std::string& name) {
+  if (name == "cpu") return compute_device::cpu;
+  if (name == "cuda") return compute_device::cuda;
+  fail_input("[device] unknown device '" + name + "' (supported: cpu, cuda)");
+}
+
+const char* compute_device_name(compute_device d) { return d == compute_device::cuda ? "cuda" : "cpu"; }
+
+namespace cuda {
+
+namespace {
+[[noreturn]] void refuse(const std::string& what) { fail_unsupported("[cuda model] " + what); }
+}  // namespace
+
+paged_kv_format runner_kv_format(const model& m, const kv_cache_params& cp, int max_batch) {
+  const model_hparams& hp = m.hparams();
+  if (max_batch < 1) fail_input("[cuda model] max_batch must be >= 1, got " + std::to_string(max_batch));
+  if (cp.n_ctx < 1) fail_input("[cuda model] n_ctx must be >= 1, got " + std::to_string(cp.n_ctx));
+  // the model
+  if (hp.arch != "llama" && hp.arch != "mistral" && hp.arch != "qwen2")
+    refuse("architecture '" + hp.arch + "' does not run on the GPU yet (supported: llama, mistral, qwen2; use --device cpu)");
+  if (hp.qk_norm || hp.post_norms || hp.ffn != ffn_type::swiglu || hp.embd_scale != 1.0f)
+    refuse("this " + hp.arch + " model has per-head q/k norms, post-norms, GeGLU or scaled embeddings (not on the GPU yet)");
+  if (hp.final_logit_softcap > 0.0f) refuse("final logit soft-capping is not supported on the GPU");
+  for (int il = 0; il < hp.n_layer; ++il)
+    if (hp.layers[il].window > 0)
+      refuse("layer " + std::to_string(il) + " attends over a sliding window of " + std::to_string(hp.layers[il].window) +
+             " tokens (not supported on the GPU yet)");
+  if (hp.n_rot < 2 || hp.n_rot % 2 != 0 || hp.n_rot > hp.head_dim)
+    refuse("rope.dimension_count " + std::to_string(hp.n_rot) + " must be even and in [2, head_dim " +
+           std::to_string(hp.head_dim) + "]");
+  // the cache
+  if (cp.n_seq != 1) refuse("n_seq " + std::to_string(cp.n_seq) + ": the GPU runner holds one sequence");
+  if (cp.type_k != cp.type_v)
+    refuse(std::string("-ctk ") + kv_cache_type_name(cp.type_k) + " -ctv " + kv_cache_type_name(cp.type_v) +
+           ": K and V must have the same type on the GPU (supported: f16, q8, q4)");
+  kv_format fmt{};
+  if (!kv_cache_type_format(cp.type_k, &fmt) || (fmt != kv_format::f16 && fmt != kv_format::q8 && fmt != kv_format::q4))
+    refuse(std::string("cache type '") + kv_cache_type_name(cp.type_k) + "' has no GPU kernels (supported: f16, q8, q4)");
+  const bool compressed = fmt != kv_format::f16;
+  rotation_kind rot = rotation_kind::none;
+  if (compressed) {
+    rot = cp.rotation.value_or(kv_traits(fmt).rotate_by_default ? rotation_kind::hadamard : rotation_kind::none);
+    if (rot != rotation_kind::none && rot != rotation_kind::hadamard)
+      refuse(std::string("rotation '") + rotation_name(rot) + "' has no GPU kernels (supported: none, hadamard)");
+    const int def_group = hp.head_dim % 32 == 0 ? 32 : hp.head_dim;
+    if (cp.group_size != 0 && cp.group_size != def_group)
+      refuse("group size " + std::to_string(cp.group_size) + " (the GPU pages use the default, " +
+             std::to_string(def_group) + ")");
+    if (cp.channel_scale || cp.k_channel_scale.value_or(true))
+      refuse(std::string("K channel scale is not implemented on the GPU (it is on by default for ") + kv_traits(fmt).name +
+             " K on the CPU; pass --kv-k-channel-scale off)");
+    if (cp.attn != attn_path::fused) refuse("the dequantize attention path is a CPU baseline only");
+  } else if (cp.channel_scale) {
+    refuse("channel scale on an f16 cache");
+  }
+  if (cp.sink > 0 || cp.exact_recent > 0)
+    refuse("exact sink / recent windows (--kv-sink " + std::to_string(cp.sink) + ", --kv-exact-recent " +
+           std::to_string(cp.exact_recent) + ") are not supported on the GPU yet");
+  if (cp.certify) refuse("certified attention is CPU only");
+  if (cp.attn_softcap > 0.0f) refuse("attention logit soft-capping is not supported on the GPU yet");
+  paged_kv_format f;
+  f.format = fmt;
+  f.head_dim = hp.head_dim;
+  f.n_kv_head = hp.n_kv_head;
+  f.page_size = 16;
+  f.rotation = rot;
+  paged_kv_geometry_of(f);  // head_dim, n_kv_head (unsupported names the value and the supported list)
+  if (hp.n_head % hp.n_kv_head != 0 || hp.n_head / hp.n_kv_head > 8)
+    refuse("n_head " + std::to_string(hp.n_head) + " / n_kv_head " + std::to_string(hp.n_kv_head) +
+           ": the decode kernel takes whole GQA groups of at most 8 query heads");
+  return f;
+}
+
+void check_supported(const model& m, const kv_cache_params& cp, int max_batch) { runner_kv_format(m, cp, max_batch); }
+
+}  // namespace cuda
+}  // namespace kvq

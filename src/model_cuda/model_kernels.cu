@@ -1,0 +1,105 @@
+// Kernels of the GPU model path (model_kernels.h). Simple one-block-per-row kernels: at decode they
+// move a few KB per layer, far below the weight traffic of the products.
+#include "cuda/common.cuh"
+#include "model_cuda/model_kernels.h"
+
+namespace kvq::cuda::mk {
+
+using detail::as_stream;
+using detail::check_launch;
+
+namespace {
+
+constexpr int kNormThreads = 256;
+
+__global__ void embed_kernel(const int32_t* tokens, const __half* emb, int E, float* x) {
+  const int t = blockIdx.x;
+  const __half* row = emb + (int64_t)tokens[t] * E;
+  for (int i = threadIdx.x; i < E; i += blockDim.x) x[(int64_t)t * E + i] = __half2float(row[i]);
+}
+
+__global__ void add_rmsnorm_kernel(float* x, const float* add, const float* w, const int32_t* rows, int E, float eps,
+                                   __half* h) {
+  const int r = blockIdx.x;
+  const int64_t i0 = (int64_t)(rows ? rows[r] : r) * E;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < E; i += kNormThreads) {
+    float v = x[i0 + i];
+    if (add) {
+      v += add[i0 + i];
+      x[i0 + i] = v;
+    }
+    ss = fmaf(v, v, ss);
+  }
+  __shared__ float part[kNormThreads / 32];
+  ss = detail::warp_sum(ss);
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
+  __syncthreads();
+  float tot = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kNormThreads / 32; ++j) tot += part[j];
+  const float scale = 1.0f / sqrtf(tot / (float)E + eps);
+  for (int i = threadIdx.x; i < E; i += kNormThreads) h[(int64_t)r * E + i] = __float2half_rn(x[i0 + i] * scale * w[i]);
+}
+
+// grid (n, n_head + 2 * n_kv_head), block hd threads: one head of one token.
+__global__ void qkv_rope_kernel(const float* qkv, const float* bias, const float* inv_freq, int n_rot, bool neox,
+                                int pos0, int n_head, int n_kv_head, int hd, __half* q, __half* k, __half* v) {
+  const int t = blockIdx.x, s = blockIdx.y, d = threadIdx.x;
+  const int width = (n_head + 2 * n_kv_head) * hd;
+  const int off = s * hd;  // Q heads, then K heads, then V heads
+  const float* row = qkv + (int64_t)t * width + off;
+  auto val = [&](int i) { return bias ? row[i] + bias[off + i] : row[i]; };
+  float out = val(d);
+  if (s < n_head + n_kv_head && d < n_rot) {
+    const int half = n_rot / 2;
+    const int i = neox ? (d < half ? d : d - half) : d / 2;
+    const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+    const float theta = (float)(pos0 + t) * inv_freq[i];
+    const float c = cosf(theta), sn = sinf(theta);
+    const float x0 = val(a), x1 = val(b);
+    out = d == a ? x0 * c - x1 * sn : x0 * sn + x1 * c;
+  }
+  const __half o = __float2half_rn(out);
+  if (s < n_head) q[((int64_t)t * n_head + s) * hd + d] = o;
+  else if (s < n_head + n_kv_head) k[((int64_t)t * n_kv_head + (s - n_head)) * hd + d] = o;
+  else v[((int64_t)t * n_kv_head + (s - n_head - n_kv_head)) * hd + d] = o;
+}
+
+__global__ void swiglu_kernel(const float* gu, int F, __half* act) {
+  const int t = blockIdx.y;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= F) return;
+  const float g = gu[(int64_t)t * 2 * F + i], u = gu[(int64_t)t * 2 * F + F + i];
+  act[(int64_t)t * F + i] = __float2half_rn(g / (1.0f + expf(-g)) * u);
+}
+
+}  // namespace
+
+void embed(const int32_t* tokens, const uint16_t* emb, int n, int E, float* x, void* stream) {
+  embed_kernel<<<n, 256, 0, as_stream(stream)>>>(tokens, reinterpret_cast<const __half*>(emb), E, x);
+  check_launch("model embed");
+}
+
+void add_rmsnorm(float* x, const float* add, const float* w, const int32_t* rows, int n_rows, int E, float eps,
+                 uint16_t* h, void* stream) {
+  if (n_rows == 0) return;
+  add_rmsnorm_kernel<<<n_rows, kNormThreads, 0, as_stream(stream)>>>(x, add, w, rows, E, eps,
+                                                                      reinterpret_cast<__half*>(h));
+  check_launch("model add_rmsnorm");
+}
+
+void qkv_rope(const float* qkv, const float* bias, const float* inv_freq, int n_rot, bool neox, int pos0, int n,
+              int n_head, int n_kv_head, int hd, uint16_t* q, uint16_t* k, uint16_t* v, void* stream) {
+  qkv_rope_kernel<<<dim3(n, n_head + 2 * n_kv_head), hd, 0, as_stream(stream)>>>(
+      qkv, bias, inv_freq, n_rot, neox, pos0, n_head, n_kv_head, hd, reinterpret_cast<__half*>(q),
+      reinterpret_cast<__half*>(k), reinterpret_cast<__half*>(v));
+  check_launch("model qkv_rope");
+}
+
+void swiglu(const float* gu, int n, int F, uint16_t* act, void* stream) {
+  swiglu_kernel<<<dim3((F + 255) / 256, n), 256, 0, as_stream(stream)>>>(gu, F, reinterpret_cast<__half*>(act));
+  check_launch("model swiglu");
+}
+
+}  // namespace kvq::cuda::mk

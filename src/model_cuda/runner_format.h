@@ -1,0 +1,12 @@
+// Private to the GPU model path: the paged format a runner uses (src/model_cuda/check.cpp).
+#pragma once
+#include "kvq/cuda.h"
+#include "kvq/kv_cache.h"
+#include "kvq/model.h"
+
+namespace kvq::cuda {
+
+// check_supported's checks; returns the device page format (page size 16) for m and cp.
+paged_kv_format runner_kv_format(const model& m, const kv_cache_params& cp, int max_batch);
+
+}  // namespace kvq::cuda

@@ -1,0 +1,21 @@
+// Built when KVQ_BUILD_CUDA is OFF: the GPU model path reports "not supported" (kvq/cuda.h's stub).
+#include "kvq/cuda.h"
+#include "kvq/cuda_model.h"
+
+namespace kvq::cuda {
+
+struct model_runner::impl {};
+
+model_runner::model_runner(const model&, const kv_cache_params&, int) { require(); }  // throws unsupported
+model_runner::~model_runner() = default;
+int model_runner::forward(std::span<const int32_t>, int, std::span<const uint8_t>, float*) { require(); return 0; }
+void model_runner::clear() {}
+int model_runner::n_pos() const { return 0; }
+int model_runner::n_ctx() const { return 0; }
+int model_runner::max_batch() const { return 0; }
+std::string model_runner::describe() const { return "none (kvq built without CUDA)"; }
+size_t model_runner::kv_bytes() const { return 0; }
+size_t model_runner::kv_bytes_used() const { return 0; }
+size_t model_runner::weight_bytes() const { return 0; }
+
+}  // namespace kvq::cuda

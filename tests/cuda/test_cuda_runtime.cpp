@@ -1,0 +1,113 @@
+// kvq::generate and kvq::perplexity with compute_device::cuda (the library behind
+// `kvq generate/perplexity --device cuda`) against the CPU engine on tinylit. Built when the
+// runtime is (KVQ_TEST_RUNTIME: it needs the tokenizer); GPU cases skip without a GPU.
+#if KVQ_TEST_RUNTIME
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "cuda_test_util.h"
+#include "kvq/error.h"
+#include "kvq/generate.h"
+#include "kvq/perplexity.h"
+#include "support/data_dir.h"
+
+namespace kvq {
+namespace {
+
+constexpr const char* kTinylit = "models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.gguf";
+constexpr const char* kHeldout = "data/tinylit-hd64-gqa4-heldout/heldout.txt";
+
+generate_params greedy(compute_device d) {
+  generate_params p;
+  p.prompt = "It was a dark and stormy night; the rain fell in torrents, except at occasional intervals";
+  p.n_predict = 64;
+  p.ignore_eos = true;
+  p.sampling.temp = 0.0f;
+  p.device = d;
+  return p;
+}
+
+TEST(CudaRuntime, CudaWithoutGpuIsNotSupported) {
+  if (cuda::available()) GTEST_SKIP() << "a GPU is visible";
+  KVQ_REQUIRE_DATA(mp, kTinylit);
+  auto m = model::load(mp);
+  auto tok = tokenizer::from_gguf(m->gguf());
+  try {
+    generate(*m, *tok, greedy(compute_device::cuda));
+    FAIL() << "generate on cuda without a GPU";
+  } catch (const error& e) {
+    EXPECT_EQ(e.code(), errc::unsupported) << e.what();
+  }
+}
+
+TEST(CudaRuntime, GenerateGreedyMatchesCpu) {
+  KVQ_REQUIRE_GPU();
+  KVQ_REQUIRE_DATA(mp, kTinylit);
+  auto m = model::load(mp);
+  auto tok = tokenizer::from_gguf(m->gguf());
+  const generate_result cpu = generate(*m, *tok, greedy(compute_device::cpu));
+  const generate_result gpu = generate(*m, *tok, greedy(compute_device::cuda));
+  std::printf("[ generate cuda ] %s; decode %.0f tok/s (cpu %.0f), prefill %.0f tok/s (cpu %.0f)\n",
+              gpu.kv_describe.c_str(), gpu.decode_tokens_per_s, cpu.decode_tokens_per_s, gpu.prefill_tokens_per_s,
+              cpu.prefill_tokens_per_s);
+  EXPECT_EQ(gpu.prompt_ids, cpu.prompt_ids);
+  EXPECT_EQ(gpu.ids, cpu.ids);
+  EXPECT_EQ(gpu.text, cpu.text);
+  EXPECT_EQ(gpu.ids.size(), 64u);
+}
+
+// PPL of 4 chunks of 256 tokens (508 scored): f16 within 1e-3 relative of the CPU engine (logits
+// differ by f16 rounding, test_cuda_model.cpp); q4 within 2 % (codes flip on that rounding), and
+// the KL base-file path: the GPU f16 run against the CPU f16 run's file.
+TEST(CudaRuntime, PerplexityMatchesCpu) {
+  KVQ_REQUIRE_GPU();
+  KVQ_REQUIRE_DATA(mp, kTinylit);
+  KVQ_REQUIRE_DATA(tp, kHeldout);
+  auto m = model::load(mp);
+  auto tok = tokenizer::from_gguf(m->gguf());
+  const auto ids = perplexity_tokenize(*tok, read_text_file(tp));
+  const std::string base = testing::TempDir() + "/kvq_cuda_kl_base.bin";
+  for (kv_cache_type t : {kv_cache_type::f16, kv_cache_type::q4}) {
+    perplexity_params p;
+    p.n_ctx = 256;
+    p.n_chunks = 4;
+    p.cache.type_k = p.cache.type_v = t;
+    p.cache.k_channel_scale = false;
+    if (t == kv_cache_type::f16) p.kl_base_out = base;
+    const perplexity_result cpu = perplexity(*m, ids, perplexity_bos(*tok), p);
+    p.device = compute_device::cuda;
+    p.kl_base_out.clear();
+    if (t == kv_cache_type::f16) p.kl_base_in = base;
+    const perplexity_result gpu = perplexity(*m, ids, perplexity_bos(*tok), p);
+    const double rel = std::fabs(gpu.ppl.ppl / cpu.ppl.ppl - 1);
+    std::printf("[ perplexity %s ] cpu %.5f, cuda %.5f (rel %.2e), %lld scored; %s\n", kv_cache_type_name(t),
+                cpu.ppl.ppl, gpu.ppl.ppl, rel, (long long)gpu.ppl.n_scored, gpu.kv_describe.c_str());
+    EXPECT_EQ(gpu.ppl.n_scored, cpu.ppl.n_scored);
+    EXPECT_LE(rel, t == kv_cache_type::f16 ? 1e-3 : 2e-2);
+    if (t == kv_cache_type::f16) {
+      ASSERT_TRUE(gpu.has_kld);
+      std::printf("[ perplexity f16 ] KL(cpu || cuda) mean %.3e, max %.3e, same top-1 %.2f %%\n", gpu.kld.mean,
+                  gpu.kld.max, gpu.kld.same_top1_pct);
+      EXPECT_LE(gpu.kld.mean, 1e-5);
+      EXPECT_GE(gpu.kld.same_top1_pct, 98.0);
+    }
+  }
+  std::remove(base.c_str());
+  perplexity_params bad;
+  bad.n_ctx = 256;
+  bad.device = compute_device::cuda;
+  bad.compare_type = kv_cache_type::q8;
+  try {
+    perplexity_check(*m, bad);
+    ADD_FAILURE() << "--compare accepted with --device cuda";
+  } catch (const error& e) {
+    EXPECT_EQ(e.code(), errc::unsupported) << e.what();
+    EXPECT_NE(std::string(e.what()).find("--compare with --device cuda is not supported"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace kvq
+#endif  // KVQ_TEST_RUNTIME
