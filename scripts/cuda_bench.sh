@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The CUDA backend in one call on a GPU machine (docs/perf.md "CUDA"): configures the main CMake
 # project with -DKVQ_BUILD_CUDA=ON (and -DKVQ_BUILD_RUNTIME=OFF: the GPU machine has no PCRE2, and
-# these targets need no tokenizer), builds test_cuda and bench_cuda_decode from the same source
-# lists as every other build, runs the correctness tests, compute-sanitizer memcheck once on the
-# test binary, then the decode benchmark and PyTorch SDPA. Logs and JSON go to $OUT (or
-# build-cuda-dev/out). Needs nvcc, CMake, Ninja, fmt, GoogleTest and Google Benchmark.
+# these targets need no tokenizer), builds test_cuda, bench_cuda_decode and bench_cuda_model from
+# the same source lists as every other build, runs the correctness tests, compute-sanitizer memcheck
+# once on the test binary, then the decode benchmark, PyTorch SDPA and the model benchmark (tinylit
+# from KVQ_DATA_DIR, when there). Logs and JSON go to $OUT (or build-cuda-dev/out). Needs nvcc, CMake, Ninja, fmt, GoogleTest and Google Benchmark.
 #   scripts/cuda_bench.sh [--no-sanitize] [--no-bench] [--batch 1,8,32] [--ctx 4096,32768,131072]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +27,7 @@ nvcc --version | tail -2 | tee -a "$out/device.txt"
 t0=$(date +%s)
 cmake -S . -B build-cuda-dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVQ_BUILD_CUDA=ON -DKVQ_BUILD_RUNTIME=OFF \
   -DKVQ_BUILD_TESTS=ON -DKVQ_BUILD_BENCH=ON > "$out/build.log" 2>&1 &&
-  cmake --build build-cuda-dev -j"$(nproc)" --target test_cuda bench_cuda_decode >> "$out/build.log" 2>&1 ||
+  cmake --build build-cuda-dev -j"$(nproc)" --target test_cuda bench_cuda_decode bench_cuda_model >> "$out/build.log" 2>&1 ||
   { tail -50 "$out/build.log"; exit 1; }
 test_bin=build-cuda-dev/tests/test_cuda bench_bin=build-cuda-dev/bench/bench_cuda_decode
 echo "build: $(( $(date +%s) - t0 )) s"
@@ -46,5 +46,8 @@ fi
 if [ $bench = 1 ]; then
   $bench_bin --batch "$batch" --ctx "$ctx" --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -14
   PYTHONUNBUFFERED=1 python3 scripts/cuda_sdpa.py --batch "$batch" --ctx "$ctx" --json "$out/bench.json" 2>&1 | tee "$out/sdpa.log" | tail -12
+  # the model on the GPU beside the CPU engine (tinylit from KVQ_DATA_DIR, when there)
+  tl=${KVQ_DATA_DIR:-../shared}/models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.gguf
+  [ -f "$tl" ] && build-cuda-dev/bench/bench_cuda_model "$tl" --prefill 512 --decode 256 2>&1 | tee "$out/model_bench.log"
 fi
 exit $status

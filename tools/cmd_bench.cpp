@@ -303,7 +303,7 @@ const registrar reg{{"bench", "decode/prefill speed and KV memory of KV formats 
   app->add_option("-m,--model", o->model_path, "GGUF model file");
   app->add_option("--shape", o->shape,
                   "synthetic random-weight model of a published shape: llama3-8b, llama3.2-1b, mistral-7b, "
-                  "qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b");
+                  "qwen2.5-0.5b, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b");
   app->add_option("--shape-layers", o->shape_layers, "layers of the synthetic model (0: the shape's)")->capture_default_str();
   app->add_option("--weights", o->weights, "weight type of the synthetic model: f16, q8_0, q4_0")->capture_default_str();
   app->add_option("-f,--file", o->text_path, "text whose tokens feed fill/prefill/decode (default: pseudo-random ids)");

@@ -1,14 +1,21 @@
 // End-to-end speed of the model on the GPU (cuda::model_runner) beside the CPU engine, same model,
 // cache type and tokens: prefill of one batch, then greedy decode steps (each step synchronous:
 // logits copied back). Prints one row per (engine, cache type) with the median decode step.
-//   bench_cuda_model MODEL.gguf [--prefill 512] [--decode 128] [--types f16,q8,q4] [--no-cpu]
+//   bench_cuda_model MODEL.gguf|shape:NAME [--layers N] [--weights f16|q8_0|q4_0] [--prefill 512]
+//                    [--decode 128] [--types f16,q8,q4] [--no-cpu]
+// shape:NAME (a built runtime only): make_synthetic_model's random-weight model of that published
+// shape (kvq/bench.h), e.g. shape:qwen2.5-0.5b.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
+#if KVQ_BENCH_RUNTIME
+#include "kvq/bench.h"
+#endif
 #include "kvq/cuda.h"
 #include "kvq/cuda_model.h"
 #include "kvq/error.h"
@@ -51,7 +58,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s MODEL.gguf [--prefill N] [--decode N] [--types f16,q8,q4] [--no-cpu]\n", argv[0]);
     return 2;
   }
-  int n_prefill = 512, n_decode = 128;
+  int n_prefill = 512, n_decode = 128, n_layers = 0;
+  std::string weights = "f16";
   std::string types = "f16,q8,q4";
   bool cpu = true;
   for (int i = 2; i < argc; ++i) {
@@ -59,9 +67,22 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--decode") && i + 1 < argc) n_decode = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--types") && i + 1 < argc) types = argv[++i];
     else if (!std::strcmp(argv[i], "--no-cpu")) cpu = false;
+    else if (!std::strcmp(argv[i], "--layers") && i + 1 < argc) n_layers = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--weights") && i + 1 < argc) weights = argv[++i];
   }
   try {
-    auto m = model::load(argv[1]);
+    const std::string src = argv[1];
+    std::unique_ptr<model> m;
+    if (src.rfind("shape:", 0) == 0) {
+#if KVQ_BENCH_RUNTIME
+      const ggml_type wt = weights == "q8_0" ? ggml_type::q8_0 : weights == "q4_0" ? ggml_type::q4_0 : ggml_type::f16;
+      m = make_synthetic_model(find_model_shape(src.substr(6)), wt, n_layers);
+#else
+      fail_unsupported("[bench_cuda_model] shape: models need the runtime (built with KVQ_BUILD_RUNTIME=ON)");
+#endif
+    } else {
+      m = model::load(src);
+    }
     const int V = m->hparams().n_vocab, n_ctx = n_prefill + n_decode;
     std::vector<int32_t> prompt(n_prefill);
     for (int i = 0; i < n_prefill; ++i) prompt[i] = (int32_t)((i * 7919 + 1) % V);  // deterministic, any ids

@@ -120,7 +120,7 @@ struct model_shape {
 };
 
 // Published shapes (from each model's config.json): llama3-8b, llama3.2-1b, mistral-7b,
-// qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b.
+// qwen2.5-0.5b (q/k/v biases, drawn uniform in [-0.5, 0.5]), qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b.
 std::vector<model_shape> model_shapes();
 // Throws invalid_input listing the known names.
 model_shape find_model_shape(const std::string& name);

@@ -20,6 +20,7 @@ std::vector<model_shape> model_shapes() {
       {"llama3-8b", "llama", 32, 4096, 32, 8, 128, 14336, 128256, 8192, 500000.0f, false},
       {"llama3.2-1b", "llama", 16, 2048, 32, 8, 64, 8192, 128256, 131072, 500000.0f, true},
       {"mistral-7b", "llama", 32, 4096, 32, 8, 128, 14336, 32768, 32768, 1000000.0f, false},
+      {"qwen2.5-0.5b", "qwen2", 24, 896, 14, 2, 64, 4864, 151936, 32768, 1000000.0f, true},
       {"qwen3-0.6b", "qwen3", 28, 1024, 16, 8, 128, 3072, 151936, 40960, 1000000.0f, true},
       {"qwen3-1.7b", "qwen3", 28, 2048, 16, 8, 128, 6144, 151936, 40960, 1000000.0f, true},
       {"qwen3-4b", "qwen3", 36, 2560, 32, 8, 128, 9728, 151936, 40960, 1000000.0f, true},
@@ -52,9 +53,10 @@ struct tensor_spec {
   std::string name;
   ggml_type type;
   int64_t n_in, n_out;  // ne[0], ne[1] (n_out = 1: a vector)
+  bool bias = false;     // f32 vector of uniform values in [-0.5, 0.5] (qwen2's q/k/v biases), not ones
 };
 
-// Streams one tensor's random data (uniform, variance 1/n_in; vectors = 1).
+// Streams one tensor's random data (uniform, variance 1/n_in; vectors = 1, biases U(-0.5, 0.5)).
 void write_tensor_data(const gguf_writer::byte_sink& out, const tensor_spec& t, rng& r) {
   const int64_t n = t.n_in * t.n_out;
   std::vector<uint8_t> buf;
@@ -67,9 +69,9 @@ void write_tensor_data(const gguf_writer::byte_sink& out, const tensor_spec& t, 
     }
   };
   if (t.type == ggml_type::f32) {
-    const float one = 1.0f;
     for (int64_t i = 0; i < n; ++i) {
-      buf.insert(buf.end(), (const uint8_t*)&one, (const uint8_t*)&one + 4);
+      const float v = t.bias ? (float)(r.next() >> 11) * 0x1.0p-53f - 0.5f : 1.0f;
+      buf.insert(buf.end(), (const uint8_t*)&v, (const uint8_t*)&v + 4);
       flush(false);
     }
   } else if (t.type == ggml_type::f16) {
@@ -131,6 +133,11 @@ std::unique_ptr<model> make_synthetic_model(const model_shape& s, ggml_type wt, 
     ts.push_back({b + "ffn_gate.weight", wt, E, s.n_ff});
     ts.push_back({b + "ffn_up.weight", wt, E, s.n_ff});
     ts.push_back({b + "ffn_down.weight", wt, s.n_ff, E});
+    if (s.arch == "qwen2") {
+      ts.push_back({b + "attn_q.bias", ggml_type::f32, dq, 1, true});
+      ts.push_back({b + "attn_k.bias", ggml_type::f32, dkv, 1, true});
+      ts.push_back({b + "attn_v.bias", ggml_type::f32, dkv, 1, true});
+    }
     if (s.arch == "qwen3") {
       ts.push_back({b + "attn_q_norm.weight", ggml_type::f32, s.head_dim, 1});
       ts.push_back({b + "attn_k_norm.weight", ggml_type::f32, s.head_dim, 1});

@@ -6,8 +6,10 @@
 
 #include <cmath>
 #include <cstdio>
+#include <random>
 
 #include "cuda_test_util.h"
+#include "kvq/bench.h"
 #include "kvq/error.h"
 #include "kvq/generate.h"
 #include "kvq/perplexity.h"
@@ -105,6 +107,58 @@ TEST(CudaRuntime, PerplexityMatchesCpu) {
   } catch (const error& e) {
     EXPECT_EQ(e.code(), errc::unsupported) << e.what();
     EXPECT_NE(std::string(e.what()).find("--compare with --device cuda is not supported"), std::string::npos);
+  }
+}
+
+// qwen2 on the GPU (q/k/v biases, NEOX RoPE, base 1e6, GQA 7, tied output) on the published
+// Qwen2.5-0.5B shape with random weights (make_synthetic_model, 4 of its 24 layers): logits of a
+// 48-token prefill and 16 decode steps against the CPU engine, f16 cache. f16 weights: the GPU
+// differs by its f16 activations only; q4_0 weights: the CPU engine also quantizes its activations
+// to q8_0 blocks (matmul.h), which the GPU's f16 products do not.
+TEST(CudaRuntime, Qwen2ShapeMatchesCpu) {
+  KVQ_REQUIRE_GPU();
+  for (auto [wt, max_rel] : {std::pair{ggml_type::f16, 2e-3}, std::pair{ggml_type::q4_0, 3e-2}}) {
+    auto m = make_synthetic_model(find_model_shape("qwen2.5-0.5b"), wt, 4, 19);
+    const int V = m->hparams().n_vocab, n = 64, n_prefill = 48;
+    ASSERT_TRUE(m->hparams().qkv_bias);
+    std::mt19937 rng(5);
+    std::vector<int32_t> ids(n);
+    for (auto& t : ids) t = (int32_t)(rng() % V);
+    kv_cache_params o;
+    o.type_k = o.type_v = kv_cache_type::f16;
+    const kv_cache_params cp = m->cache_params(128, o);
+    auto cache = make_kv_cache(cp);
+    thread_pool pool(0);
+    cuda::model_runner r(*m, cp, n_prefill);
+    std::vector<float> cpu((size_t)n * V), gpu((size_t)n * V);
+    m->forward(std::span<const int32_t>(ids.data(), n_prefill), 0, 0, *cache, pool, cpu.data(), true);
+    const std::vector<uint8_t> all(n_prefill, 1);
+    r.forward(std::span<const int32_t>(ids.data(), n_prefill), 0, all, gpu.data());
+    for (int t = n_prefill; t < n; ++t) {
+      m->forward(std::span<const int32_t>(&ids[t], 1), t, 0, *cache, pool, &cpu[(size_t)t * V], false);
+      r.forward(std::span<const int32_t>(&ids[t], 1), t, {}, &gpu[(size_t)t * V]);
+    }
+    double ss = 0, sr = 0, mx = 0;
+    int same = 0;
+    for (int t = 0; t < n; ++t) {
+      const float* a = &gpu[(size_t)t * V];
+      const float* b = &cpu[(size_t)t * V];
+      double mean = 0;
+      for (int i = 0; i < V; ++i) mean += b[i];
+      mean /= V;
+      for (int i = 0; i < V; ++i) {
+        ss += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        sr += (b[i] - mean) * (b[i] - mean);
+        mx = std::max(mx, std::fabs((double)a[i] - b[i]));
+      }
+      same += std::max_element(a, a + V) - a == std::max_element(b, b + V) - b;
+    }
+    const double rel = std::sqrt(ss / sr);
+    std::printf("[ qwen2.5-0.5b shape, 4 layers, %s weights ] rel rms %.3e, max |dlogit| %.3e, argmax same %d/%d; "
+                "GPU weights %.1f MB\n",
+                ggml_type_name(wt), rel, mx, same, n, r.weight_bytes() / 1e6);
+    EXPECT_LE(rel, max_rel);
+    EXPECT_GE(same, n - 2);
   }
 }
 
