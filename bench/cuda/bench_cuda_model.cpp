@@ -102,7 +102,8 @@ int main(int argc, char** argv) {
       const kv_cache_params cp = m->cache_params(n_ctx, o);
       {
         cuda::model_runner r(*m, cp, n_prefill);
-        run([&](std::span<const int32_t> x, int pos, float* lg) { r.forward(x, pos, {}, lg); }, prompt, 4, V);  // warm-up
+        run([&](std::span<const int32_t> x, int pos, float* lg) { r.forward(x, pos, {}, lg); }, prompt, 4,
+            V);  // warm-up
         r.clear();
         const row g = run([&](std::span<const int32_t> x, int pos, float* lg) { r.forward(x, pos, {}, lg); }, prompt,
                           n_decode, V);
@@ -112,9 +113,9 @@ int main(int argc, char** argv) {
       if (cpu) {
         thread_pool pool(0);
         auto cache = make_kv_cache(cp);
-        const row c = run([&](std::span<const int32_t> x, int pos, float* lg) {
-          m->forward(x, pos, 0, *cache, pool, lg, false);
-        }, prompt, n_decode, V);
+        const row c =
+            run([&](std::span<const int32_t> x, int pos, float* lg) { m->forward(x, pos, 0, *cache, pool, lg, false); },
+                prompt, n_decode, V);
         std::printf("%-6s %-5s %12.3f %12.0f %14.4f\n", "cpu", t.c_str(), c.prefill_ms, n_prefill / c.prefill_ms * 1e3,
                     c.decode_ms);
       }

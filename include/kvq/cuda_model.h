@@ -67,8 +67,8 @@ class model_runner {
   // written logit is NaN/Inf (the cache then holds the batch).
   int forward(std::span<const int32_t> tokens, int pos0, std::span<const uint8_t> output, float* logits);
 
-  void clear();         // forgets every position (the pages are reused)
-  int n_pos() const;    // positions stored
+  void clear();       // forgets every position (the pages are reused)
+  int n_pos() const;  // positions stored
   int n_ctx() const;
   int max_batch() const;
   std::string describe() const;  // e.g. "q4/q4 (hadamard, g32), 16-token pages, on NVIDIA H200 ..."

@@ -29,14 +29,16 @@ paged_kv_format runner_kv_format(const model& m, const kv_cache_params& cp, int 
   if (cp.n_ctx < 1) fail_input("[cuda model] n_ctx must be >= 1, got " + std::to_string(cp.n_ctx));
   // the model
   if (hp.arch != "llama" && hp.arch != "mistral" && hp.arch != "qwen2")
-    refuse("architecture '" + hp.arch + "' does not run on the GPU yet (supported: llama, mistral, qwen2; use --device cpu)");
+    refuse("architecture '" + hp.arch +
+           "' does not run on the GPU yet (supported: llama, mistral, qwen2; use --device cpu)");
   if (hp.qk_norm || hp.post_norms || hp.ffn != ffn_type::swiglu || hp.embd_scale != 1.0f)
-    refuse("this " + hp.arch + " model has per-head q/k norms, post-norms, GeGLU or scaled embeddings (not on the GPU yet)");
+    refuse("this " + hp.arch +
+           " model has per-head q/k norms, post-norms, GeGLU or scaled embeddings (not on the GPU yet)");
   if (hp.final_logit_softcap > 0.0f) refuse("final logit soft-capping is not supported on the GPU");
   for (int il = 0; il < hp.n_layer; ++il)
     if (hp.layers[il].window > 0)
-      refuse("layer " + std::to_string(il) + " attends over a sliding window of " + std::to_string(hp.layers[il].window) +
-             " tokens (not supported on the GPU yet)");
+      refuse("layer " + std::to_string(il) + " attends over a sliding window of " +
+             std::to_string(hp.layers[il].window) + " tokens (not supported on the GPU yet)");
   if (hp.n_rot < 2 || hp.n_rot % 2 != 0 || hp.n_rot > hp.head_dim)
     refuse("rope.dimension_count " + std::to_string(hp.n_rot) + " must be even and in [2, head_dim " +
            std::to_string(hp.head_dim) + "]");
@@ -47,7 +49,8 @@ paged_kv_format runner_kv_format(const model& m, const kv_cache_params& cp, int 
            ": K and V must have the same type on the GPU (supported: f16, q8, q4)");
   kv_format fmt{};
   if (!kv_cache_type_format(cp.type_k, &fmt) || (fmt != kv_format::f16 && fmt != kv_format::q8 && fmt != kv_format::q4))
-    refuse(std::string("cache type '") + kv_cache_type_name(cp.type_k) + "' has no GPU kernels (supported: f16, q8, q4)");
+    refuse(std::string("cache type '") + kv_cache_type_name(cp.type_k) +
+           "' has no GPU kernels (supported: f16, q8, q4)");
   const bool compressed = fmt != kv_format::f16;
   rotation_kind rot = rotation_kind::none;
   if (compressed) {
@@ -59,8 +62,8 @@ paged_kv_format runner_kv_format(const model& m, const kv_cache_params& cp, int 
       refuse("group size " + std::to_string(cp.group_size) + " (the GPU pages use the default, " +
              std::to_string(def_group) + ")");
     if (cp.channel_scale || cp.k_channel_scale.value_or(true))
-      refuse(std::string("K channel scale is not implemented on the GPU (it is on by default for ") + kv_traits(fmt).name +
-             " K on the CPU; pass --kv-k-channel-scale off)");
+      refuse(std::string("K channel scale is not implemented on the GPU (it is on by default for ") +
+             kv_traits(fmt).name + " K on the CPU; pass --kv-k-channel-scale off)");
     if (cp.attn != attn_path::fused) refuse("the dequantize attention path is a CPU baseline only");
   } else if (cp.channel_scale) {
     refuse("channel scale on an f16 cache");

@@ -85,7 +85,7 @@ void add_rmsnorm(float* x, const float* add, const float* w, const int32_t* rows
                  uint16_t* h, void* stream) {
   if (n_rows == 0) return;
   add_rmsnorm_kernel<<<n_rows, kNormThreads, 0, as_stream(stream)>>>(x, add, w, rows, E, eps,
-                                                                      reinterpret_cast<__half*>(h));
+                                                                     reinterpret_cast<__half*>(h));
   check_launch("model add_rmsnorm");
 }
 

@@ -44,7 +44,7 @@ struct model_runner::impl {
 
   struct layer_w {
     uint16_t *wqkv = nullptr, *wo = nullptr, *wgu = nullptr, *wdown = nullptr;  // f16 [n_out][n_in]
-    float *attn_norm = nullptr, *ffn_norm = nullptr, *bqkv = nullptr;            // f32
+    float *attn_norm = nullptr, *ffn_norm = nullptr, *bqkv = nullptr;           // f32
   };
   std::vector<layer_w> layers;
   uint16_t *emb = nullptr, *w_out = nullptr;  // [n_vocab][n_embd] f16 (w_out == emb when tied)
@@ -114,10 +114,10 @@ struct model_runner::impl {
   // y [n][n_out] f32 = x [n][n_in] f16 . W^T, W [n_out][n_in] f16 (column-major: W is n_in x n_out).
   void gemm(const uint16_t* w, int64_t n_out, int64_t n_in, const uint16_t* xin, int n, float* y) {
     const float alpha = 1.0f, beta = 0.0f;
-    check_blas(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n_out, n, (int)n_in, &alpha, w, CUDA_R_16F, (int)n_in,
-                            xin, CUDA_R_16F, (int)n_in, &beta, y, CUDA_R_32F, (int)n_out, CUBLAS_COMPUTE_32F,
-                            CUBLAS_GEMM_DEFAULT),
-               "cublasGemmEx");
+    check_blas(
+        cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n_out, n, (int)n_in, &alpha, w, CUDA_R_16F, (int)n_in, xin,
+                     CUDA_R_16F, (int)n_in, &beta, y, CUDA_R_32F, (int)n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        "cublasGemmEx");
   }
 };
 
@@ -154,10 +154,12 @@ model_runner::model_runner(const model& m, const kv_cache_params& cp, int max_ba
   for (int il = 0; il < hp.n_layer; ++il) {
     impl::layer_w& L = s.layers[il];
     const std::string b = "blk." + std::to_string(il) + ".";
-    const weight_view wq = load::matrix(f, b + "attn_q.weight", E, s.dq), wk = load::matrix(f, b + "attn_k.weight", E, s.dkv),
+    const weight_view wq = load::matrix(f, b + "attn_q.weight", E, s.dq),
+                      wk = load::matrix(f, b + "attn_k.weight", E, s.dkv),
                       wv = load::matrix(f, b + "attn_v.weight", E, s.dkv);
     const weight_view wo = load::matrix(f, b + "attn_output.weight", s.dq, E);
-    const weight_view wg = load::matrix(f, b + "ffn_gate.weight", E, F), wu = load::matrix(f, b + "ffn_up.weight", E, F);
+    const weight_view wg = load::matrix(f, b + "ffn_gate.weight", E, F),
+                      wu = load::matrix(f, b + "ffn_up.weight", E, F);
     const weight_view wd = load::matrix(f, b + "ffn_down.weight", F, E);
     L.wqkv = s.upload_f16({&wq, &wk, &wv});
     L.wo = s.upload_f16({&wo});
@@ -313,8 +315,7 @@ size_t model_runner::kv_bytes_used() const {
 std::string model_runner::describe() const {
   const impl& s = *p_;
   std::string d = std::string(kv_traits(s.fmt.format).name) + "/" + kv_traits(s.fmt.format).name;
-  if (s.compressed)
-    d += std::string(" (") + rotation_name(s.fmt.rotation) + ", g" + std::to_string(s.geo.group) + ")";
+  if (s.compressed) d += std::string(" (") + rotation_name(s.fmt.rotation) + ", g" + std::to_string(s.geo.group) + ")";
   return d + ", " + std::to_string(s.fmt.page_size) + "-token pages, on " + device_name();
 }
 

@@ -8,7 +8,10 @@ struct model_runner::impl {};
 
 model_runner::model_runner(const model&, const kv_cache_params&, int) { require(); }  // throws unsupported
 model_runner::~model_runner() = default;
-int model_runner::forward(std::span<const int32_t>, int, std::span<const uint8_t>, float*) { require(); return 0; }
+int model_runner::forward(std::span<const int32_t>, int, std::span<const uint8_t>, float*) {
+  require();
+  return 0;
+}
 void model_runner::clear() {}
 int model_runner::n_pos() const { return 0; }
 int model_runner::n_ctx() const { return 0; }

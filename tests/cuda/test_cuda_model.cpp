@@ -155,9 +155,7 @@ TEST(CudaModelCheck, RefusesWhatTheGpuDoesNotRun) {
   try {
     cuda::check_supported(*m, cache_of(*m, kv_cache_type::f16, 256), 0);
     ADD_FAILURE() << "max_batch 0 accepted";
-  } catch (const error& e) {
-    EXPECT_EQ(e.code(), errc::invalid_input) << e.what();
-  }
+  } catch (const error& e) { EXPECT_EQ(e.code(), errc::invalid_input) << e.what(); }
 }
 
 TEST(CudaModelCheck, RefusesUnsupportedHeadDim) {
@@ -255,9 +253,8 @@ TEST(CudaModel, GreedyF16MatchesCpu) {
   };
   auto cache = make_kv_cache(cp);
   thread_pool pool(0);
-  const auto cpu = greedy([&](std::span<const int32_t> t, int pos, float* lg) {
-    m->forward(t, pos, 0, *cache, pool, lg, false);
-  });
+  const auto cpu =
+      greedy([&](std::span<const int32_t> t, int pos, float* lg) { m->forward(t, pos, 0, *cache, pool, lg, false); });
   cuda::model_runner r(*m, cp, 64);
   const auto gpu = greedy([&](std::span<const int32_t> t, int pos, float* lg) { r.forward(t, pos, {}, lg); });
   int same = 0;

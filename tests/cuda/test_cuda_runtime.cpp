@@ -39,9 +39,7 @@ TEST(CudaRuntime, CudaWithoutGpuIsNotSupported) {
   try {
     generate(*m, *tok, greedy(compute_device::cuda));
     FAIL() << "generate on cuda without a GPU";
-  } catch (const error& e) {
-    EXPECT_EQ(e.code(), errc::unsupported) << e.what();
-  }
+  } catch (const error& e) { EXPECT_EQ(e.code(), errc::unsupported) << e.what(); }
 }
 
 TEST(CudaRuntime, GenerateGreedyMatchesCpu) {
@@ -154,9 +152,10 @@ TEST(CudaRuntime, Qwen2ShapeMatchesCpu) {
       same += std::max_element(a, a + V) - a == std::max_element(b, b + V) - b;
     }
     const double rel = std::sqrt(ss / sr);
-    std::printf("[ qwen2.5-0.5b shape, 4 layers, %s weights ] rel rms %.3e, max |dlogit| %.3e, argmax same %d/%d; "
-                "GPU weights %.1f MB\n",
-                ggml_type_name(wt), rel, mx, same, n, r.weight_bytes() / 1e6);
+    std::printf(
+        "[ qwen2.5-0.5b shape, 4 layers, %s weights ] rel rms %.3e, max |dlogit| %.3e, argmax same %d/%d; "
+        "GPU weights %.1f MB\n",
+        ggml_type_name(wt), rel, mx, same, n, r.weight_bytes() / 1e6);
     EXPECT_LE(rel, max_rel);
     EXPECT_GE(same, n - 2);
   }

@@ -18,8 +18,9 @@ TEST(CliDevice, CudaWithoutGpuIsNotSupported) {
   if (cuda::available()) GTEST_SKIP() << "a GPU is visible: " << cuda::device_name();
   KVQ_REQUIRE_DATA(model, kTinylit);
   KVQ_REQUIRE_DATA(text, "data/tinylit-hd64-gqa4-heldout/heldout.txt");
-  for (const auto& args : {std::vector<std::string>{"generate", "-m", model, "-p", "Once", "-n", "4"},
-                           std::vector<std::string>{"perplexity", "-m", model, "-f", text, "-c", "64", "--chunks", "1"}}) {
+  for (const auto& args :
+       {std::vector<std::string>{"generate", "-m", model, "-p", "Once", "-n", "4"},
+        std::vector<std::string>{"perplexity", "-m", model, "-f", text, "-c", "64", "--chunks", "1"}}) {
     std::vector<std::string> argv{test::kvq_bin()};
     argv.insert(argv.end(), args.begin(), args.end());
     argv.insert(argv.end(), {"--device", "cuda"});
@@ -34,12 +35,13 @@ TEST(CliDevice, CudaWithoutGpuIsNotSupported) {
 
 TEST(CliDevice, UnknownDeviceAndCpuDefault) {
   KVQ_REQUIRE_DATA(model, kTinylit);
-  test::cmd_result r = test::run_cmd({test::kvq_bin(), "generate", "-m", model, "-p", "Once", "-n", "2", "--device", "tpu"});
+  test::cmd_result r =
+      test::run_cmd({test::kvq_bin(), "generate", "-m", model, "-p", "Once", "-n", "2", "--device", "tpu"});
   EXPECT_EQ(r.rc, 2) << r.err;
   EXPECT_NE(r.err.find("[device] unknown device 'tpu' (supported: cpu, cuda)"), std::string::npos) << r.err;
   // --device cpu is the default engine: the same greedy ids as without the flag
-  const std::vector<std::string> base{test::kvq_bin(), "generate", "-m", model, "-p", "Once", "-n", "8", "--temp", "0",
-                                      "--json"};
+  const std::vector<std::string> base{test::kvq_bin(), "generate", "-m",    model, "-p", "Once", "-n", "8",
+                                      "--temp",        "0",        "--json"};
   std::vector<std::string> with = base;
   with.insert(with.end(), {"--device", "cpu"});
   const test::cmd_result a = test::run_cmd(base), b = test::run_cmd(with);
