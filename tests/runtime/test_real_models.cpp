@@ -249,7 +249,21 @@ TEST(RealModels, Qwen25CompressedFormatsAreNotGarbage) {
   std::remove(base.c_str());
 }
 
-// Gemma 3: the golden has only the 20-chunk PPL (KVQ_LONG_TESTS=1).
+// Gemma 3: the golden has only the 20-chunk PPL (KVQ_LONG_TESTS=1), and two correct engines differ
+// here by more than the 0.2 % that holds for Qwen2.5. Every weight product quantizes its
+// activations to 8 bits (Q8_0 / Q8_K, as llama.cpp does), so a last-bit difference upstream
+// (summation order; llama.cpp's f16 Q8_0 scales and f16 GELU table, which kvq keeps in f32) flips a
+// few roundings, and the flips grow to 1-5 % relative differences in the activations within two
+// layers: each engine draws its own quantization noise. Measured at 22ef2a4 (20 chunks): fed
+// llama.cpp's residual stream at each layer and emulating those f16 roundings, kvq's Q/K/V agree
+// with llama.cpp's to 4e-8 in every layer and chunk 0 scores PPL 11.2684 against llama.cpp's
+// 11.2688 (11.2837 with kvq's own numerics); yet free-running the per-chunk mean NLLs of the two
+// engines differ with sd 0.0074, i.e. sd 0.165 % for the 20-chunk PPL; kvq 18.6411 is -0.20 % (1.2
+// sd), kvq with llama.cpp's roundings emulated -0.13 %, and llama.cpp itself with -fa off 18.6772
+// (its chunks up to 1.04 % from -fa on). Bound: 0.5 % (3 sd). Model errors on the first 4 chunks
+// (kvq 15.1149): the global RoPE base 1e6 on the sliding layers gives 116.98 (+674 %), RMSNorm eps
+// 1e-5 for 1e-6 +0.60 %, about the bound (an error that small is at the edge of what a PPL
+// comparison between two engines can see on this model).
 TEST(RealModels, Gemma3PerplexityMatchesLlamaCpp) {
   if (!long_tests()) GTEST_SKIP() << "20 wikitext-2 chunks of Gemma 3 270M: set KVQ_LONG_TESTS=1";
   KVQ_REQUIRE_MODEL(model_path, kGemmaFile);
@@ -259,7 +273,7 @@ TEST(RealModels, Gemma3PerplexityMatchesLlamaCpp) {
   ASSERT_FALSE(run.golden.is_null()) << "no f16_fa-on result in " << golden_path;
   ASSERT_EQ(run.r.n_chunk, 20);
   const double ref = run.golden["ppl"].get<double>();
-  EXPECT_NEAR(run.r.ppl.ppl / ref, 1.0, 0.002) << "kvq " << run.r.ppl.ppl << " llama.cpp " << ref;
+  EXPECT_NEAR(run.r.ppl.ppl / ref, 1.0, 0.005) << "kvq " << run.r.ppl.ppl << " llama.cpp " << ref;
   std::printf("[golden ppl] %s: 20 chunks kvq %.4f llama.cpp %.4f (%+.3f %%)\n", kGemmaFile, run.r.ppl.ppl, ref,
               100 * (run.r.ppl.ppl / ref - 1));
 }
