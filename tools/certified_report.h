@@ -44,6 +44,16 @@ inline std::string format_certified_report(const certified_report& r, const std:
                 t.fast_used / 1024.0, t.fast_used_peak / 1024.0, r.fast_bytes_per_token, t.host_used / 1024.0,
                 t.host_used_peak / 1024.0, r.host_bytes_per_token, t.host_file_backed ? "file-backed" : "in RAM");
   out += prefix + buf;
+  if (r.f16_bytes_per_token > 0) {
+    std::snprintf(buf, sizeof buf, "fast tier %.1f%% of f16's %.0f bytes/token", 100.0 * r.fast_bytes_per_token / r.f16_bytes_per_token,
+                  r.f16_bytes_per_token);
+    out += prefix + buf;
+    if (r.budget > 0) {
+      std::snprintf(buf, sizeof buf, " (budget %.1f%%, %d upgrade(s) refused)", 100.0 * r.budget, s.upgrades_refused);
+      out += buf;
+    }
+    out += "\n";
+  }
   out += prefix + "adaptive precision: " + std::to_string(s.heads_upgraded) + " upgrade(s)";
   for (size_t i = 0; i < r.upgrades.size() && i < 16; ++i) out += (i ? ", " : ": ") + r.upgrades[i];
   if (r.upgrades.size() > 16) out += ", ...";
@@ -70,7 +80,9 @@ inline nlohmann::json certified_json(const certified_report& r) {
   j["tiers"] = {{"fast_bytes", t.fast}, {"fast_bytes_used", t.fast_used}, {"fast_bytes_used_peak", t.fast_used_peak},
                 {"fast_bytes_per_token", r.fast_bytes_per_token}, {"host_bytes", t.host},
                 {"host_bytes_used", t.host_used}, {"host_bytes_used_peak", t.host_used_peak},
-                {"host_bytes_per_token", r.host_bytes_per_token}, {"host_file_backed", t.host_file_backed}};
+                {"host_bytes_per_token", r.host_bytes_per_token}, {"host_file_backed", t.host_file_backed},
+                {"f16_bytes_per_token", r.f16_bytes_per_token}, {"budget", r.budget},
+                {"upgrades_refused", s.upgrades_refused}};
   return j;
 }
 

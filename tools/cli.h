@@ -37,7 +37,7 @@ struct kv_flags {
 
 // --cache-type-k (-ctk), --cache-type-v (-ctv), --kv-rot, --kv-group, --kv-sink, --kv-exact-recent,
 // --kv-kivi-group, --kv-residual, --kv-channel-scale, --kv-seed; certified attention: --kv-certify,
-// --kv-tol, --kv-host-dir, --kv-certify-measure, --kv-certify-no-adapt.
+// --kv-tol, --kv-host-dir, --kv-certify-measure, --kv-certify-no-adapt, --kv-cert-budget.
 void add_kv_flags(CLI::App* app, kv_flags& f);
 // add_kv_flags for a command that compares several formats: `explicit_kv` becomes true when the
 // user gives -ctk or -ctv (the command then runs just that pair instead of its format list).

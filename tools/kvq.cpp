@@ -87,6 +87,9 @@ void add_kv_flags(CLI::App* app, kv_flags& f) {
   app->add_flag("--kv-certify-measure", p.certify_measure, "certified: also compute exact attention (bound / actual error statistics)");
   app->add_flag_callback("--kv-certify-no-adapt", [&p] { p.certify_adapt = false; },
                          "certified: keep every head at its formats (no adaptive precision)");
+  app->add_option("--kv-cert-budget", p.certify_budget,
+                  "certified: fast-tier bytes/token at most this fraction of f16's (adaptive precision stays "
+                  "within it; 0: no limit)")->capture_default_str();
 }
 
 void add_kv_flags(CLI::App* app, kv_flags& f, bool& explicit_kv) {

@@ -8,7 +8,8 @@
 // cert_error_bound_f16); the host tier's exact f16 originals of every token.
 //
 // Per query head and step, with computed scores ŝ_j (f32 rotated q · dequantized k̂_j, f64
-// accumulation), p̂ = softmax(ŝ), ô = Σ p̂_j v̂_j, δ_j = scale ||q|| ε_kj (so |s_j - ŝ_j| <= δ_j),
+// accumulation), p̂ = softmax(ŝ), ô = Σ p̂_j v̂_j, δ_j = scale Σ_g ||q_g|| ε_{kj,g} over the error
+// groups g of head_dim (so |s_j - ŝ_j| <= δ_j),
 // Z_lo = Σ p̂_i e^{-δ_i}:
 //   ||o - ô|| <= 1/Z_lo Σ_j p̂_j [ (e^{δ_j} - 1) ||v̂_j - ô||  +  e^{δ_j} ε_vj ]  (+ rounding terms)
 // split into a key term, a value term Σ p̂_j ε_vj, and their interaction. When the bound exceeds
@@ -29,11 +30,14 @@ namespace kvq {
 // Kernel views (STYLE.md habit 3).
 
 // Rows [row_begin, next segment's row_begin) of one side of one kv head, all in one format
-// (per_token or dense): row r has its codes at codes + (r - row_begin) * code_stride bytes and (per
-// token) its kv_row_scale_count f16 scales at scales + (r - row_begin) * scale_stride. Rows are in
-// the side's rotated basis, or (rotated == false) in the original basis: K rows are then scored
-// with the unrotated query; V rows are rotated (f32) when read if any V row is in the rotated basis,
-// else the whole V side is used in the original basis (no rotation, no rotation allowance).
+// (per_token, per_channel or dense): row r has its codes at codes + (r - row_begin) * code_stride
+// bytes; per token, its kv_row_scale_count f16 scales at scales + (r - row_begin) * scale_stride;
+// per channel (KIVI K, K side only), the [head_dim] scales then [head_dim] zeros of its token group
+// at scales + ((r - row_begin) / group) * scale_stride (groups counted from row_begin; the last one
+// may be partial). Rows are in the side's rotated basis, or (rotated == false) in the original
+// basis (dense and per-channel rows): K rows are then scored with the unrotated query; V rows are
+// rotated (f32) when read if any V row is in the rotated basis, else the whole V side is used in
+// the original basis (no rotation, no rotation allowance).
 struct cert_segment {
   int row_begin = 0;
   kv_format format = kv_format::f16;
@@ -41,18 +45,28 @@ struct cert_segment {
   int64_t code_stride = 0;
   const uint16_t* scales = nullptr;
   int64_t scale_stride = 0;
-  int group = 0;  // per_token: elements per scale along head_dim
+  int group = 0;  // per_token: elements per scale along head_dim; per_channel: tokens per group
   bool rotated = true;
+  // per_channel, original basis only (rotated == false): the group's [head_dim] scales and zeros
+  // are followed by [head_dim] f16 Δ_c >= max over its rows |x_c - x̂_c| (rounded up), and the
+  // score error of its rows is also bounded per element, δ_j <= scale (Σ_c |q_c| Δ_c + 1e-12 ||q||
+  // ||k̂_j||); the kernel takes the smaller of this and the per-group bound.
+  bool chan_err = false;
 };
 
 // One side (K or V) of the fast tier of one kv head. Rows are in the basis `rot` (orthonormal).
 struct cert_side_view {
   const cert_segment* segs = nullptr;  // ascending row_begin, segs[0].row_begin == 0
   int n_segs = 0;
-  // [n_pos] f16 ε_j (docs/certified.md): rotated rows ε_j >= ||R x_j - x̂_j|| (+ slack); rows in the
-  // original basis ε_j >= ||x_j - x̂_j|| (the kernel adds the allowance of rotating a V row on read)
+  // [n_pos, err_groups] f16 ε_{j,g} (docs/certified.md), the error norm of row j over the elements
+  // [g * head_dim / err_groups, (g + 1) * head_dim / err_groups) of its basis: rotated rows
+  // ε_{j,g} >= ||(R x_j)_g - x̂_{j,g}|| (+ slack); rows in the original basis ε_{j,g} >=
+  // ||x_{j,g} - x̂_{j,g}|| (the kernel adds the allowance of rotating a V row on read).
+  // The score error of key j is bounded per group, δ_j = scale Σ_g ||q_g|| ε_{j,g} (<= the
+  // Cauchy-Schwarz scale ||q|| ||ε_j||). V uses err_groups = 1 (its bound needs the row's norm).
   const uint16_t* err = nullptr;
   const rotation* rot = nullptr;
+  int err_groups = 1;  // divides head_dim
 };
 
 // Exact f16 originals (original basis) of one kv head: row p of K at k + p * row_stride, V likewise.
@@ -120,10 +134,19 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& q, const 
 // 0 for none; (16 ceil(log2 head_dim) + 32) * 2^-24 otherwise (docs/certified.md, "Rounding").
 double rotation_rounding_bound(const rotation& rot);
 
-// Bound on the f16 reconstruction error norm stored for a fast-tier row (docs/certified.md):
-// x_rot = fl(R x) (f32, before the f16 rounding of the stored input), x_hat = the dequantized row,
-// x_norm = ||x|| (original basis). Returns ε >= ||R x - x_hat|| + η (||x|| + ||x_hat||) + 1e-12 ||x_hat||
-// as f16 rounded up (+inf when it exceeds 65504).
+// Bounds on the f16 reconstruction error norms stored for a fast-tier row (docs/certified.md,
+// "Score error"): x_rot = fl(R x) (f32, before the f16 rounding of the stored input; x itself for
+// rows kept in the original basis, with eta 0), x_hat = the dequantized row, x_norm = ||x||
+// (original basis). With d = x_rot - x_hat and a = η (||x|| + ||x_hat|| + ||d||) + 1e-12 ||x_hat||,
+// writes for each of the n_groups equal element groups g
+//   out[g] >= (||d_g|| + a) (1 + 2η + 1e-7)
+// as f16 rounded up (+inf when it exceeds 65504). n_groups divides head_dim.
+void cert_error_bounds_f16(const float* x_rot, const float* x_hat, int head_dim, int n_groups, double x_norm,
+                           double eta, uint16_t* out);
+// The same for one group (the whole row): ε >= ||R x - x_hat|| + η (||x|| + ||x_hat||) + 1e-12 ||x_hat||.
 uint16_t cert_error_bound_f16(const float* x_rot, const float* x_hat, int head_dim, double x_norm, double eta);
+// Elements per error group of a certified K row (cert_side_view::err_groups = head_dim / this):
+// 32 when it divides head_dim, else 8 when it does, else head_dim.
+int cert_error_group(int head_dim);
 
 }  // namespace kvq

@@ -4,9 +4,11 @@
 // the kernel views are in attn_certified.h; derivation and assumptions: docs/certified.md.
 //
 // Tiers (per layer, sequence, kv head):
-//   fast tier  per-token compressed codes in a rotated basis (default int8 K + int4 V, Hadamard),
-//              plus per token an upper bound ε of the reconstruction error norm of K and of V
-//              (f16, rounded up), computed when the token is quantized;
+//   fast tier  compressed codes: per-token in a rotated basis (default int8 K + int4 V, Hadamard),
+//              or for K per-channel as KIVI (kivi4 / kivi2 / kivi8: unrotated, groups of
+//              kivi_group tokens, the rows of the unfinished group kept as f16 copies); plus per
+//              token upper bounds ε of the reconstruction error norm of K per group of 32 elements
+//              and of V (f16, rounded up), computed when the token (or its K group) is quantized;
 //   host tier  the exact f16 originals of every token (in RAM, or in an unlinked file mmap'd in
 //              kv_cache_params::host_dir, so it need not fit in RAM).
 // (kvq issue 6.) Implementation: src/cache/kv_cache_certified.cpp.
@@ -37,6 +39,7 @@ struct certified_stats {
   uint64_t tokens_recomputed = 0;  // host-tier rows read by stage 1
   double rel_bound_median = 0, rel_bound_p99 = 0;  // bound_fast / ||ô|| (log-histogram, ~4% bins)
   int heads_upgraded = 0;          // (layer, kv head, side) upgrades of the adaptive precision
+  int upgrades_refused = 0;        // upgrades the byte budget refused (kv_cache_params::certify_budget)
   // measure mode only:
   uint64_t measured = 0;           // steps whose compressed output had a nonzero actual error
   double ratio_median = 0, ratio_p99 = 0, ratio_min = 0;  // bound_fast / error_fast
@@ -56,6 +59,8 @@ struct certified_report {
   certified_stats stats;
   certified_tier_bytes tiers;          // at the time of the report (peaks: over the cache's life)
   double fast_bytes_per_token = 0;     // fast tier, all layers, K + V + ε, at the formats new tokens get now
+  double f16_bytes_per_token = 0;      // the f16 cache's, same shape (the budget's unit)
+  double budget = 0;                   // kv_cache_params::certify_budget (0: no limit)
   double host_bytes_per_token = 0;     // host tier: n_layer * n_kv_head * 2 * head_dim * 2 bytes
   std::vector<std::string> upgrades;   // adaptive precision, in order: "layer 2 kv head 1 V q4->q8"
 };
@@ -85,12 +90,16 @@ class kv_cache_certified : public kv_cache {
 bool is_certified(const kv_cache_params& p);
 
 // The certified cache. Formats: "certified" on a side means its default (K q8, V q4); otherwise
-// any per-token (q8..q2a) or dense (f32/f16/bf16) format. Rotation, group_size and seed as in the
-// compressed cache. Errors (invalid_input unless noted): shapes as make_kv_cache; certify_tol
-// negative or NaN; unsupported: KIVI formats, sink/recent windows, channel_scale; io: host_dir
-// where no file can be created or mapped.
+// any per-token (q8..q2a) or dense (f32/f16/bf16) format, and on K a per-channel KIVI format
+// (kivi8/4/2; on V a KIVI type means its per-token kivi_v, q8a/q4a/q2a). Rotation, group_size,
+// kivi_group and seed as in the compressed cache (auto rotation: Hadamard on per-token sides, none
+// on per-channel K). Errors (invalid_input unless noted): shapes as make_kv_cache; certify_tol
+// negative or NaN; certify_budget negative, or below the base formats' fast-tier bytes; unsupported:
+// sink/recent windows, channel_scale, k_channel_scale on; io: host_dir where no file can be created
+// or mapped.
 std::unique_ptr<kv_cache_certified> make_kv_cache_certified(const kv_cache_params& p);
-// Asymptotic bytes per token of both tiers (all layers, K and V).
+// Asymptotic bytes per token of both tiers (all layers, K and V; per-channel K with its share of
+// the group scales; the up to kivi_group - 1 f16 rows of an unfinished K group are not included).
 double kv_bytes_per_token_certified(const kv_cache_params& p);
 
 // The certified interface of c, or nullptr when c is another cache.

@@ -103,6 +103,11 @@ struct kv_cache_params {
   std::string host_dir;          // host tier (exact f16 originals) file-backed here; "" = in RAM
   bool certify_adapt = true;     // raise a head's precision for new tokens when its bound keeps failing
   bool certify_measure = false;  // debug: also compute exact attention and record bound / actual error
+  // Byte budget of the fast tier, a fraction of the f16 cache's bytes per token (0 = no limit):
+  // adaptive precision raises a head's formats only while the fast tier's bytes per token stay
+  // <= certify_budget * f16's; the other heads keep falling back to the host tier. The base
+  // formats must fit it (docs/certified.md, "Byte budget").
+  double certify_budget = 0;
   // Paged storage (dense and compressed caches; docs/architecture.md, "Paged KV cache"): page_size > 0
   // stores the rows of every global layer (the compressed body; every position of a dense cache) in
   // one pool of n_pages pages shared by all sequences, a page holding page_size consecutive rows of
@@ -249,7 +254,7 @@ class kv_cache {
 // recent >= 0, KIVI group and residual, group_size (32, 64, 128 or head_dim, dividing head_dim),
 // head_dim for the formats (compressed: divisible by 8 and <= 1024; srft: even), an 8-bit
 // per-token K group of at most kmax_q8_k_group elements (the int32 dot bound, quant.h), certified
-// options (certify_tol >= 0; no KIVI, windows or channel_scale). Throws invalid_input (or
+// options (certify_tol >= 0, certify_budget >= 0; no windows, channel_scale or k_channel_scale on). Throws invalid_input (or
 // unsupported for a valid value the format cannot serve) with "[kv_cache] <field> <value> ...".
 void validate(const kv_cache_params& p);
 

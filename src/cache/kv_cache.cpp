@@ -102,8 +102,11 @@ kv_elem dense_elem_of(kv_cache_type t) {
 rotation_kind side_rotation(const kv_cache_params& p, kv_format f, bool certified) {
   if (kv_traits(f).layout == kv_layout::dense) return rotation_kind::none;
   if (p.rotation) return *p.rotation;
-  // auto: the format's default; the certified cache rotates every compressed side
-  return certified || kv_traits(f).rotate_by_default ? rotation_kind::hadamard : rotation_kind::none;
+  // auto: the format's default; the certified cache rotates every per-token side (per-channel K
+  // stays in the original basis, as KIVI: its per-channel scale and zero handle outlier channels)
+  return (certified && kv_traits(f).layout == kv_layout::per_token) || kv_traits(f).rotate_by_default
+             ? rotation_kind::hadamard
+             : rotation_kind::none;
 }
 
 void validate(const kv_cache_params& p) {
@@ -149,9 +152,17 @@ void validate(const kv_cache_params& p) {
   if (cert) {
     if (!(p.certify_tol >= 0))
       fail_input("[kv_cache] certify_tol (--kv-tol) must be >= 0, got " + std::to_string(p.certify_tol));
-    if (p.sink != 0 || p.exact_recent != 0 || p.channel_scale)
-      fail_unsupported("[kv_cache] certified cache: exact sink/recent windows and channel_scale are not supported "
-                       "(every token is exact in the host tier already)");
+    if (p.exact_recent != 0 || p.channel_scale)
+      fail_unsupported("[kv_cache] certified cache: exact recent windows and channel_scale are not supported "
+                       "(every token is exact in the host tier already; the sink window is: its rows are f16 in the "
+                       "fast tier)");
+    if (p.k_channel_scale.value_or(false))
+      fail_unsupported("[kv_cache] certified cache: k_channel_scale (--kv-k-channel-scale on) is not supported (the "
+                       "bound is for K itself, not K - mu); for K with large channel offsets (Qwen2.5) use a "
+                       "per-channel K format: -ctk kivi4 or kivi2 --kv-certify");
+    if (!(p.certify_budget >= 0) || !std::isfinite(p.certify_budget))
+      fail_input("[kv_cache] certify_budget (--kv-cert-budget) must be a finite fraction >= 0 (0 = no limit), got " +
+                 std::to_string(p.certify_budget));
     if (hd > 1024) fail_unsupported("[kv_cache] certified cache: head_dim " + std::to_string(hd) + " > 1024");
   }
   bool kivi = false;
@@ -161,9 +172,6 @@ void validate(const kv_cache_params& p) {
     const char* side = is_v ? "V" : "K";
     const std::string type = kv_cache_type_name(is_v ? p.type_v : p.type_k);
     if (t.layout == kv_layout::dense) continue;
-    if (cert && t.layout == kv_layout::per_channel)
-      fail_unsupported(std::string("[kv_cache] certified cache: ") + side + " type '" + type +
-                       "' is per-channel (KIVI); certified mode supports per-token (q8 ... q2a) and dense formats");
     kivi = kivi || t.layout == kv_layout::per_channel;
     if (hd % 8 != 0)
       fail_unsupported(who + side + " cache type '" + type + "' needs head_dim divisible by 8, got " +

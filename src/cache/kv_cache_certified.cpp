@@ -25,17 +25,51 @@ constexpr float kF16Max = 65504.0f;
 
 constexpr kv_format kDefaultK = kCertifiedDefaultK, kDefaultV = kCertifiedDefaultV;
 
-// The next precision of a side whose bound keeps failing: int8, then f16 (exact copies of the
-// originals: that head's fast tier then costs as much as an f16 cache, traded for not reading the
-// host tier). f when none.
+// The next precision of a side whose bound keeps failing: int8 (per-channel: kivi2 -> kivi4 ->
+// kivi8), then f16 (exact copies of the originals: that head's fast tier then costs as much as an
+// f16 cache, traded for not reading the host tier). f when none.
 kv_format upgrade_of(kv_format f) {
   switch (f) {
     case kv_format::q2: case kv_format::q3: case kv_format::q4: return kv_format::q8;
     case kv_format::q2a: case kv_format::q3a: case kv_format::q4a: return kv_format::q8a;
-    case kv_format::q8: case kv_format::q8a: return kv_format::f16;
+    case kv_format::kivi2: return kv_format::kivi4;
+    case kv_format::kivi4: return kv_format::kivi8;
+    case kv_format::q8: case kv_format::q8a: case kv_format::kivi8: return kv_format::f16;
     default: return f;
   }
 }
+
+bool is_per_channel(kv_format f) { return kv_traits(f).layout == kv_layout::per_channel; }
+
+int default_group(const kv_cache_params& p) {
+  return p.group_size == 0 ? (p.head_dim % 32 == 0 ? 32 : p.head_dim) : p.group_size;
+}
+
+// The format a side stores: the named one; a KIVI V side is its per-token kivi_v (as in the
+// compressed cache).
+kv_format cert_side_format(const kv_cache_params& p, bool is_v) {
+  const kv_format f = side_format(p, is_v);
+  return is_v && is_per_channel(f) ? kv_traits(f).kivi_v : f;
+}
+
+// f16 values per per-channel K group: head_dim scales, head_dim zeros and, unrotated, head_dim Δ
+// (cert_segment::chan_err).
+int channel_blob(const kv_cache_params& p, kv_format f) {
+  return (side_rotation(p, f, true) == rotation_kind::none ? 3 : 2) * p.head_dim;
+}
+
+// Fast-tier bytes of one row of format f: codes, scales (per channel: the row's share of its
+// group's blob) and the f16 ε (K: one per error group, V: one).
+double cert_row_bytes(const kv_cache_params& p, kv_format f, bool is_k) {
+  const int hd = p.head_dim;
+  const double err = is_k ? 2.0 * (hd / cert_error_group(hd)) : 2.0;
+  const double scales = is_per_channel(f) ? 2.0 * channel_blob(p, f) / p.kivi_group
+                                          : 2.0 * kv_row_scale_count(f, hd, default_group(p));
+  return (double)kv_code_bytes(f, hd) + scales + err;
+}
+
+// Bytes per token of the f16 cache with p's shape (the budget's unit).
+double f16_bytes_per_token(const kv_cache_params& p) { return (double)p.n_layer * p.n_kv_head * 4.0 * p.head_dim; }
 
 // Log-spaced histogram for medians / percentiles of positive ratios (64 bins per decade).
 struct log_hist {
@@ -73,10 +107,14 @@ struct side_rows {  // one side (K or V) of one (layer, seq, kv head)
     int row_begin;
     kv_format format;
     size_t code_off, scale_off;
+    // KIVI residual: f16 copies of the originals (original basis) of the rows of a per-channel
+    // group still being filled; quantized as one group when it holds kivi_group rows (flush_group).
+    // Only the last segment can be pending.
+    bool pending = false;
   };
   std::vector<uint8_t> codes;    // rows of each segment, contiguous
-  std::vector<uint16_t> scales;  // per-token scales of each segment, contiguous
-  std::vector<uint16_t> err;     // [n] ε (f16, rounded up)
+  std::vector<uint16_t> scales;  // per-token scales of each row / per-channel scales and zeros of each group
+  std::vector<uint16_t> err;     // [n, err_groups] ε (f16, rounded up)
   std::vector<seg> segs;
   size_t bytes() const { return codes.capacity() + 2 * (scales.capacity() + err.capacity()); }
   size_t bytes_used() const { return codes.size() + 2 * (scales.size() + err.size()); }
@@ -88,6 +126,7 @@ struct head_adapt {  // per (layer, kv head)
   double sum_rel = 0;
   uint64_t win_steps = 0, win_fallbacks = 0;
   double win_key = 0, win_value = 0;  // sums of relative key(+cross) / value terms
+  double last_key = 0, last_value = 0;  // win_key / win_value of the last complete window
   uint64_t win_len = 0;               // steps of the current decision window (0: the default)
 };
 
@@ -120,11 +159,15 @@ class kv_cache_certified_impl final : public kv_cache_certified {
   const std::vector<cert_step>& last_steps() const override { return last_steps_; }
   certified_report report() const override;
 
-  // Fast-tier bytes of one row (codes, scales, ε).
-  double row_bytes(kv_format f) const {
-    return (double)kv_code_bytes(f, p_.head_dim) + 2.0 * kv_row_scale_count(f, p_.head_dim, group_) + 2.0;
+  // Fast-tier bytes of one row (codes, scales, ε; per-channel: its share of the group's scales and
+  // zeros); is_k: the K side (err_groups ε per row).
+  double row_bytes(kv_format f, bool is_k) const { return cert_row_bytes(p_, f, is_k); }
+  // Fast-tier bytes per token at the formats new tokens get now (all layers, K + V).
+  double fast_bytes_per_token() const {
+    double b = 0;
+    for (const head_adapt& a : adapt_) b += row_bytes(a.fk, true) + row_bytes(a.fv, false);
+    return b;
   }
-  double bytes_per_token() const { return (double)p_.n_layer * p_.n_kv_head * (row_bytes(fk_) + row_bytes(fv_) + 4.0 * p_.head_dim); }
 
  private:
   size_t head_index(int il, int seq, int h) const { return ((size_t)il * p_.n_seq + seq) * p_.n_kv_head + h; }
@@ -133,8 +176,9 @@ class kv_cache_certified_impl final : public kv_cache_certified {
   }
   void check_layer_seq(const char* op, int il, int seq_id) const;
   void push_row(side_rows& s, kv_format f, const float* x, const float* x_rot, const float* x16r, double x_norm,
-                double eta);
-  void maybe_upgrade(int il);
+                double eta, int n_err);
+  void flush_group(side_rows& s, kv_format f);
+  void maybe_upgrade();
   void record(int il, int n_head);
   void attend_seqs(const char* op, int il, const attend_seq* seqs, int n_seqs, int n_head, float scale,
                    thread_pool& pool);
@@ -142,6 +186,7 @@ class kv_cache_certified_impl final : public kv_cache_certified {
   kv_cache_params p_;
   kv_format fk_ = kDefaultK, fv_ = kDefaultV;  // base formats
   int group_ = 0;
+  int n_err_k_ = 1;  // ε per K row (error groups of cert_error_group(head_dim) elements)
   rotation rot_k_, rot_v_;
   double eta_k_ = 0, eta_v_ = 0;
   std::vector<side_rows> k_, v_;   // [n_layer, n_seq, n_kv_head]
@@ -164,10 +209,11 @@ class kv_cache_certified_impl final : public kv_cache_certified {
 
 kv_cache_certified_impl::kv_cache_certified_impl(const kv_cache_params& p) : p_(p) {
   // p is validated (make_kv_cache and kv_bytes_per_token call validate first)
-  fk_ = side_format(p, false);
-  fv_ = side_format(p, true);
+  fk_ = cert_side_format(p, false);
+  fv_ = cert_side_format(p, true);
   const int hd = p.head_dim;
-  group_ = p.group_size == 0 ? (hd % 32 == 0 ? 32 : hd) : p.group_size;
+  group_ = default_group(p);
+  n_err_k_ = hd / cert_error_group(hd);
   // auto: Hadamard on every compressed side (int8 included: the default is rotated)
   rot_k_ = rotation::make(side_rotation(p, fk_, true), hd, p.seed);
   rot_v_ = rotation::make(side_rotation(p, fv_, true), hd, p.seed);
@@ -178,6 +224,11 @@ kv_cache_certified_impl::kv_cache_certified_impl(const kv_cache_params& p) : p_(
   v_.resize(heads);
   n_.assign((size_t)p.n_layer * p.n_seq, 0);
   adapt_.assign((size_t)p.n_layer * p.n_kv_head, head_adapt{fk_, fv_});
+  if (p.certify_budget > 0 && fast_bytes_per_token() > p.certify_budget * f16_bytes_per_token(p))
+    fail_input("[kv_cache] certified cache: certify_budget (--kv-cert-budget) " + std::to_string(p.certify_budget) +
+               " of f16's " + std::to_string((long long)f16_bytes_per_token(p)) + " bytes/token is below the " +
+               std::to_string(fast_bytes_per_token()) + " bytes/token the fast tier needs at K " + kv_traits(fk_).name +
+               " / V " + kv_traits(fv_).name);
   host_ = std::make_unique<host_region>(heads * p.n_ctx * 2 * hd * sizeof(uint16_t), p.host_dir);
 }
 
@@ -188,51 +239,114 @@ void kv_cache_certified_impl::check_layer_seq(const char* op, int il, int seq_id
 std::string kv_cache_certified_impl::describe() const {
   auto side = [&](kv_format f, const rotation& r) {
     std::string d = kv_traits(f).name;
-    if (kv_traits(f).layout != kv_layout::dense)
+    if (is_per_channel(f))
+      d += std::string(" (") + rotation_name(r.kind) + ", per-channel T" + std::to_string(p_.kivi_group) + ")";
+    else if (kv_traits(f).layout != kv_layout::dense)
       d += std::string(" (") + rotation_name(r.kind) + ", g" + std::to_string(group_) + ")";
     return d;
   };
-  char tol[32];
+  char tol[32], budget[64] = "";
   std::snprintf(tol, sizeof tol, "%g", p_.certify_tol);
-  return "certified: K " + side(fk_, rot_k_) + " / V " + side(fv_, rot_v_) + "; tol " + tol + "; host f16 " +
+  if (p_.certify_budget > 0)
+    std::snprintf(budget, sizeof budget, "; budget %g of f16 (%.0f bytes/token)", p_.certify_budget,
+                  p_.certify_budget * f16_bytes_per_token(p_));
+  const std::string sink = p_.sink > 0 ? "; sink " + std::to_string(p_.sink) + " f16" : "";
+  return "certified: K " + side(fk_, rot_k_) + " / V " + side(fv_, rot_v_) + sink + "; tol " + tol + budget + "; host f16 " +
          (p_.host_dir.empty() ? std::string("in RAM") : "file in " + p_.host_dir) +
          (p_.certify_measure ? "; measuring" : "");
 }
 
 // x: the f16 original (original basis); x_rot = fl(R x); x16r = f16(x_rot). Per-token formats
 // quantize x16r (rotated basis, as the compressed cache); dense formats keep x itself (original
-// basis: f16 rows are exact copies, ε only covers the rotation of V rows when they are read).
+// basis: f16 rows are exact copies, ε only covers the rotation of V rows when they are read);
+// per-channel formats (K only) keep x as an f16 row of the pending group, quantized with the rest
+// of its group by flush_group. n_err: ε per row (error groups).
 void kv_cache_certified_impl::push_row(side_rows& s, kv_format f, const float* x, const float* x_rot,
-                                       const float* x16r, double x_norm, double eta) {
+                                       const float* x16r, double x_norm, double eta, int n_err) {
   const int hd = p_.head_dim;
   const auto& t = kv_traits(f);
-  const int r = (int)s.err.size();
-  if (s.segs.empty() || s.segs.back().format != f) s.segs.push_back({r, f, s.codes.size(), s.scales.size()});
-  const size_t cb = kv_code_bytes(f, hd), sb = (size_t)kv_row_scale_count(f, hd, group_);
-  const size_t c0 = s.codes.size(), s0 = s.scales.size();
+  const int r = (int)(s.err.size() / n_err);
+  const bool pc = t.layout == kv_layout::per_channel;
+  if (!s.segs.empty() && s.segs.back().pending && !pc) s.segs.back().pending = false;  // f16 rows as they are
+  if (pc) {
+    if (s.segs.empty() || !s.segs.back().pending)
+      s.segs.push_back({r, kv_format::f16, s.codes.size(), s.scales.size(), true});
+  } else if (s.segs.empty() || s.segs.back().format != f) {
+    s.segs.push_back({r, f, s.codes.size(), s.scales.size()});
+  }
+  const kv_format sf = pc ? kv_format::f16 : f;  // stored now
+  const size_t cb = kv_code_bytes(sf, hd), sb = (size_t)kv_row_scale_count(sf, hd, group_);
+  const size_t c0 = s.codes.size(), s0 = s.scales.size(), e0 = s.err.size();
   s.codes.resize(c0 + cb);
   s.scales.resize(s0 + sb);
+  s.err.resize(e0 + n_err);
   float xh[1024];
   uint8_t* c = s.codes.data() + c0;
   if (t.layout == kv_layout::per_token) {
     quantize_row_ref(f, x16r, hd, group_, c, s.scales.data() + s0);
     dequantize_row_ref(f, c, s.scales.data() + s0, hd, group_, xh);
-    s.err.push_back(cert_error_bound_f16(x_rot, xh, hd, x_norm, eta));
+    cert_error_bounds_f16(x_rot, xh, hd, n_err, x_norm, eta, &s.err[e0]);
     return;
   }
-  if (f == kv_format::f32) {
+  if (sf == kv_format::f32) {
     std::memcpy(c, x, (size_t)hd * 4);
     std::memcpy(xh, x, (size_t)hd * 4);
   } else {
     auto* h = reinterpret_cast<uint16_t*>(c);
     for (int i = 0; i < hd; ++i) {
-      h[i] = f == kv_format::f16 ? f32_to_f16(x[i]) : f32_to_bf16(x[i]);
-      xh[i] = f == kv_format::f16 ? f16_to_f32(h[i]) : bf16_to_f32(h[i]);
+      h[i] = sf == kv_format::f16 ? f32_to_f16(x[i]) : f32_to_bf16(x[i]);
+      xh[i] = sf == kv_format::f16 ? f16_to_f32(h[i]) : bf16_to_f32(h[i]);
     }
   }
   // ||x - x̂|| (+ dot rounding) in the original basis: K rows are scored with the exact query; the
   // kernel adds the rotation allowance of a V row it rotates when read (attn_certified_ref.cpp)
-  s.err.push_back(cert_error_bound_f16(x, xh, hd, x_norm, 0.0));
+  cert_error_bounds_f16(x, xh, hd, n_err, x_norm, 0.0, &s.err[e0]);
+  if (pc && r + 1 - s.segs.back().row_begin == p_.kivi_group) flush_group(s, f);
+}
+
+// Quantizes the pending group (kivi_group f16 rows of originals, the last segment) per channel in
+// the head's K format: KIVI's per-channel scale and zero over the group (quantize_channel_group_ref),
+// in the K basis (rot_k_: none unless a rotation was asked for), and replaces the rows' ε.
+void kv_cache_certified_impl::flush_group(side_rows& s, kv_format fk) {
+  const int hd = p_.head_dim, T = p_.kivi_group;
+  side_rows::seg g = s.segs.back();
+  s.segs.pop_back();
+  // the originals of the group's rows
+  thread_local std::vector<float> x, xr, x16r, xh;
+  thread_local std::vector<uint8_t> codes;
+  x.resize((size_t)T * hd);
+  const auto* h = reinterpret_cast<const uint16_t*>(s.codes.data() + g.code_off);
+  for (size_t i = 0; i < (size_t)T * hd; ++i) x[i] = f16_to_f32(h[i]);
+  xr = x;
+  rot_k_.forward_n(xr.data(), T);
+  x16r.resize(xr.size());
+  for (size_t i = 0; i < xr.size(); ++i) x16r[i] = f16_to_f32(f32_to_f16(xr[i]));
+  const size_t row = kv_code_bytes(fk, hd);
+  codes.resize((size_t)T * row);
+  uint16_t sc[3 * 1024];
+  const int blob = channel_blob(p_, fk);
+  quantize_channel_group_ref(fk, x16r.data(), T, hd, codes.data(), sc);
+  xh.resize(x.size());
+  dequantize_channel_group_ref(fk, codes.data(), sc, T, hd, xh.data());
+  if (blob == 3 * hd)  // unrotated: Δ_c = max |x - x̂| per channel over the group (the per-element bound)
+    for (int i = 0; i < hd; ++i) {
+      double m = 0;
+      for (int j = 0; j < T; ++j) m = std::max(m, std::fabs((double)x[(size_t)j * hd + i] - xh[(size_t)j * hd + i]));
+      const float mf = (float)m;
+      sc[2 * hd + i] = m <= 65504.0 ? f16_round_up(mf < m ? std::nextafter(mf, INFINITY) : mf) : 0x7c00;
+    }
+  for (int j = 0; j < T; ++j) {
+    double xn = 0;
+    for (int i = 0; i < hd; ++i) xn += (double)x[(size_t)j * hd + i] * x[(size_t)j * hd + i];
+    cert_error_bounds_f16(&xr[(size_t)j * hd], &xh[(size_t)j * hd], hd, n_err_k_, std::sqrt(xn), eta_k_,
+                          &s.err[(size_t)(g.row_begin + j) * n_err_k_]);
+  }
+  s.codes.resize(g.code_off);
+  const bool extend = !s.segs.empty() && s.segs.back().format == fk &&
+                      (g.row_begin - s.segs.back().row_begin) % T == 0;
+  if (!extend) s.segs.push_back({g.row_begin, fk, s.codes.size(), s.scales.size()});
+  s.codes.insert(s.codes.end(), codes.begin(), codes.end());
+  s.scales.insert(s.scales.end(), sc, sc + blob);
 }
 
 void kv_cache_certified_impl::append(int il, int seq_id, int n_tokens, const float* k, const float* v) {
@@ -274,8 +388,8 @@ void kv_cache_certified_impl::append(int il, int seq_id, int n_tokens, const flo
       xn_[side * rows + j] = std::sqrt(a);
     }
   }
-  // 2. adaptive precision decisions for this layer, then store both tiers
-  maybe_upgrade(il);
+  // 2. adaptive precision decisions (at layer 0: every layer's windows are complete), then store
+  if (il == 0) maybe_upgrade();
   float x16r[1024];
   for (int t = 0; t < n_tokens; ++t)
     for (int hh = 0; hh < nh; ++hh) {
@@ -286,11 +400,12 @@ void kv_cache_certified_impl::append(int il, int seq_id, int n_tokens, const flo
         host[hd + i] = f32_to_f16(x16_[m + j * hd + i]);
       }
       const head_adapt& a = adapt_[(size_t)il * nh + hh];
+      const bool sink = n + t < p_.sink;  // the sink window: f16 rows in the fast tier
       for (int side = 0; side < 2; ++side) {
         const float* r = &xr_[side * m + j * hd];
         for (int i = 0; i < hd; ++i) x16r[i] = f16_to_f32(f32_to_f16(r[i]));
-        push_row(side == 0 ? k_[hi] : v_[hi], side == 0 ? a.fk : a.fv, &x16_[side * m + j * hd], r, x16r,
-                 xn_[side * rows + j], side == 0 ? eta_k_ : eta_v_);
+        push_row(side == 0 ? k_[hi] : v_[hi], sink ? kv_format::f16 : side == 0 ? a.fk : a.fv, &x16_[side * m + j * hd], r, x16r,
+                 xn_[side * rows + j], side == 0 ? eta_k_ : eta_v_, side == 0 ? n_err_k_ : 1);
       }
     }
   n += n_tokens;
@@ -319,9 +434,13 @@ void kv_cache_certified_impl::truncate(int seq_id, int n_keep) {
           const auto& g = s->segs.back();
           const size_t keep = (size_t)(n_keep - g.row_begin);
           s->codes.resize(g.code_off + keep * kv_code_bytes(g.format, hd));
-          s->scales.resize(g.scale_off + keep * kv_row_scale_count(g.format, hd, group_));
+          // a per-channel segment keeps the scales of its groups, the last one possibly partial
+          // (its rows keep their codes and ε; new rows start a pending group of their own)
+          s->scales.resize(g.scale_off + (is_per_channel(g.format)
+                                              ? (keep + p_.kivi_group - 1) / p_.kivi_group * channel_blob(p_, g.format)
+                                              : keep * kv_row_scale_count(g.format, hd, group_)));
         }
-        s->err.resize(n_keep);
+        s->err.resize((size_t)n_keep * (s == &k_[head_index(il, seq_id, h)] ? n_err_k_ : 1));
       }
   }
 }
@@ -377,6 +496,7 @@ void kv_cache_certified_impl::attend_seqs(const char* op, int il, const attend_s
       view->rot = rot;
       view->n_segs = (int)rows->segs.size();
     }
+    kv.k.err_groups = n_err_k_;
     for (const auto* rows : {&k_[hi], &v_[hi]})
       for (const auto& g : rows->segs) {
         cert_segment cs;
@@ -385,9 +505,12 @@ void kv_cache_certified_impl::attend_seqs(const char* op, int il, const attend_s
         cs.codes = rows->codes.data() + g.code_off;
         cs.code_stride = (int64_t)kv_code_bytes(g.format, hd);
         cs.scales = rows->scales.data() + g.scale_off;
-        cs.scale_stride = kv_row_scale_count(g.format, hd, group_);
-        cs.group = group_;
-        cs.rotated = kv_traits(g.format).layout != kv_layout::dense;
+        const bool pc = is_per_channel(g.format);
+        cs.scale_stride = pc ? channel_blob(p_, g.format) : kv_row_scale_count(g.format, hd, group_);
+        cs.group = pc ? p_.kivi_group : group_;
+        // per-channel K without a rotation is in the original basis (scored with q, Δ per channel)
+        cs.rotated = kv_traits(g.format).layout != kv_layout::dense && !(pc && rot_k_.kind == rotation_kind::none);
+        cs.chan_err = pc && cs.scale_stride == 3 * hd;
         segs.push_back(cs);
       }
     kv.k.segs = segs.data();
@@ -457,31 +580,56 @@ void kv_cache_certified_impl::record(int il, int n_head) {
   }
 }
 
-void kv_cache_certified_impl::maybe_upgrade(int il) {
+void kv_cache_certified_impl::maybe_upgrade() {
   if (!p_.certify_adapt || !(p_.certify_tol > 0) || std::isinf(p_.certify_tol)) return;
   // A decision per window of steps; after an upgrade the next window is 4x longer, so that the
   // tokens stored at the new precision (not the older ones, which keep their error) decide it.
+  // The heads whose window ended and that fell back in at least half of it are upgraded in order of
+  // their fallback share (then their relative bound), each only while the fast tier stays within
+  // the byte budget (docs/certified.md, "Adaptive precision", "Byte budget").
   constexpr uint64_t kWindow = 64;
-  for (int h = 0; h < p_.n_kv_head; ++h) {
-    head_adapt& a = adapt_[(size_t)il * p_.n_kv_head + h];
+  struct cand {
+    size_t i;
+    double share, rel;
+  };
+  std::vector<cand> cands;
+  for (size_t i = 0; i < adapt_.size(); ++i) {
+    head_adapt& a = adapt_[i];
     if (a.win_steps < (a.win_len ? a.win_len : kWindow)) continue;
     a.win_len = kWindow;
-    if (2 * a.win_fallbacks >= a.win_steps) {  // at least half of the recent steps fell back
-      const bool key_first = a.win_key >= a.win_value;
-      kv_format* first = key_first ? &a.fk : &a.fv;
-      kv_format* second = key_first ? &a.fv : &a.fk;
-      kv_format* side = upgrade_of(*first) != *first ? first : upgrade_of(*second) != *second ? second : nullptr;
-      if (side) {
-        const kv_format from = *side;
-        *side = upgrade_of(from);
-        a.win_len = 4 * kWindow;
-        ++cs_.heads_upgraded;
-        upgrades_.push_back("layer " + std::to_string(il) + " kv head " + std::to_string(h) + " " +
-                            (side == &a.fk ? "K " : "V ") + kv_traits(from).name + "->" + kv_traits(*side).name);
-      }
-    }
+    if (2 * a.win_fallbacks >= a.win_steps)  // at least half of the recent steps fell back
+      cands.push_back({i, (double)a.win_fallbacks / a.win_steps, (a.win_key + a.win_value) / a.win_steps});
+    a.last_key = a.win_key;
+    a.last_value = a.win_value;
     a.win_steps = a.win_fallbacks = 0;
     a.win_key = a.win_value = 0;
+  }
+  std::stable_sort(cands.begin(), cands.end(),
+                   [](const cand& x, const cand& y) { return x.share != y.share ? x.share > y.share : x.rel > y.rel; });
+  const double limit = p_.certify_budget > 0 ? p_.certify_budget * f16_bytes_per_token(p_) : INFINITY;
+  double bytes = fast_bytes_per_token();
+  for (const cand& c : cands) {
+    head_adapt& a = adapt_[c.i];
+    // the side with the larger share of the recent bound first (window sums of this decision)
+    const bool key_first = a.last_key >= a.last_value;
+    kv_format* first = key_first ? &a.fk : &a.fv;
+    kv_format* second = key_first ? &a.fv : &a.fk;
+    kv_format* side = upgrade_of(*first) != *first ? first : upgrade_of(*second) != *second ? second : nullptr;
+    if (!side) continue;
+    const bool is_k = side == &a.fk;
+    const kv_format from = *side, to = upgrade_of(from);
+    const double grow = row_bytes(to, is_k) - row_bytes(from, is_k);
+    if (bytes + grow > limit * (1 + 1e-12)) {
+      ++cs_.upgrades_refused;
+      continue;
+    }
+    bytes += grow;
+    *side = to;
+    a.win_len = 4 * kWindow;
+    ++cs_.heads_upgraded;
+    const int il = (int)(c.i / p_.n_kv_head), h = (int)(c.i % p_.n_kv_head);
+    upgrades_.push_back("layer " + std::to_string(il) + " kv head " + std::to_string(h) + " " + (is_k ? "K " : "V ") +
+                        kv_traits(from).name + "->" + kv_traits(to).name);
   }
 }
 
@@ -539,7 +687,9 @@ certified_report kv_cache_certified_impl::report() const {
   r.measure = p_.certify_measure;
   r.stats = certified_statistics();
   r.tiers = tier_bytes();
-  for (const head_adapt& a : adapt_) r.fast_bytes_per_token += row_bytes(a.fk) + row_bytes(a.fv);
+  r.fast_bytes_per_token = fast_bytes_per_token();
+  r.f16_bytes_per_token = f16_bytes_per_token(p_);
+  r.budget = p_.certify_budget;
   r.host_bytes_per_token = (double)p_.n_layer * p_.n_kv_head * 4.0 * p_.head_dim;
   r.upgrades = upgrades_;
   return r;
@@ -564,9 +714,9 @@ std::unique_ptr<kv_cache_certified> make_kv_cache_certified(const kv_cache_param
 
 double kv_bytes_per_token_certified(const kv_cache_params& p) {
   validate(p);
-  const int hd = p.head_dim, g = p.group_size == 0 ? (hd % 32 == 0 ? 32 : hd) : p.group_size;
-  auto row = [&](kv_format f) { return (double)kv_code_bytes(f, hd) + 2.0 * kv_row_scale_count(f, hd, g) + 2.0; };
-  return (double)p.n_layer * p.n_kv_head * (row(side_format(p, false)) + row(side_format(p, true)) + 4.0 * hd);
+  return (double)p.n_layer * p.n_kv_head *
+             (cert_row_bytes(p, cert_side_format(p, false), true) + cert_row_bytes(p, cert_side_format(p, true), false)) +
+         f16_bytes_per_token(p);
 }
 
 const kv_cache_certified* as_certified(const kv_cache& c) { return dynamic_cast<const kv_cache_certified*>(&c); }

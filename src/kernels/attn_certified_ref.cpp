@@ -33,6 +33,7 @@ struct row_reader {
   const cert_side_view* s;
   int hd;
   int seg = 0;
+  const uint16_t* chan_err = nullptr;  // of the last row loaded: its group's Δ (per-channel rows), else null
   // Loads row r into y; returns whether it is in the rotated basis (false: original basis).
   bool load(int r, float* y) {
     while (seg + 1 < s->n_segs && s->segs[seg + 1].row_begin <= r) ++seg;
@@ -40,6 +41,7 @@ struct row_reader {
     const cert_segment& g = s->segs[seg];
     const int64_t i = r - g.row_begin;
     const uint8_t* c = g.codes + i * g.code_stride;
+    chan_err = nullptr;
     switch (g.format) {
       case kv_format::f32:
         for (int e = 0; e < hd; ++e) y[e] = reinterpret_cast<const float*>(c)[e];
@@ -49,6 +51,10 @@ struct row_reader {
         break;
       case kv_format::bf16:
         for (int e = 0; e < hd; ++e) y[e] = bf16_to_f32(reinterpret_cast<const uint16_t*>(c)[e]);
+        break;
+      case kv_format::kivi8: case kv_format::kivi4: case kv_format::kivi2:  // per channel: the group's scales
+        dequantize_channel_group_ref(g.format, c, g.scales + (i / g.group) * g.scale_stride, 1, hd, y);
+        if (g.chan_err && !g.rotated) chan_err = g.scales + (i / g.group) * g.scale_stride + 2 * hd;
         break;
       default:
         dequantize_row_ref(g.format, c, g.scales + i * g.scale_stride, hd, g.group, y);
@@ -117,15 +123,20 @@ struct query_ctx {
   const float* q;      // original basis
   const float* q_rot;  // K basis
   double qn;           // ||q||
+  const double* qg;    // [2, err_groups] ||q_g|| (original basis), then ||(q_rot)_g||
   int lo, lim;         // keys [lo, lim) (attn_spec::key_range clamped to the stored rows)
 };
 
 // Thread-local scratch of one call (grows, never shrinks).
 struct scratch {
   std::vector<double> s, p, pe;  // [nq, n_max] scores, probabilities, p (e^δ - 1)
+  std::vector<double> d;         // [nq, n_max] δ_j of the compressed rows
+  std::vector<double> qg;        // [nq, 2, err_groups] per-group query norms
   std::vector<float> c;          // [nq, n_max] per-token contributions to the bound
   std::vector<float> kb, vb;     // [kBlock, hd] dequantized rows
   std::vector<uint8_t> kb_rot;   // [kBlock] row of kb is in the rotated basis
+  std::vector<const uint16_t*> kb_ce;  // [kBlock] the row's per-channel Δ (null: none)
+  std::vector<double> kb_norm;   // [kBlock] ||k̂|| of rows with Δ
   std::vector<uint8_t> vb_rot;   // [kBlock] row of vb was rotated on read (dense row, rotated V basis)
   std::vector<double> o;         // [nq, hd] compressed-tier output (rotated V basis)
   std::vector<double> ex;        // [hd] exact output of one query
@@ -199,26 +210,51 @@ double rotation_rounding_bound(const rotation& rot) {
   return (16.0 * l + 32.0) * kU32;
 }
 
-uint16_t cert_error_bound_f16(const float* x_rot, const float* x_hat, int head_dim, double x_norm, double eta) {
-  double e = 0, h = 0;
-  for (int i = 0; i < head_dim; ++i) {
-    const double d = (double)x_rot[i] - x_hat[i];
-    e += d * d;
-    h += (double)x_hat[i] * x_hat[i];
+int cert_error_group(int head_dim) { return head_dim % 32 == 0 ? 32 : head_dim % 8 == 0 ? 8 : head_dim; }
+
+void cert_error_bounds_f16(const float* x_rot, const float* x_hat, int head_dim, int n_groups, double x_norm,
+                           double eta, uint16_t* out) {
+  KVQ_ASSERT(n_groups >= 1 && n_groups <= 1024 && head_dim % n_groups == 0);
+  const int gl = head_dim / n_groups;
+  double eg[1024], e = 0, h = 0;
+  for (int g = 0; g < n_groups; ++g) {
+    double a = 0;
+    for (int i = g * gl; i < (g + 1) * gl; ++i) {
+      const double d = (double)x_rot[i] - x_hat[i];
+      a += d * d;
+      h += (double)x_hat[i] * x_hat[i];
+    }
+    eg[g] = std::sqrt(a);
+    e += a;
   }
   h = std::sqrt(h);
-  // ||R x - x̂|| <= ||fl(Rx) - x̂|| + η ||x||; the q-rotation term η ||q|| ||x̂|| and the f64 dot
-  // rounding are folded in per unit ||q|| (docs/certified.md, "Score error").
-  double eps = (std::sqrt(e) + eta * (x_norm + h) + 1e-12 * h) * (1 + 2 * eta + 1e-7);
-  if (!(eps <= 65504.0)) return 0x7c00;  // +inf: the bound is useless but still valid
-  const float ef = (float)eps;
-  return f16_round_up(ef < eps ? std::nextafter(ef, INFINITY) : ef);
+  // ||(R x)_g - x̂_g|| <= ||fl(Rx)_g - x̂_g|| + ||(Rx - fl(Rx))_g||; the last, the q-rotation terms
+  // η ||q|| (||x̂|| + ||d||) and the f64 dot rounding are folded in per group through a: Σ_g ||q_g||
+  // >= ||q|| (docs/certified.md, "Score error").
+  const double a = eta * (x_norm + h + std::sqrt(e)) + 1e-12 * h;
+  for (int g = 0; g < n_groups; ++g) {
+    const double eps = (eg[g] + a) * (1 + 2 * eta + 1e-7);
+    if (!(eps <= 65504.0)) {
+      out[g] = 0x7c00;  // +inf: the bound is useless but still valid
+      continue;
+    }
+    const float ef = (float)eps;
+    out[g] = f16_round_up(ef < eps ? std::nextafter(ef, INFINITY) : ef);
+  }
+}
+
+uint16_t cert_error_bound_f16(const float* x_rot, const float* x_hat, int head_dim, double x_norm, double eta) {
+  uint16_t e;
+  cert_error_bounds_f16(x_rot, x_hat, head_dim, 1, x_norm, eta, &e);
+  return e;
 }
 
 void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const cert_options& opt, float* out,
                         cert_step* steps) {
   const int hd = kv.head_dim, ng = qv.n_group, nq = qv.n_tokens * ng;
-  KVQ_ASSERT(hd <= 1024 && qv.pos0 + qv.n_tokens <= kv.n_pos && kv.k.n_segs > 0 && kv.v.n_segs > 0);
+  const int neg = kv.k.err_groups, egl = hd / std::max(1, neg);  // K error groups, their length
+  KVQ_ASSERT(hd <= 1024 && qv.pos0 + qv.n_tokens <= kv.n_pos && kv.k.n_segs > 0 && kv.v.n_segs > 0 && neg >= 1 &&
+             hd % neg == 0 && kv.v.err_groups == 1);
   const int n_max = std::min(kv.n_pos, qv.pos0 + qv.n_tokens);
   const attn_spec& spec = qv.spec;
   const double scale = spec.scale, cap_round = softcap_rounding(spec);
@@ -237,9 +273,13 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   w.s.resize((size_t)nq * n_max);
   w.p.resize((size_t)nq * n_max);
   w.pe.resize((size_t)nq * n_max);
+  w.d.resize((size_t)nq * n_max);
+  w.qg.resize((size_t)nq * 2 * neg);
   w.c.resize((size_t)nq * n_max);
   w.kb.resize((size_t)kBlock * hd);
   w.kb_rot.resize(kBlock);
+  w.kb_ce.resize(kBlock);
+  w.kb_norm.resize(kBlock);
   w.vb_rot.resize(kBlock);
   w.vb.resize((size_t)kBlock * hd);
   w.o.resize((size_t)nq * hd);
@@ -258,16 +298,31 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
       double a = 0;
       for (int i = 0; i < hd; ++i) a += (double)c.q[i] * c.q[i];
       c.qn = std::sqrt(a);
+      double* qg = &w.qg[(size_t)(t * ng + g) * 2 * neg];
+      for (int b = 0; b < 2; ++b)
+        for (int e = 0; e < neg; ++e) {
+          const float* x = (b ? c.q_rot : c.q) + e * egl;
+          double s2 = 0;
+          for (int i = 0; i < egl; ++i) s2 += (double)x[i] * x[i];
+          qg[b * neg + e] = std::sqrt(s2);
+        }
+      c.qg = qg;
       const key_span r = spec.key_range(qv.pos0 + t);
       c.lo = std::max(0, r.lo);
       c.lim = std::min(kv.n_pos, r.hi);
     }
   int lo_min = n_max;
   for (const query_ctx& c : qs) lo_min = std::min(lo_min, c.lo);
-  // δ_j of a compressed row for query c: |s_j - ŝ_j| <= δ_j (docs/certified.md, "Score error").
-  auto delta_of = [&](const query_ctx& c, int j) {
-    return scale * c.qn * err_at(kv.k.err, j) * (1 + 1e-6) + cap_round;
+  // δ_j of a compressed row for query c: |s_j - ŝ_j| <= δ_j (docs/certified.md, "Score error"):
+  // scale Σ_g ||q_g|| ε_{j,g}, with q in the basis of the row (rotated: q_rot).
+  auto delta_row = [&](const query_ctx& c, int j, bool rotated) {
+    const uint16_t* e = kv.k.err + (size_t)j * neg;
+    const double* qg = c.qg + (rotated ? neg : 0);
+    double a = 0;
+    for (int g = 0; g < neg; ++g) a += qg[g] * f16_to_f32(e[g]);
+    return scale * a * (1 + 1e-6) + cap_round;
   };
+  auto delta_of = [&](const query_ctx& c, int j) { return w.d[(size_t)(&c - qs.data()) * n_max + j]; };
   // p = softmax(s[0, n)), pe = p (e^δ - 1) and Z_lo / Z_hi for the score errors dl(j).
   auto softmax = [&](const double* s, double* p, double* pe, int n, auto&& dl) {
     double m = -std::numeric_limits<double>::infinity();
@@ -314,17 +369,34 @@ void attn_certified_ref(const cert_kv_view& kv, const cert_query_view& qv, const
   row_reader rk{&kv.k, hd}, rv{&kv.v, hd};
   for (int r0 = lo_min; r0 < n_max; r0 += kBlock) {
     const int nb = std::min(kBlock, n_max - r0);
-    for (int j = 0; j < nb; ++j) w.kb_rot[j] = rk.load(r0 + j, &w.kb[(size_t)j * hd]);
+    for (int j = 0; j < nb; ++j) {
+      w.kb_rot[j] = rk.load(r0 + j, &w.kb[(size_t)j * hd]);
+      w.kb_ce[j] = rk.chan_err;
+      if (rk.chan_err) w.kb_norm[j] = norm2(&w.kb[(size_t)j * hd], hd);
+    }
     for (int qi = 0; qi < nq; ++qi) {
       const query_ctx& c = qs[qi];
       const int ne = std::min(nb, c.lim - r0);
       double* s = &w.s[(size_t)qi * n_max + r0];
+      double* dd = &w.d[(size_t)qi * n_max + r0];
+      const uint16_t* last_ce = nullptr;  // Σ_c |q_c| Δ_c of the last group seen
+      double last_sum = 0;
       for (int j = std::max(0, c.lo - r0); j < ne; ++j) {
         const float* k = &w.kb[(size_t)j * hd];
         const float* qq = w.kb_rot[j] ? c.q_rot : c.q;  // original-basis rows: the exact query
         double a = 0;
         for (int i = 0; i < hd; ++i) a += (double)qq[i] * k[i];
         s[j] = spec.logit(a * scale);
+        dd[j] = delta_row(c, r0 + j, w.kb_rot[j]);
+        if (const uint16_t* ce = w.kb_ce[j]) {  // per element: Σ_c |q_c| Δ_c (docs/certified.md)
+          if (ce != last_ce) {
+            last_sum = 0;
+            for (int i = 0; i < hd; ++i) last_sum += std::fabs((double)c.q[i]) * f16_to_f32(ce[i]);
+            last_ce = ce;
+          }
+          const double de = scale * (last_sum + 1e-12 * c.qn * w.kb_norm[j]) * (1 + 1e-6) + cap_round;
+          dd[j] = std::min(dd[j], de);
+        }
       }
     }
   }

@@ -358,17 +358,18 @@ TEST(CertifiedCache, BytesOfEachTier) {
   auto x = gauss(rng, (size_t)10 * 2 * 64, 1.0f);
   c->append(0, 0, 10, x.data(), x.data());
   const certified_tier_bytes t = c->tier_bytes();
-  // per token and kv head: q8 K 64 codes + 2 f16 scales + f16 ε = 70; q4 V 32 + 4 + 2 = 38
-  EXPECT_EQ(t.fast_used, (size_t)10 * 2 * (70 + 38));
+  // per token and kv head: q8 K 64 codes + 2 f16 scales + 2 f16 ε (one per 32 elements) = 72;
+  // q4 V 32 + 4 + one f16 ε = 38
+  EXPECT_EQ(t.fast_used, (size_t)10 * 2 * (72 + 38));
   EXPECT_EQ(t.host_used, (size_t)10 * 2 * 2 * 64 * 2);
   EXPECT_EQ(t.host, (size_t)100 * 2 * 2 * 64 * 2);
   EXPECT_FALSE(t.host_file_backed);
   EXPECT_EQ(c->bytes(), t.fast + t.host);
   EXPECT_EQ(c->bytes_used(), t.fast_used + t.host_used);
-  EXPECT_DOUBLE_EQ(kv_bytes_per_token(p), 2.0 * (70 + 38 + 256));
+  EXPECT_DOUBLE_EQ(kv_bytes_per_token(p), 2.0 * (72 + 38 + 256));
   kv_cache_params q4 = p;  // certify = true on a compressed format
   q4.type_k = q4.type_v = kv_cache_type::q4;
-  EXPECT_DOUBLE_EQ(kv_bytes_per_token(q4), 2.0 * (38 + 38 + 256));
+  EXPECT_DOUBLE_EQ(kv_bytes_per_token(q4), 2.0 * (40 + 38 + 256));
   kv_cache_params f16 = p;  // certify on dense/dense: the plain dense cache (a tool's f16 reference)
   f16.type_k = f16.type_v = kv_cache_type::f16;
   EXPECT_FALSE(is_certified(f16));
@@ -488,15 +489,20 @@ TEST(CertifiedCache, Errors) {
   p.certify_tol = NAN;
   expect_err(p, errc::invalid_input, "certify_tol");
   p = ok;
-  p.type_k = kv_cache_type::kivi4;
-  expect_err(p, errc::unsupported, "kivi4");
+  p.k_channel_scale = true;  // the bound is for K, not K - mu: refused, not ignored
+  expect_err(p, errc::unsupported, "k_channel_scale");
+  p = ok;
+  p.certify_budget = -0.5;
+  expect_err(p, errc::invalid_input, "certify_budget");
+  p.certify_budget = 0.3;  // q8 K + q4 V need 0.42 of f16 at head_dim 32
+  expect_err(p, errc::invalid_input, "certify_budget");
   p = ok;
   p.type_v = (kv_cache_type)99;
   expect_err(p, errc::invalid_input, "type_v 99");
   EXPECT_THROW(parse_kv_cache_type("q5", "V"), error);
   p = ok;
-  p.sink = 4;
-  expect_err(p, errc::unsupported, "sink");
+  p.exact_recent = 4;  // (a sink window is supported: f16 rows in the fast tier)
+  expect_err(p, errc::unsupported, "exact recent");
   p = ok;
   p.head_dim = 12;
   expect_err(p, errc::unsupported, "head_dim");
