@@ -38,22 +38,20 @@ inline std::string format_certified_report(const certified_report& r, const std:
                   (unsigned long long)s.violations);
     out += prefix + buf;
   }
+  char share[160] = "";
+  if (r.f16_bytes_per_token > 0) {
+    const int k = std::snprintf(share, sizeof share, ", %.1f%% of f16's %.0f", 100.0 * r.fast_bytes_per_token / r.f16_bytes_per_token,
+                                r.f16_bytes_per_token);
+    if (r.budget > 0)
+      std::snprintf(share + k, sizeof share - k, ", budget %.1f%%, %d upgrade(s) refused", 100.0 * r.budget,
+                    s.upgrades_refused);
+  }
   std::snprintf(buf, sizeof buf,
-                "tiers: fast %.1f KiB used (peak %.1f, %.0f bytes/token), host %.1f KiB used (peak %.1f, %.0f "
+                "tiers: fast %.1f KiB used (peak %.1f, %.0f bytes/token%s), host %.1f KiB used (peak %.1f, %.0f "
                 "bytes/token, %s)\n",
-                t.fast_used / 1024.0, t.fast_used_peak / 1024.0, r.fast_bytes_per_token, t.host_used / 1024.0,
+                t.fast_used / 1024.0, t.fast_used_peak / 1024.0, r.fast_bytes_per_token, share, t.host_used / 1024.0,
                 t.host_used_peak / 1024.0, r.host_bytes_per_token, t.host_file_backed ? "file-backed" : "in RAM");
   out += prefix + buf;
-  if (r.f16_bytes_per_token > 0) {
-    std::snprintf(buf, sizeof buf, "fast tier %.1f%% of f16's %.0f bytes/token", 100.0 * r.fast_bytes_per_token / r.f16_bytes_per_token,
-                  r.f16_bytes_per_token);
-    out += prefix + buf;
-    if (r.budget > 0) {
-      std::snprintf(buf, sizeof buf, " (budget %.1f%%, %d upgrade(s) refused)", 100.0 * r.budget, s.upgrades_refused);
-      out += buf;
-    }
-    out += "\n";
-  }
   out += prefix + "adaptive precision: " + std::to_string(s.heads_upgraded) + " upgrade(s)";
   for (size_t i = 0; i < r.upgrades.size() && i < 16; ++i) out += (i ? ", " : ": ") + r.upgrades[i];
   if (r.upgrades.size() > 16) out += ", ...";

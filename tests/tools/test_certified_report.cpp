@@ -2,6 +2,7 @@
 // bench print it on stderr: the lines, their prefix, and the figures of a real cache's report.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <random>
 #include <sstream>
 #include <string>
@@ -59,6 +60,10 @@ TEST(CertifiedReport, TextLinesOfACacheReport) {
     EXPECT_NE(text.find(w), std::string::npos) << w << "\n" << text;
   EXPECT_NE(ls[3].find("violations 0"), std::string::npos) << ls[3];
   EXPECT_NE(ls[4].find("in RAM"), std::string::npos) << ls[4];
+  char share[64];  // the fast tier's share of the f16 cache's bytes per token
+  std::snprintf(share, sizeof share, ", %.1f%% of f16's %.0f)", 100.0 * r.fast_bytes_per_token / r.f16_bytes_per_token,
+                r.f16_bytes_per_token);
+  EXPECT_NE(ls[4].find(share), std::string::npos) << ls[4] << " / " << share;
   EXPECT_EQ(ls[5], "[x] adaptive precision: 0 upgrade(s)");
 
   // without measure there is no bound / actual error line

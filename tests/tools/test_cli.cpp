@@ -114,8 +114,9 @@ TEST(Cli, StreamingTextAndSummary) {
 // one f16 scale (and, asymmetric, one f16 zero point) per group of G elements, per token, kv head
 // and layer. G is the default group (32 when head_dim is a multiple of 32, else head_dim); KIVI K
 // stores per channel one f16 scale and zero per T = 32 tokens (4 d / T bytes per token), its V is
-// q{b}a; certified is its fast tier (K q8, V q4, one f16 error bound per row each) plus the host
-// tier's f16 originals of K and V (4 d). Returns -1 for a type it does not know.
+// q{b}a; certified is its fast tier (K q8 with one f16 error bound per 32 elements (8 when 32 does
+// not divide d), V q4 with one per row) plus the host tier's f16 originals of K and V (4 d).
+// Returns -1 for a type it does not know.
 double hand_kv_bytes_per_token(const std::string& type, int n_layer, int n_kv_head, int d) {
   const double G = d % 32 == 0 ? 32 : d, T = 32;
   auto per_token = [&](int bits, bool asym) { return bits * d / 8.0 + (asym ? 2 : 1) * 2.0 * d / G; };
@@ -134,7 +135,9 @@ double hand_kv_bytes_per_token(const std::string& type, int n_layer, int n_kv_he
   else if (type == "kivi8") side2 = kivi_k(8) + per_token(8, true);
   else if (type == "kivi4") side2 = kivi_k(4) + per_token(4, true);
   else if (type == "kivi2") side2 = kivi_k(2) + per_token(2, true);
-  else if (type == "certified") side2 = (per_token(8, false) + 2) + (per_token(4, false) + 2) + 4.0 * d;
+  else if (type == "certified")
+    side2 = (per_token(8, false) + 2.0 * d / (d % 32 == 0 ? 32 : d % 8 == 0 ? 8 : d)) + (per_token(4, false) + 2) +
+            4.0 * d;
   return side2 < 0 ? -1 : side2 * n_layer * n_kv_head;
 }
 
