@@ -14,6 +14,7 @@ void attend_planner::plan(const attend_plan_seq* seqs, int n_seqs, int n_kv_head
   n_kv_head_ = n_kv_head;
   n_head_ = n_head;
   head_dim_ = head_dim;
+  seg_ = (opt.min_chunk + opt.chunk_align - 1) / opt.chunk_align * opt.chunk_align;
   seq_.assign((size_t)n_seqs, {});
   tok0_.assign((size_t)n_seqs + 1, 0);
   // About 4 items per thread: enough to balance causal tiles of unequal cost.
@@ -29,15 +30,15 @@ void attend_planner::plan(const attend_plan_seq* seqs, int n_seqs, int n_kv_head
     pl.split_lo = in.split_lo;
     pl.split_hi = std::max(in.split_lo, in.split_hi);
     const int len = pl.split_hi - pl.split_lo;
-    pl.chunk_rows = len;
     pl.n_chunks = 1;
-    if (opt.split && len >= 2 * opt.min_chunk) {
-      // chunks of at least `target` rows: this sequence's (item, row) work over about `want` items
-      const int64_t target = std::max<int64_t>(opt.min_chunk, (int64_t)n_kv_head * pl.n_tiles * len / want);
-      const int n = (int)std::min<int64_t>((len + target - 1) / target, len / opt.min_chunk);
-      if (n > 1) {
-        pl.chunk_rows = ((len + n - 1) / n + opt.chunk_align - 1) / opt.chunk_align * opt.chunk_align;
-        pl.n_chunks = (len + pl.chunk_rows - 1) / pl.chunk_rows;
+    if (opt.split && len >= 2 * seg_) {
+      // split when chunks of at least `target` rows (this sequence's (item, row) work over about
+      // `want` items) would be more than one; then one chunk per segment (the merge order stays
+      // that of the segments, attend_plan.h)
+      const int64_t target = std::max<int64_t>(seg_, (int64_t)n_kv_head * pl.n_tiles * len / want);
+      if ((len + target - 1) / target > 1) {
+        pl.first_seg = pl.split_lo / seg_;
+        pl.n_chunks = (pl.split_hi + seg_ - 1) / seg_ - pl.first_seg;
       }
     }
     pl.item0 = items;
@@ -71,8 +72,13 @@ attend_item attend_planner::item(int64_t it) const {
   w.kv_head = (int)(i / pl.n_chunks / pl.n_tiles);
   w.ta = tl * pl.tile;
   w.tb = std::min(pl.n_tokens, w.ta + pl.tile);
-  w.row_lo = pl.split_lo + w.chunk * pl.chunk_rows;
-  w.row_hi = pl.n_chunks == 1 ? pl.split_hi : std::min(pl.split_hi, w.row_lo + pl.chunk_rows);
+  if (pl.n_chunks == 1) {
+    w.row_lo = pl.split_lo;
+    w.row_hi = pl.split_hi;
+  } else {
+    w.row_lo = std::max(pl.split_lo, (pl.first_seg + w.chunk) * seg_);
+    w.row_hi = std::min(pl.split_hi, (pl.first_seg + w.chunk + 1) * seg_);
+  }
   return w;
 }
 

@@ -9,6 +9,16 @@
 // and normalises. How a cache walks its storage inside one item (ring pieces, the compressed body,
 // exact windows) stays with the cache: the planner owns tiling, chunking, scheduling and merging.
 //
+// Canonical merge order (issue 15 item 5): the key rows are cut into segments of segment_rows()
+// at fixed multiples of it (row numbers, not batch-relative), and a query's attention is the
+// left-to-right merge of one state per segment, whatever the batch: a split sequence has one
+// chunk per segment (merged in order by finish_token), an unsplit one walks the segments of its
+// one chunk with one accumulate() each (for_each_segment). Inside a segment a cache continues one
+// state over views that start at fixed rows, so the kernels' key blocks (32 / 64 rows from a
+// view's start) fall on the same rows too. So a query's output does not depend on the batch, its
+// tile, the thread count or whether the sequence was split: one-shot prefill and any chunking give
+// the same bits (tests/cache/test_kv_cache_reliability.cpp, prefill_is_bit_exact_across_splits).
+//
 // Chunks depend on the sequence itself (its tokens, its key rows, kv heads) and the thread count
 // only, never on the other sequences of the batch, so a sequence's output is the same bit for bit
 // whichever batch it is attended in.
@@ -35,12 +45,13 @@ struct attend_plan_seq {
 
 struct attend_plan_options {
   bool split = true;      // false: one chunk per sequence (kernels that need every key at once)
-  int chunk_align = 32;   // chunk lengths are multiples of this (rows)
-  int min_chunk = 1024;   // no chunk shorter than this; ranges under 2 * min_chunk stay whole
+  int chunk_align = 32;   // segment_rows() is a multiple of this (rows)
+  int min_chunk = 1024;   // segment_rows(): min_chunk rounded up to chunk_align; ranges under two stay whole
 };
 
 // Work item: queries [ta, tb) of sequence `seq` (index in the batch) for kv head `kv_head`, key
-// rows [row_lo, row_hi) of chunk `chunk` (the whole split range when the sequence has one chunk).
+// rows [row_lo, row_hi) of chunk `chunk`: one segment (segment_rows() rows at a multiple of it, cut
+// to the split range) when the sequence is split, else the whole split range.
 struct attend_item {
   int seq = 0, kv_head = 0, ta = 0, tb = 0, chunk = 0;
   int row_lo = 0, row_hi = 0;
@@ -56,6 +67,17 @@ class attend_planner {
   int64_t n_items() const { return n_items_; }
   int n_seqs() const { return (int)seq_.size(); }
   int n_chunks(int b) const { return seq_[(size_t)b].n_chunks; }
+  // Rows of a segment (the unit of the canonical merge order, see the top of this file).
+  int segment_rows() const { return seg_; }
+  // fn(lo, hi) for the segments of rows [lo, hi) (cut at the multiples of segment_rows()), in order.
+  template <class Fn>
+  void for_each_segment(int lo, int hi, Fn&& fn) const {
+    for (int a = lo; a < hi;) {
+      const int b = std::min(hi, (a / seg_ + 1) * seg_);
+      fn(a, b);
+      a = b;
+    }
+  }
   // The batch's tokens are numbered across sequences: sequence b holds [tok0(b), tok0(b + 1)).
   int tok0(int b) const { return tok0_[(size_t)b]; }
   int n_tokens() const { return tok0_.back(); }
@@ -106,7 +128,7 @@ class attend_planner {
 
  private:
   struct seq_plan {
-    int n_tokens = 0, tile = 1, n_tiles = 1, n_chunks = 1, chunk_rows = 0, split_lo = 0, split_hi = 0;
+    int n_tokens = 0, tile = 1, n_tiles = 1, n_chunks = 1, first_seg = 0, split_lo = 0, split_hi = 0;
     int64_t item0 = 0, state0 = 0, scratch0 = 0;
   };
   std::vector<seq_plan> seq_;
@@ -114,7 +136,7 @@ class attend_planner {
   std::vector<attn_state> states_;  // per sequence [n_chunks][n_tokens * n_head]
   std::vector<float> scratch_o_;    // chunks 1..: [n_chunks - 1][n_tokens * n_head][head_dim]
   int64_t n_items_ = 0;
-  int n_kv_head_ = 1, n_head_ = 1, head_dim_ = 0;
+  int n_kv_head_ = 1, n_head_ = 1, head_dim_ = 0, seg_ = 1024;
 };
 
 }  // namespace kvq

@@ -236,10 +236,11 @@ class kv_cache_dense final : public kv_cache {
       qv.pos0 = a.pos0 + w.ta;
       qv.spec = spec;
       attn_state* sts = plan_.begin(w, a.out);
-      // the chunk's keys that the tile's queries see, in at most two contiguous pieces of the ring
-      const int lo = std::max(w.row_lo, spec.key_range(a.pos0 + w.ta).lo);
-      const int hi = std::min(w.row_hi, a.pos0 + w.tb);
-      if (hi <= lo) return;
+      // the chunk's keys that the tile's queries see, one state per segment (the canonical merge
+      // order, attend_plan.h), each in at most two contiguous pieces of the ring
+      const int lo_all = std::max(w.row_lo, spec.key_range(a.pos0 + w.ta).lo);
+      const int hi_all = std::min(w.row_hi, a.pos0 + w.tb);
+      plan_.for_each_segment(lo_all, hi_all, [&](int lo, int hi) {
       plan_.accumulate(w, sts, [&](attn_state* ls) {
         kv_dense_view kv;
         kv.type_k = ek_;
@@ -266,6 +267,7 @@ class kv_cache_dense final : public kv_cache {
           attn_dense(kv, qv, ls);
           r = r1;
         }
+      });
       });
     });
     const int n_tok = plan_.n_tokens();

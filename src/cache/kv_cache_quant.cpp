@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <utility>
 #include <vector>
 
@@ -323,12 +324,14 @@ class kv_cache_quant final : public kv_cache {
     uint64_t fresh_id = 0;  // 0: none
   };
   // Exact copies of body rows [lo, hi) of one (layer, sequence), written by the append numbered id
-  // (n_appends_). One per sequence, reused by every layer: a layer's attend finds its own rows as long
-  // as no other layer's append to the sequence came in between (the model's order, kv_cache.h).
+  // (n_appends_), followed by a copy of the exact tail that append left (rows [hi, lo + n)), so that
+  // a query sees the exact rows from any of [lo, hi) on as one view (the view a decode step at its
+  // position attends). One per sequence, reused by every layer: a layer's attend finds its own rows
+  // as long as no other layer's append to the sequence came in between (the model's order, kv_cache.h).
   struct fresh_rows {
     uint64_t id = 0;
-    int lo = 0, hi = 0;
-    std::vector<uint8_t> k, v;  // [n_kv_head, hi - lo, head_dim] exact_elem of the side
+    int lo = 0, hi = 0, n = 0;
+    std::vector<uint8_t> k, v;  // [n_kv_head, n, head_dim] exact_elem of the side
   };
 
   double side_row_bytes(const side_store& s) const {
@@ -396,10 +399,10 @@ class kv_cache_quant final : public kv_cache {
     const seq_state& q = st(il, seq);
     return q.fresh_id != 0 && fresh_[seq].id == q.fresh_id ? q.fresh_lo : q.n_comp;
   }
-  // The exact copy of body row r of kv head h in f (f.lo <= r < f.hi).
+  // The exact copy of body row r of kv head h in f (f.lo <= r < f.lo + f.n; from f.hi on the tail's).
   const uint8_t* fresh_row(const side_store& s, const fresh_rows& f, int h, int r) const {
     const auto& b = &s == &k_ ? f.k : f.v;
-    return b.data() + ((size_t)h * (f.hi - f.lo) + (r - f.lo)) * p_.head_dim * kv_elem_bytes(s.exact_elem);
+    return b.data() + ((size_t)h * f.n + (r - f.lo)) * p_.head_dim * kv_elem_bytes(s.exact_elem);
   }
   uint8_t* fresh_row(const side_store& s, fresh_rows& f, int h, int r) {
     return const_cast<uint8_t*>(std::as_const(*this).fresh_row(s, std::as_const(f), h, r));
@@ -687,7 +690,8 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
     f.id = ++n_appends_;
     f.lo = keep_lo;
     f.hi = n_comp_new;
-    const size_t rows = (size_t)nh * (n_comp_new - keep_lo);
+    f.n = n_comp_new - keep_lo + (n_pend - n_quant);  // and the tail
+    const size_t rows = (size_t)nh * f.n;
     f.k.resize(rows * hd * kv_elem_bytes(k_.exact_elem));
     f.v.resize(rows * hd * kv_elem_bytes(v_.exact_elem));
   }
@@ -702,8 +706,11 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
       if (n_quant > 0) store_body(*s, hi, q.n_comp, pend_.data(), n_quant);
       for (int r = keep_lo; r < n_comp_new; ++r)
         store_elems(fresh_row(*s, f, h, r), s->exact_elem, &pend_[(size_t)(r - q.n_comp) * hd], hd);
-      for (int j = n_quant; j < n_pend; ++j)
+      for (int j = n_quant; j < n_pend; ++j) {
         store_elems(exact_row(*s, hi, p_.sink + j - n_quant), s->exact_elem, &pend_[(size_t)j * hd], hd);
+        if (keep_lo < n_comp_new)
+          store_elems(fresh_row(*s, f, h, n_comp_new + j - n_quant), s->exact_elem, &pend_[(size_t)j * hd], hd);
+      }
     }
   }
   q.n = n_new;
@@ -818,15 +825,18 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
     const seq_state& sq = st(il, seqs[b].seq_id);
     const int lo = std::max(0, spec.key_range(seqs[b].pos0).lo - p_.sink);
     plan_in_[b].n_tokens = seqs[b].n_tokens;
-    // the chunks split the body below the rows kept exact too (chunk 0 attends those, per query)
-    const int fl = fresh_lo(il, seqs[b].seq_id);
-    plan_in_[b].split_hi = fl;
-    plan_in_[b].split_lo = std::min(lo, fl) / unit_ * unit_;
+    // the chunks split the body (chunk 0 also attends the exact rows)
+    plan_in_[b].split_hi = sq.n_comp;
+    plan_in_[b].split_lo = std::min(lo, sq.n_comp) / unit_ * unit_;
     const int64_t keys = spec.window > 0 ? std::min<int64_t>(spec.window, sq.n) : sq.n;
     work += (int64_t)seqs[b].n_tokens * n_head * keys * hd * 2;
   }
+  // Views of the body start at multiples of kQ rows from a segment start (attend_plan.h), so that
+  // the kernels' key blocks (32 / 64 rows from a view's start) and KIVI groups (U rows) fall on
+  // the same rows for every query tile and split.
+  const int kQ = std::lcm(64, unit_);
   attend_plan_options opt;
-  opt.chunk_align = std::max(32, unit_);
+  opt.chunk_align = kQ;
   plan_.plan(plan_in_.data(), n_seqs, nh, n_head, hd, pool.size(), opt);
   // The batch's tokens are numbered across sequences: sequence b holds [tok0(b), tok0(b + 1)).
   const int n_tok = plan_.n_tokens();
@@ -886,9 +896,18 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
     }
     attn_state* sts = plan_.begin(w, a.out);
     const int n_sink = std::min(sq.n, p_.sink), n_tail = tail_len(sq);
-    // compressed body chunk, from the first unit this tile's queries see, in at most two pieces
-    // of a sliding-window layer's ring (pieces start on unit boundaries: the ring is whole units)
-    const int tile_lo = std::max(0, spec.key_range(pos0 + ta).lo - p_.sink) / unit_ * unit_;
+    // queries [t, t + n) of the tile alone
+    auto sub = [&](int t, int n) {
+      attn_query_view v = qv;
+      const int64_t dt = t - ta;
+      v.q += dt * qv.stride_t;
+      if (v.q16) v.q16 += dt * qv.stride_t;
+      if (v.q8) v.q8 += dt * qv.stride_t;
+      if (v.q8_scale) v.q8_scale += dt * qv.q8_scale_stride_t;
+      v.n_tokens = n;
+      v.pos0 = pos0 + t;
+      return v;
+    };
     // compressed body rows [r0, r1) for the queries of `v` (in at most two pieces of a ring)
     auto body_pass = [&](int r0, int r1, const attn_query_view& v, attn_state* ls) {
       for (int a0 = r0; a0 < r1;) {
@@ -912,54 +931,16 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
         a0 = a1;
       }
     };
-    const int r0 = std::max(w.row_lo, tile_lo), r1 = w.row_hi;
-    if (r1 > r0 && p_.sink + r0 <= pos0 + tb - 1) plan_.accumulate(w, sts, [&](attn_state* ls) { body_pass(r0, r1, qv, ls); });
-    // Body rows [F, n_comp) the latest append compressed while a query of its batch still sees them
-    // exact: query t sees rows [F, c(t)) compressed, c(t) = comp_rule(pos + 1) (what a decode step at
-    // its position leaves compressed), and the rest from the exact copies, so that the outputs do not
-    // depend on how the prompt was split into appends. c(t) grows with t: rows below c(ta) are
-    // compressed and rows from c(tb - 1) exact for every query of the tile, attended as a tile; only
-    // [c(ta), c(tb - 1)) (at most the tile's length + U - 1 rows) is attended per query.
+    // Query t sees body rows [0, e(t)) compressed: what a decode step at its position leaves
+    // compressed, comp_rule(pos + 1), however the prompt was split into appends; rows [F, N) the
+    // latest append compressed while a query of its batch still sees them exact have exact copies
+    // (fresh_rows). e(t) grows with t.
     const int F = fresh_lo(il, a.seq_id), N = sq.n_comp;
-    if (w.chunk == 0 && F < N && p_.sink + F <= pos0 + tb - 1) {
-      const fresh_rows& f = fresh_[a.seq_id];
-      const int lo = std::max(F, tile_lo);  // (a unit boundary: F and tile_lo are)
-      auto c_of = [&](int t) { return std::clamp(comp_rule(pos0 + t + 1), F, N); };
-      const int ca = std::max(c_of(ta), lo), cb = std::max(c_of(tb - 1), lo);
-      auto exact_view = [&](int r0, int r1) {
-        kv_dense_view dv;
-        dv.type_k = k_.exact_elem;
-        dv.type_v = v_.exact_elem;
-        dv.row_stride = hd;
-        dv.head_dim = hd;
-        dv.k = fresh_row(k_, f, h, r0);
-        dv.v = fresh_row(v_, f, h, r0);
-        dv.pos_begin = p_.sink + r0;
-        dv.n_pos = r1 - r0;
-        return dv;
-      };
-      plan_.accumulate(w, sts, [&](attn_state* ls) {
-        if (ca > lo) body_pass(lo, ca, qv, ls);
-        for (int t = ta; t < tb && cb > ca; ++t) {
-          const int pos = pos0 + t, c = std::max(c_of(t), lo);
-          if (p_.sink + ca > pos) continue;  // sees none of [ca, cb)
-          attn_query_view one = qv;
-          const int64_t dt = t - ta;
-          one.q += dt * qv.stride_t;
-          if (one.q16) one.q16 += dt * qv.stride_t;
-          if (one.q8) one.q8 += dt * qv.stride_t;
-          if (one.q8_scale) one.q8_scale += dt * qv.q8_scale_stride_t;
-          one.n_tokens = 1;
-          one.pos0 = pos;
-          attn_state* lt = ls + dt * ng;
-          if (c > ca) body_pass(ca, c, one, lt);
-          if (cb > c && p_.sink + c <= pos) attn_dense(exact_view(c, cb), one, lt);
-        }
-        if (N > cb && p_.sink + cb <= pos0 + tb - 1) attn_dense(exact_view(cb, N), qv, ls);
-      });
-    }
-    // the exact windows (sink and tail), merged into chunk 0
-    if (w.chunk == 0 && (n_sink > 0 || n_tail > 0)) {
+    auto e_of = [&](int t) { return std::clamp(comp_rule(pos0 + t + 1), F, N); };
+    // The canonical order (attend_plan.h): chunk 0 first attends the exact rows as one state (the
+    // sink, then body rows [e(t), N) and the tail as the one view a decode step at the query's
+    // position would attend), then every segment of the body as its own state.
+    if (w.chunk == 0 && (n_sink > 0 || n_tail > 0 || F < N)) {
       plan_.accumulate(w, sts, [&](attn_state* ls) {
         kv_dense_view dv;
         dv.type_k = k_.exact_elem;
@@ -973,15 +954,48 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
           dv.n_pos = n_sink;
           attn_dense(dv, qv, ls);
         }
-        if (n_tail > 0 && p_.sink + sq.n_comp <= pos0 + tb - 1) {
+        int tn = tb;  // queries [tn, tb) have e == N: the tail as stored
+        while (tn > ta && e_of(tn - 1) == N) --tn;
+        if (n_tail > 0 && tn < tb && p_.sink + N <= pos0 + tb - 1) {
           dv.k = exact_row(k_, hi, p_.sink);
           dv.v = exact_row(v_, hi, p_.sink);
-          dv.pos_begin = p_.sink + sq.n_comp;
+          dv.pos_begin = p_.sink + N;
           dv.n_pos = n_tail;
-          attn_dense(dv, qv, ls);
+          attn_dense(dv, sub(tn, tb - tn), ls + (int64_t)(tn - ta) * ng);
+        }
+        const fresh_rows& f = fresh_[a.seq_id];  // (e < N: F < N, the copies are this layer's)
+        for (int t = ta; t < tn; ++t) {
+          const int e = e_of(t);
+          if (p_.sink + e > pos0 + t) continue;
+          dv.k = fresh_row(k_, f, h, e);
+          dv.v = fresh_row(v_, f, h, e);
+          dv.pos_begin = p_.sink + e;
+          dv.n_pos = f.lo + f.n - e;
+          attn_dense(dv, sub(t, 1), ls + (int64_t)(t - ta) * ng);
         }
       });
     }
+    // The body, segment by segment: rows [s0, min(s1, e(t))) for query t, as one view from s0 for
+    // the tile up to A (kQ-aligned, at most the smallest e(t) that ends before the causal bound)
+    // and per query from A on, continuing the same state (the kernels' blocks stay those of one view).
+    const int tile_lo = std::max(0, spec.key_range(pos0 + ta).lo - p_.sink) / unit_ * unit_;
+    plan_.for_each_segment(std::max(w.row_lo, tile_lo), std::min(w.row_hi, N), [&](int s0, int s1) {
+      if (p_.sink + s0 > pos0 + tb - 1) return;  // no query of the tile reaches it
+      int emin = s1;
+      for (int t = ta; t < tb; ++t) {
+        const int e = e_of(t);
+        if (e < std::min(s1, pos0 + t + 1 - p_.sink)) emin = std::min(emin, std::max(e, s0));
+      }
+      plan_.accumulate(w, sts, [&](attn_state* ls) {
+        if (emin == s1) return body_pass(s0, s1, qv, ls);
+        const int A = s0 + (emin - s0) / kQ * kQ;
+        if (A > s0) body_pass(s0, A, qv, ls);
+        for (int t = ta; t < tb; ++t) {
+          const int e1 = std::min(s1, e_of(t));
+          if (e1 > A && p_.sink + A <= pos0 + t) body_pass(A, e1, sub(t, 1), ls + (int64_t)(t - ta) * ng);
+        }
+      });
+    });
   });
   // 4. merge the chunks, normalise, undo λ_V and the V rotation once per head
   pool.parallel_for(n_tok, (int64_t)nq * hd * 8, [&](int64_t tg, int) {
