@@ -30,10 +30,17 @@ struct registrar {
 // place the CLI turns names into types; a tool calls it when it runs, so an unknown name is an
 // "error: [kv_cache] unknown K cache type 'q5' ..." exit 2 like any other bad input.
 struct kv_flags {
-  kv_cache_params p;
+  kv_cache_params p;  // p.sink / p.exact_recent: -1 = auto (kv_auto_windows of the parsed types)
   std::string type_k = "f16", type_v = "f16", rotation = "auto";
   kv_cache_params params() const;
 };
+
+// --kv-sink / --kv-exact-recent (and its deprecated alias --kv-recent) into `sink` / `recent`: "auto"
+// (the default, stored as -1) or N >= 0 positions. Errors during parsing (exit 2) name the option
+// and value.
+void add_kv_window_flags(CLI::App* app, int& sink, int& recent);
+// p with its auto (-1) sink / exact_recent replaced by kv_auto_windows(p) (its types must be set).
+kv_cache_params resolve_kv_windows(kv_cache_params p);
 
 // --cache-type-k (-ctk), --cache-type-v (-ctv), --kv-rot, --kv-group, --kv-sink, --kv-exact-recent,
 // --kv-kivi-group, --kv-residual, --kv-channel-scale, --kv-seed; certified attention: --kv-certify,

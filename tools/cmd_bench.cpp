@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -41,27 +42,36 @@ std::vector<std::string> split(const std::string& s) {
 }
 
 // One --types entry: FORMAT (K and V), or K/V (e.g. kivi4/q4a), either optionally followed by
-// +sinkN (N exact sink tokens for this entry only; without it, --kv-sink). The other cache options
-// (--kv-rot, --kv-group, ...) apply to every entry.
+// +sinkN and/or +recentN (N exact sink / recent tokens for this entry only, e.g. q4+sink0+recent0 for
+// the per-token body alone; without them, --kv-sink / --kv-exact-recent, whose auto is
+// kv_auto_windows of the entry's types). The other cache options (--kv-rot, --kv-group, ...) apply to
+// every entry.
 kv_cache_params types_entry(const std::string& t, const kv_flags& kv) {
   kv_cache_params c = kv.p;
   c.rotation = parse_kv_rotation(kv.rotation);
   std::string spec = t;
+  int sink = -1, recent = -1;
   if (const size_t plus = spec.find('+'); plus != std::string::npos) {
-    const std::string opt = spec.substr(plus + 1);
+    const std::string opts = spec.substr(plus + 1) + "+";  // each option ends with '+'
     spec.resize(plus);
-    size_t used = 0;
-    long long n = -1;
-    if (opt.rfind("sink", 0) == 0 && opt.size() > 4 && std::isdigit((unsigned char)opt[4])) {
-      try {
-        n = std::stoll(opt.substr(4), &used);
-      } catch (const std::exception&) {
-        n = -1;
+    for (size_t b = 0, e; (e = opts.find('+', b)) != std::string::npos; b = e + 1) {
+      const std::string opt = opts.substr(b, e - b);
+      const char* name = opt.rfind("sink", 0) == 0 ? "sink" : opt.rfind("recent", 0) == 0 ? "recent" : nullptr;
+      const size_t len = name ? std::strlen(name) : 0;
+      size_t used = 0;
+      long long n = -1;
+      if (name && opt.size() > len && std::isdigit((unsigned char)opt[len])) {
+        try {
+          n = std::stoll(opt.substr(len), &used);
+        } catch (const std::exception&) {
+          n = -1;
+        }
       }
+      if (n < 0 || len + used != opt.size() || n > std::numeric_limits<int>::max())
+        fail_input("'+" + opt + "' must be +sinkN or +recentN with N >= 0 exact tokens (e.g. kivi4/q4a+sink4, " +
+                   "q4+sink0+recent0)");
+      (name[0] == 's' ? sink : recent) = (int)n;
     }
-    if (n < 0 || 4 + used != opt.size() || n > std::numeric_limits<int>::max())
-      fail_input("'+" + opt + "' must be +sinkN with N >= 0 exact sink tokens (e.g. kivi4/q4a+sink4)");
-    c.sink = (int)n;
   }
   const size_t slash = spec.find('/');
   if (slash == std::string::npos) {
@@ -72,7 +82,9 @@ kv_cache_params types_entry(const std::string& t, const kv_flags& kv) {
     c.type_k = parse_kv_cache_type(spec.substr(0, slash), "K");
     c.type_v = parse_kv_cache_type(spec.substr(slash + 1), "V");
   }
-  return c;
+  if (sink >= 0) c.sink = sink;
+  if (recent >= 0) c.exact_recent = recent;
+  return resolve_kv_windows(c);
 }
 
 // Machine facts for the report: CPU model name, CPUs online, load averages (1 min).
@@ -129,7 +141,7 @@ nlohmann::json to_json(const bench_opts& o, const bench_result& r, const machine
                   {"load_average_end", mi.load_end}};
   j["rows"] = nlohmann::json::array();
   for (const auto& w : r.rows)
-    j["rows"].push_back({{"type_k", w.type_k}, {"type_v", w.type_v}, {"sink", w.sink}, {"describe", w.describe},
+    j["rows"].push_back({{"type_k", w.type_k}, {"type_v", w.type_v}, {"sink", w.sink}, {"exact_recent", w.exact_recent}, {"describe", w.describe},
                          {"baseline_only", w.baseline_only}, {"depth", w.depth},
                          {"beyond_train_ctx", w.beyond_train_ctx}, {"fill_seconds", w.fill_seconds},
                          {"decode_tokens_per_s", w.decode_tokens_per_s},
@@ -267,7 +279,8 @@ int run_bench(bench_opts& o) {
     // the KV column is as wide as its widest label ("kivi4/q4a+sink4*"), at least 11
     auto label = [](const bench_row& w) {
       return (w.type_k == w.type_v ? w.type_k : w.type_k + "/" + w.type_v) +
-             (w.sink > 0 ? "+sink" + std::to_string(w.sink) : "") + (w.beyond_train_ctx ? "*" : "");
+             (w.sink > 0 ? "+sink" + std::to_string(w.sink) : "") +
+             (w.exact_recent > 0 ? "+recent" + std::to_string(w.exact_recent) : "") + (w.beyond_train_ctx ? "*" : "");
     };
     int kv_w = 11;
     for (const auto& w : r.rows) kv_w = std::max(kv_w, (int)label(w).size());
@@ -308,7 +321,8 @@ const registrar reg{{"bench", "decode/prefill speed and KV memory of KV formats 
   app->add_option("--weights", o->weights, "weight type of the synthetic model: f16, q8_0, q4_0")->capture_default_str();
   app->add_option("-f,--file", o->text_path, "text whose tokens feed fill/prefill/decode (default: pseudo-random ids)");
   app->add_option("--types", o->types, "comma-separated KV formats: FORMAT (K and V) or K/V, each optionally +sinkN "
-                  "(e.g. f16,q4,kivi4/q4a+sink4; default f16,q8,q4,kivi2)");
+                  "and/or +recentN exact tokens (default: --kv-sink / --kv-exact-recent, auto per entry; e.g. "
+                  "f16,q4,q4+sink0+recent0,kivi4/q4a+sink4; default f16,q8,q4,kivi2)");
   app->add_option("--depths", o->depths, "comma-separated depths (tokens, 'k' = 1024)")->capture_default_str();
   app->add_option("-n,--n-decode", o->p.n_decode, "timed decode steps per format and depth")->capture_default_str();
   app->add_option("-p,--n-prefill", o->p.n_prefill, "timed prefill tokens per format and depth (0: skip)")->capture_default_str();

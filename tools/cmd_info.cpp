@@ -35,6 +35,7 @@ int run_info(info_opts& o) {
   {  // the user's --kv-* options must be valid for a per-token format wherever the defaults are
     kv_cache_params plain = m->cache_params(n_ctx, kv_cache_params{}), mine = base;
     plain.type_k = plain.type_v = mine.type_k = mine.type_v = kv_cache_type::q8;
+    mine = resolve_kv_windows(mine);
     bool plain_ok = true;
     try {
       kv_bytes_per_token(plain);
@@ -45,6 +46,7 @@ int run_info(info_opts& o) {
   }
   kv_cache_params f16 = base;
   f16.type_k = f16.type_v = kv_cache_type::f16;
+  f16 = resolve_kv_windows(f16);
   const double f16_bpt = kv_bytes_per_token(f16);
 
   kv_layer_kind_bytes kinds;  // layer counts of each kind
@@ -70,6 +72,7 @@ int run_info(info_opts& o) {
   for (const std::string& t : kv_type_names()) {
     kv_cache_params p = base;
     p.type_k = p.type_v = parse_kv_cache_type(t);
+    p = resolve_kv_windows(p);
     nlohmann::json row{{"type", t}};
     try {
       const double bpt = kv_bytes_per_token(p);
@@ -129,8 +132,13 @@ int run_info(info_opts& o) {
   std::string tl;
   for (const auto& [t, n] : types) tl += (tl.empty() ? "" : "  ") + t + ": " + std::to_string(n);
   std::printf("tensors      %s\n", tl.c_str());
-  std::printf("\nKV cache at n_ctx %d (K and V the same type; options: rot %s, group %d, exact sink %d, exact recent %d)\n",
-              n_ctx, kv_rotation_name(base.rotation).c_str(), base.group_size, base.sink, base.exact_recent);
+  auto window = [](int n) { return n < 0 ? std::string("auto") : std::to_string(n); };
+  std::printf("\nKV cache at n_ctx %d (K and V the same type; options: rot %s, group %d, exact sink %s, exact recent %s)\n",
+              n_ctx, kv_rotation_name(base.rotation).c_str(), base.group_size, window(base.sink).c_str(),
+              window(base.exact_recent).c_str());
+  if (base.sink < 0 || base.exact_recent < 0)
+    std::printf("auto windows: sink %d + recent %d exact positions for the per-token formats (q8 .. q2a), none for the others\n",
+                kv_auto_sink, kv_auto_exact_recent);
   // bytes/token is asymptotic (compressed rows); bytes at n_ctx is what a cache of n_ctx positions
   // allocates, exact f16 rows of the sink/recent windows and KIVI residual included
   // with sliding-window layers: bytes/token counts the global layers only (the windowed ones hold
@@ -165,9 +173,7 @@ const registrar reg{{"info", "print the model's architecture, shapes and KV byte
   app->add_flag("--json", o->json, "print JSON");
   app->add_option("--kv-rot", o->rot, "rotation (affects nothing in size)");
   app->add_option("--kv-group", o->kv.group_size, "group size along head_dim (0 = default)");
-  app->add_option("--kv-sink", o->kv.sink, "exact sink tokens");
-  app->add_option("--kv-exact-recent", o->kv.exact_recent, "exact recent tokens");
-  app->add_option("--kv-recent", o->kv.exact_recent, "deprecated alias of --kv-exact-recent")->group("");
+  add_kv_window_flags(app, o->kv.sink, o->kv.exact_recent);  // auto: per type (kv_auto_windows)
   return [o] { return run_info(*o); };
 }}};
 

@@ -134,7 +134,7 @@ int run_kv_error(kv_error_opts& o) {
       kv_cache_params c = o.kv.p;
       c.rotation = parse_kv_rotation(o.kv.rotation);
       c.type_k = c.type_v = parse_kv_cache_type(t);
-      o.p.formats.push_back(c);
+      o.p.formats.push_back(resolve_kv_windows(c));  // auto windows per type
     }
   }
   o.p.tv = !o.no_tv;

@@ -45,7 +45,45 @@ kv_cache_params kv_flags::params() const {
   c.type_k = parse_kv_cache_type(type_k, "K");
   c.type_v = parse_kv_cache_type(type_v, "V");
   c.rotation = parse_kv_rotation(rotation);
-  return c;
+  return resolve_kv_windows(c);
+}
+
+kv_cache_params resolve_kv_windows(kv_cache_params p) {
+  const kv_windows w = kv_auto_windows(p);
+  if (p.sink < 0) p.sink = w.sink;
+  if (p.exact_recent < 0) p.exact_recent = w.exact_recent;
+  return p;
+}
+
+void add_kv_window_flags(CLI::App* app, int& sink, int& recent) {
+  sink = recent = -1;
+  auto parse = [](const std::string& name, const std::string& v) {
+    if (v == "auto") return -1;
+    size_t used = 0;
+    long long n = -1;
+    try {
+      n = std::stoll(v, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != v.size() || n < 0 || n > std::numeric_limits<int>::max())
+      throw CLI::ValidationError(name + " '" + v + "' must be auto or a number of positions >= 0");
+    return (int)n;
+  };
+  app->add_option_function<std::string>(
+         "--kv-sink", [&sink, parse](const std::string& v) { sink = parse("--kv-sink", v); },
+         "first N tokens kept exact (f16); auto: " + std::to_string(kv_auto_sink) +
+             " for per-token compressed formats (q8 .. q2a) unless a side is KIVI, else 0")
+      ->default_str("auto");
+  app->add_option_function<std::string>(
+         "--kv-exact-recent", [&recent, parse](const std::string& v) { recent = parse("--kv-exact-recent", v); },
+         "last N tokens kept exact (f16) beside the compressed body (storage; not sliding-window attention); auto: " +
+             std::to_string(kv_auto_exact_recent) + " for per-token compressed formats unless a side is KIVI, else 0")
+      ->default_str("auto");
+  app->add_option_function<std::string>(
+         "--kv-recent", [&recent, parse](const std::string& v) { recent = parse("--kv-recent", v); },
+         "deprecated alias of --kv-exact-recent")
+      ->group("");
 }
 
 void add_kv_flags(CLI::App* app, kv_flags& f) {
@@ -59,11 +97,7 @@ void add_kv_flags(CLI::App* app, kv_flags& f) {
   app->add_option("--cache-type-v", f.type_v, "KV cache type for V, alias -ctv (" + types + ")")->capture_default_str();
   app->add_option("--kv-rot", f.rotation, "rotation before quantizing: none|hadamard|srht|srft|auto")->capture_default_str();
   app->add_option("--kv-group", p.group_size, "elements per scale along head_dim (0 = default: 32 or head_dim)")->capture_default_str();
-  app->add_option("--kv-sink", p.sink, "first N tokens kept exact (f16)")->capture_default_str();
-  app->add_option("--kv-exact-recent", p.exact_recent,
-                  "last N tokens kept exact (f16) beside the compressed body (storage; not sliding-window attention)")
-      ->capture_default_str();
-  app->add_option("--kv-recent", p.exact_recent, "deprecated alias of --kv-exact-recent")->group("");
+  add_kv_window_flags(app, p.sink, p.exact_recent);
   app->add_option("--kv-kivi-group", p.kivi_group, "KIVI: tokens per per-channel K group")->capture_default_str();
   app->add_option("--kv-residual", p.kivi_residual, "KIVI: exact recent tokens kept before quantizing a group")->capture_default_str();
   app->add_flag("--kv-channel-scale", p.channel_scale, "calibrate a per-channel scale on the prompt before quantizing");

@@ -64,6 +64,7 @@ struct bench_params {
 struct bench_row {
   std::string type_k, type_v, describe;
   int sink = 0;                // exact sink tokens (kv_cache_params::sink)
+  int exact_recent = 0;        // exact recent tokens (kv_cache_params::exact_recent)
   bool baseline_only = false;  // f16 added for the ratios, not requested
   int depth = 0;
   bool beyond_train_ctx = false;

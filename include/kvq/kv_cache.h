@@ -258,6 +258,27 @@ class kv_cache {
 // unsupported for a valid value the format cannot serve) with "[kv_cache] <field> <value> ...".
 void validate(const kv_cache_params& p);
 
+// The exact windows a cache gets where its user names none: the tools' --kv-sink / --kv-exact-recent
+// "auto" (their default) and the Python API's sink / recent left out. kv_auto_sink (4) first and
+// kv_auto_exact_recent (32) last positions of every layer are kept in f16 when a side is a per-token
+// compressed format (q8 .. q2a) and neither side is per-channel (KIVI: its exact residual is its
+// recent window; the README pairs it with --kv-sink 4) nor certified (which refuses windows, as does
+// certify = true); none for f32 / f16 / bf16. The first tokens take most of the attention mass
+// (attention sinks: StreamingLLM, Xiao et al. 2023, arXiv:2309.17453, §3) and the last ones large
+// weights of local attention, so their quantization error reaches many later scores; the recent
+// window plays the role of KIVI's exact residual (Liu et al. 2024, arXiv:2402.02750). What they buy
+// on Qwen2.5: docs/quality.md ("Real models"). They cost (sink + exact_recent) x 2 x n_kv_head x
+// head_dim x 2 bytes per layer and sequence, independent of n_ctx; kv_bytes_per_token (the body)
+// is unchanged. Reads only type_k, type_v and certify of p; the cache itself never applies them
+// (kv_cache_params::sink / exact_recent are taken as given, 0 = none).
+inline constexpr int kv_auto_sink = 4;
+inline constexpr int kv_auto_exact_recent = 32;
+struct kv_windows {
+  int sink = 0;          // first positions kept exact (kv_cache_params::sink)
+  int exact_recent = 0;  // last positions kept exact (kv_cache_params::exact_recent)
+};
+kv_windows kv_auto_windows(const kv_cache_params& p);
+
 // Creates a cache: validate(p) first, then the memory check, then the allocation.
 std::unique_ptr<kv_cache> make_kv_cache(const kv_cache_params& p);
 

@@ -225,6 +225,19 @@ cache_impl impl_of(const kv_cache_params& p) {
 
 }  // namespace
 
+kv_windows kv_auto_windows(const kv_cache_params& p) {
+  if (p.certify) return {};
+  bool per_token = false;
+  for (kv_cache_type t : {p.type_k, p.type_v}) {
+    kv_format f;
+    if (!kv_cache_type_format(t, &f)) return {};  // certified (or out of range: validate names it)
+    if (kv_traits(f).layout == kv_layout::per_channel) return {};
+    per_token = per_token || kv_traits(f).layout == kv_layout::per_token;
+  }
+  if (!per_token) return {};
+  return {kv_auto_sink, kv_auto_exact_recent};
+}
+
 int kv_layer_window(const kv_cache_params& p, int il) {
   if (il < 0 || il >= p.n_layer)
     fail_input("[kv_cache] layer " + std::to_string(il) + " out of range [0, " + std::to_string(p.n_layer) + ")");

@@ -157,7 +157,8 @@ double median(std::vector<double> v) {
 
 std::string format_name(const kv_cache_params& f) {
   const std::string k = kv_cache_type_name(f.type_k), v = kv_cache_type_name(f.type_v);
-  return (k == v ? k : k + "/" + v) + (f.sink > 0 ? "+sink" + std::to_string(f.sink) : "");
+  return (k == v ? k : k + "/" + v) + (f.sink > 0 ? "+sink" + std::to_string(f.sink) : "") +
+         (f.exact_recent > 0 ? "+recent" + std::to_string(f.exact_recent) : "");
 }
 
 std::string gib(double bytes) {
@@ -315,6 +316,7 @@ bench_result bench(model& m, std::span<const int32_t> tokens, const bench_params
         w.type_v = kv_cache_type_name(formats[fi].type_v);
         w.describe = describe[fi];
         w.sink = formats[fi].sink;
+        w.exact_recent = formats[fi].exact_recent;
         w.baseline_only = baseline_only[fi];
         w.depth = d;
         w.beyond_train_ctx = r.n_ctx_train > 0 && (int64_t)d + timed > r.n_ctx_train;

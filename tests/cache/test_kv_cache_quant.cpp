@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "cache/attn_f64.h"
@@ -780,6 +782,33 @@ TEST(kv_cache_quant, invalid_params_are_named) {
     const bool two = t.find('2') != std::string::npos;
     EXPECT_LE(e, wide ? 0.05 * eu : two ? 1.5 * eu : 0.3 * eu) << t;
   }
+}
+
+// The windows `-ctk q4 -ctv q4` gets when none are named (kv_auto_windows, the tools' "auto"): 4 sink
+// and 32 recent exact positions wherever a side is per-token compressed and neither side is KIVI or
+// certified; none otherwise. The expected table is written out by type name, not from kv_traits.
+TEST(KvCacheQuant, AutoWindowsRule) {
+  const std::set<std::string> per_token = {"q8", "q4", "q3", "q2", "q8a", "q4a", "q3a", "q2a"};
+  const std::set<std::string> kivi = {"kivi8", "kivi4", "kivi2"};
+  EXPECT_EQ(kv_auto_sink, 4);
+  EXPECT_EQ(kv_auto_exact_recent, 32);
+  int n_on = 0;
+  for (const std::string& k : kv_type_names())
+    for (const std::string& v : kv_type_names()) {
+      kv_cache_params p;
+      p.type_k = parse_kv_cache_type(k, "K");
+      p.type_v = parse_kv_cache_type(v, "V");
+      const bool on = (per_token.count(k) || per_token.count(v)) && !kivi.count(k) && !kivi.count(v) &&
+                      k != "certified" && v != "certified";
+      const kv_windows w = kv_auto_windows(p);
+      EXPECT_EQ(w.sink, on ? 4 : 0) << k << "/" << v;
+      EXPECT_EQ(w.exact_recent, on ? 32 : 0) << k << "/" << v;
+      n_on += on;
+      p.certify = true;  // certified attention refuses windows
+      EXPECT_EQ(kv_auto_windows(p).sink, 0) << k << "/" << v;
+      EXPECT_EQ(kv_auto_windows(p).exact_recent, 0) << k << "/" << v;
+    }
+  EXPECT_EQ(n_on, 8 * 8 + 2 * 8 * 3);  // per-token x per-token, and per-token beside f32 / f16 / bf16
 }
 
 }  // namespace

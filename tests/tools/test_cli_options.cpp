@@ -2,6 +2,8 @@
 // with exit code 2 and a message naming the flag; -s -1 means a random seed, as in llama.cpp.
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include <nlohmann/json.hpp>
 
 #include "support/data_dir.h"
@@ -96,39 +98,79 @@ TEST(CliOptions, InfoRefusesBadKvOptionsAndNamesItself) {
   }
 }
 
-// kvq bench --types takes K/V pairs and a per-entry exact sink (the README's recommended
-// `-ctk kivi4 -ctv q4a --kv-sink 4` beside plain formats in one run, issue 14 point 5).
+// kvq bench --types takes K/V pairs and per-entry exact windows (the README's recommended
+// `-ctk kivi4 -ctv q4a --kv-sink 4` beside plain formats in one run, issue 14 point 5); a plain
+// per-token entry gets the auto windows (sink 4, recent 32), +sink0+recent0 the body alone.
 TEST(CliOptions, BenchTypesTakeKvPairsAndSink) {
   KVQ_REQUIRE_DATA(model, "models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.gguf");
   const int depth = 32;
-  const auto r = run_cmd({test::kvq_bin(), "bench", "-m", model, "--types", "f16,kivi4/q4a+sink4,q4,q4+sink4",
-                          "--depths", std::to_string(depth), "-n", "1", "-p", "0", "-t", "1", "--no-progress",
-                          "--json"});
+  const auto r = run_cmd({test::kvq_bin(), "bench", "-m", model, "--types",
+                          "f16,kivi4/q4a+sink4,q4+sink0+recent0,q4+sink4+recent0,q4,q4+recent8", "--depths",
+                          std::to_string(depth), "-n", "1", "-p", "0", "-t", "1", "--no-progress", "--json"});
   ASSERT_EQ(r.rc, 0) << r.err;
   const auto rows = nlohmann::json::parse(r.out)["rows"];
-  ASSERT_EQ(rows.size(), 4u) << r.out;
+  ASSERT_EQ(rows.size(), 6u) << r.out;
   EXPECT_EQ(rows[1]["type_k"], "kivi4");
   EXPECT_EQ(rows[1]["type_v"], "q4a");
   EXPECT_EQ(rows[1]["sink"], 4);
+  EXPECT_EQ(rows[1]["exact_recent"], 0);  // KIVI: no auto windows (its residual is its recent window)
   EXPECT_EQ(rows[2]["type_k"], "q4");
   EXPECT_EQ(rows[2]["type_v"], "q4");
   EXPECT_EQ(rows[2]["sink"], 0);
+  EXPECT_EQ(rows[2]["exact_recent"], 0);
   EXPECT_EQ(rows[3]["sink"], 4);
+  EXPECT_EQ(rows[3]["exact_recent"], 0);
+  EXPECT_EQ(rows[4]["sink"], 4);            // auto
+  EXPECT_EQ(rows[4]["exact_recent"], 32);   // auto
+  EXPECT_EQ(rows[5]["sink"], 4);            // auto sink, explicit recent
+  EXPECT_EQ(rows[5]["exact_recent"], 8);
   // The sink reaches the cache: at depth 32 its 4 first rows are f16 (64 x 2 bytes) instead of q4
   // (32 code bytes + 2 f16 group scales), for K and V, 6 layers x 2 kv heads (tinylit).
   const int64_t sink_extra = (int64_t)2 * 6 * 2 * 4 * (128 - (32 + 4));
   EXPECT_EQ(rows[3]["kv_bytes_used"].get<int64_t>() - rows[2]["kv_bytes_used"].get<int64_t>(), sink_extra)
       << rows[2].dump() << "\n" << rows[3].dump();
-  // The text table names each entry as it was given.
-  const auto t = run_cmd({test::kvq_bin(), "bench", "-m", model, "--types", "kivi4/q4a+sink4", "--depths", "0", "-n",
-                          "1", "-p", "0", "-t", "1", "--no-progress"});
+  // The text table names each entry by its windows.
+  const auto t = run_cmd({test::kvq_bin(), "bench", "-m", model, "--types", "kivi4/q4a+sink4,q4", "--depths", "0",
+                          "-n", "1", "-p", "0", "-t", "1", "--no-progress"});
   ASSERT_EQ(t.rc, 0) << t.err;
   EXPECT_NE(t.out.find("| kivi4/q4a+sink4 "), std::string::npos) << t.out;
-  for (const std::string bad : {"q4+sinkx", "q4+sink", "q4+rot4", "q4+sink-1", "q4/q4/q4", "q4/zz"}) {
+  EXPECT_NE(t.out.find("| q4+sink4+recent32 "), std::string::npos) << t.out;
+  for (const std::string bad : {"q4+sinkx", "q4+sink", "q4+rot4", "q4+sink-1", "q4/q4/q4", "q4/zz", "q4+recent",
+                                "q4+sink4+", "q4+recent-2"}) {
     const auto b = run_cmd({test::kvq_bin(), "bench", "-m", model, "--types", bad, "--depths", "0", "-n", "1", "-p",
                             "0", "--no-progress"});
     EXPECT_EQ(b.rc, 2) << bad;
     EXPECT_NE(b.err.find("[bench] KV format '" + bad + "'"), std::string::npos) << b.err;
+  }
+}
+
+// --kv-sink / --kv-exact-recent default to auto (kv_auto_windows): kvq info's bytes at n_ctx of each
+// type equal those of the explicit windows the rule names (4 / 32 for per-token types, 0 / 0 for the
+// rest), and `--kv-sink 0 --kv-exact-recent 0` gives the body alone; a bad value is refused.
+TEST(CliOptions, KvWindowsDefaultToAuto) {
+  KVQ_REQUIRE_DATA(model, "models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.gguf");
+  auto info = [&](std::vector<std::string> extra) {
+    std::vector<std::string> argv = {test::kvq_bin(), "info", "-m", model, "--json", "-c", "1024"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    const auto r = run_cmd(argv);
+    EXPECT_EQ(r.rc, 0) << r.err;
+    std::map<std::string, int64_t> bytes;
+    const auto j = nlohmann::json::parse(r.out);
+    for (const auto& row : j["kv_types"])  // certified refuses explicit windows
+      if (row.contains("bytes_at_n_ctx")) bytes[row["type"].get<std::string>()] = row["bytes_at_n_ctx"].get<int64_t>();
+    return bytes;
+  };
+  const auto dflt = info({}), on = info({"--kv-sink", "4", "--kv-exact-recent", "32"}),
+             off = info({"--kv-sink", "0", "--kv-exact-recent", "0"});
+  for (const char* t : {"q8", "q4", "q3", "q2", "q8a", "q4a", "q3a", "q2a"}) {
+    EXPECT_EQ(dflt.at(t), on.at(t)) << t;
+    EXPECT_GT(dflt.at(t), off.at(t)) << t;
+  }
+  for (const char* t : {"f16", "kivi4", "kivi2"}) EXPECT_EQ(dflt.at(t), off.at(t)) << t;
+  for (const char* bad : {"x", "-1", "4.5", ""}) {
+    const auto b = run_cmd({test::kvq_bin(), "info", "-m", model, "--kv-sink", bad});
+    EXPECT_EQ(b.rc, 2) << bad;
+    EXPECT_NE(b.err.find("--kv-sink '" + std::string(bad) + "' must be auto or a number"), std::string::npos) << b.err;
   }
 }
 
