@@ -94,21 +94,41 @@ FORMATS = [
     ("kivi2 / q3 sink 4", "3-bit", ["-ctk", "kivi2", "-ctv", "q3"] + S4),
     ("q3a / q2 sink 4", "3-bit", ["-ctk", "q3a", "-ctv", "q2"] + S4),
     ("f16 / q3 sink 4", "K/V", ["-ctk", "f16", "-ctv", "q3"] + S4),
+    # the defaults since the auto windows (kv_auto_windows: sink 4 + exact recent 32 for per-token types)
+    ("q4 default", "windows", ["-ctk", "q4", "-ctv", "q4"]),
+    ("q8 default", "windows", ["-ctk", "q8", "-ctv", "q8"]),
+    ("q3 default", "windows", ["-ctk", "q3", "-ctv", "q3"]),
 ]
+PER_TOKEN = {"q8", "q4", "q3", "q2", "q8a", "q4a", "q3a", "q2a"}
+
+
+def pin_windows(flags):
+    """The rows above the defaults were measured before --kv-sink / --kv-exact-recent defaulted to
+    auto (4 / 32 for per-token types): they name the windows they had (0 unless given), so they keep
+    measuring the per-token body alone."""
+    types = {flags[i + 1] for i, f in enumerate(flags) if f in ("-ctk", "-ctv")}
+    if not types & PER_TOKEN or any(t.startswith("kivi") for t in types):
+        return flags
+    extra = [] if "--kv-sink" in flags else ["--kv-sink", "0"]
+    return flags + extra + ([] if "--kv-exact-recent" in flags else ["--kv-exact-recent", "0"])
+
+
+FORMATS = [(k, w, f if w == "windows" and k.endswith("default") else pin_windows(f)) for k, w, f in FORMATS]
 BASE = "f16"
 FLAGS = {k: f for k, _, f in FORMATS}
 
 # Greedy: every type once, the recommended configuration, and the 4-bit variants that matter.
 GREEDY = ["q8", "q8a", "kivi8", "q4", "q4a", "kivi4", "q3a", "q3", "kivi2", "q2", "q2a", "bf16",
           "kivi4 / q4a sink 4 (recommended)", "kivi4 / q4 sink 4", "kivi4 / q4", "q4 sink 4", "q8 / q4",
-          "q3 sink 4"]
+          "q3 sink 4", "q4 default"]
 LONG_MIN_TOKENS = 300
 LONG_CHARS = 1800  # characters of wikitext-2 per long prompt (>= 300 tokens on both vocabularies)
 
 # Issue 14 targets, as multiples of llama.cpp q8_0's mean KLD on the same model.
 TARGETS = [("default 4-bit configuration (README)", ["kivi4 / q4a sink 4 (recommended)"], 1.0, None),
-           ("`-ctk q4 -ctv q4`", ["q4"], 1.0, None),
-           ("kvq q8", ["q8"], 0.5, None),
+           ("`-ctk q4 -ctv q4` (default windows: sink 4, recent 32)", ["q4 default"], 1.0, None),
+           ("`-ctk q4 -ctv q4 --kv-sink 0 --kv-exact-recent 0`", ["q4"], 1.0, None),
+           ("kvq q8", ["q8 default", "q8"], 0.5, None),
            ("best configuration at <= 3.5 bits/elem", None, 2.0, 3.5)]
 
 _lock = threading.Lock()

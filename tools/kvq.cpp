@@ -40,11 +40,15 @@ std::function<void(int, int, int64_t, double)> progress_bar(bool enabled, const 
   };
 }
 
-kv_cache_params kv_flags::params() const {
+kv_cache_params kv_flags::params(bool gpu) const {
   kv_cache_params c = p;
   c.type_k = parse_kv_cache_type(type_k, "K");
   c.type_v = parse_kv_cache_type(type_v, "V");
   c.rotation = parse_kv_rotation(rotation);
+  if (gpu) {
+    c.sink = std::max(c.sink, 0);
+    c.exact_recent = std::max(c.exact_recent, 0);
+  }
   return resolve_kv_windows(c);
 }
 

@@ -175,6 +175,7 @@ std::vector<kv_cache_params> with_baseline(const bench_params& p, std::vector<bo
   if (!has_f16 && !p.formats.empty()) {
     kv_cache_params f16 = p.formats.front();
     f16.type_k = f16.type_v = kv_cache_type::f16;
+    f16.sink = f16.exact_recent = 0;  // a dense cache has no windows (the first format's auto ones)
     formats.push_back(f16);
     if (baseline_only) baseline_only->push_back(true);
   }

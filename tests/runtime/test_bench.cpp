@@ -400,8 +400,8 @@ TEST(BenchCli, PlotFailureKeepsTheResults) {
                                 "-t", "1", "--plot", png, "--no-progress"});
   ::unsetenv("KVQ_PYTHON");
   EXPECT_EQ(r.rc, 2) << r.err;
-  EXPECT_NE(r.out.find("| f16         |      8 |"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("| q4          |      8 |"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("| f16               |      8 |"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("| q4+sink4+recent32 |      8 |"), std::string::npos) << r.out;
   EXPECT_NE(r.err.find("error: [bench] --plot '" + png + "'"), std::string::npos) << r.err;
   EXPECT_FALSE(std::filesystem::exists(png));
   EXPECT_FALSE(std::filesystem::exists(png + ".check.png")) << "the probe plot is removed";
