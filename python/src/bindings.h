@@ -21,10 +21,13 @@ namespace nb = nanobind;
 //   kv_seed (--kv-seed): int
 //   certify (--kv-certify), certify_measure (--kv-certify-measure), certify_adapt (not
 //   --kv-certify-no-adapt): bool; certify_tol (--kv-tol): float; host_dir (--kv-host-dir): str
-// Options left out keep kv_cache_params' defaults (the CLI's). Errors: TypeError for an unknown
+// Options left out keep kv_cache_params' defaults (the CLI's; sink / recent: see auto_windows below). Errors: TypeError for an unknown
 // option name ("<op>() got an unexpected keyword argument 'x' (cache options: ...)") or a value of
 // the wrong Python type; ValueError (kvq's message) for an unknown type or rotation name.
-kv_cache_params cache_options(const nb::kwargs& kw, const char* op);
+// auto_windows (Model.generate / stream / perplexity, as the CLI): sink / recent not given (or None)
+// take kv_auto_windows (4 / 32 for per-token types unless a side is KIVI); false (KVCache, the
+// low-level cache, as kv_cache_params): 0 unless given.
+kv_cache_params cache_options(const nb::kwargs& kw, const char* op, bool auto_windows = false);
 
 // A Python str from UTF-8 bytes that may be cut inside a character (a token's piece): invalid
 // bytes become U+FFFD, as the CLI's --json output does.

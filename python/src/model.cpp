@@ -65,7 +65,7 @@ nb::object run_generate(py_model& self, const std::string& prompt, int max_token
                                        .top_p = top_p,
                                        .min_p = min_p,
                                        .seed = seed < 0 ? 0xFFFFFFFFu : (uint64_t)seed},
-                          .cache = cache_options(cache, "generate")};
+                          .cache = cache_options(cache, "generate", true)};
   generate_result r;
   {
     nb::gil_scoped_release release;
@@ -88,7 +88,7 @@ nb::dict run_perplexity(py_model& self, const std::string& text, int n_ctx, int 
                       .n_batch = n_batch,
                       .n_chunks = chunks,
                       .n_threads = n_threads,
-                      .cache = cache_options(cache, "perplexity"),
+                      .cache = cache_options(cache, "perplexity", true),
                       .kl_base_in = kl_compare,
                       .compare_type = std::nullopt,  // set below
                       .kl_base_out = kl_base,

@@ -47,16 +47,17 @@ bool as_bool(const char* op, const std::string& key, nb::handle v) {
 
 }  // namespace
 
-kv_cache_params cache_options(const nb::kwargs& kw, const char* op) {
+kv_cache_params cache_options(const nb::kwargs& kw, const char* op, bool auto_windows) {
   kv_cache_params p;
+  if (auto_windows) p.sink = p.exact_recent = -1;  // auto until given
   for (auto [k, v] : kw) {
     const std::string key = nb::cast<std::string>(k);
     if (key == "type_k") p.type_k = parse_kv_cache_type(as_str(op, key, v), "K");
     else if (key == "type_v") p.type_v = parse_kv_cache_type(as_str(op, key, v), "V");
     else if (key == "rotation") p.rotation = parse_kv_rotation(as_str(op, key, v));
     else if (key == "group_size") p.group_size = as_int(op, key, v);
-    else if (key == "sink") p.sink = as_int(op, key, v);
-    else if (key == "recent") p.exact_recent = as_int(op, key, v);
+    else if (key == "sink") p.sink = auto_windows && v.is_none() ? -1 : as_int(op, key, v);
+    else if (key == "recent") p.exact_recent = auto_windows && v.is_none() ? -1 : as_int(op, key, v);
     else if (key == "kivi_group") p.kivi_group = as_int(op, key, v);
     else if (key == "kivi_residual") p.kivi_residual = as_int(op, key, v);
     else if (key == "channel_scale") p.channel_scale = as_bool(op, key, v);
@@ -82,6 +83,11 @@ kv_cache_params cache_options(const nb::kwargs& kw, const char* op) {
                             "' (cache options: " + names + ")")
                                .c_str());
     }
+  }
+  if (auto_windows) {
+    const kv_windows w = kv_auto_windows(p);
+    if (p.sink == -1) p.sink = w.sink;
+    if (p.exact_recent == -1) p.exact_recent = w.exact_recent;
   }
   return p;
 }
