@@ -181,21 +181,13 @@ class kv_cache_dense final : public kv_cache {
   std::shared_ptr<const kv_prefix> save_prefix(int seq_id) override {
     check_layer_seq("save_prefix", 0, seq_id);
     if (!can_save_prefix()) return kv_cache::save_prefix(seq_id);
-    if (n_pos(seq_id) == 0) fail_input("[kv_cache] save_prefix: seq " + std::to_string(seq_id) + " is empty");
-    auto px = std::make_shared<kv_prefix_paged>(this, pool_, n_pos(seq_id), paged_rows(seq_id), pool_.table(seq_id));
-    kv_save_regions(*px, seq_regions(seq_id));
-    return px;
+    return kv_save_paged_prefix(this, pool_, seq_id, n_pos(seq_id), paged_rows(seq_id), seq_regions(seq_id));
   }
   void load_prefix(int seq_id, const kv_prefix& p) override {
     check_layer_seq("load_prefix", 0, seq_id);
     if (!can_save_prefix()) kv_cache::load_prefix(seq_id, p);
-    const auto* px = dynamic_cast<const kv_prefix_paged*>(&p);
-    if (!px || px->owner() != this)
-      fail_input("[kv_cache] load_prefix: seq " + std::to_string(seq_id) + ": the prefix was saved by another cache");
-    if (n_pos(seq_id) != 0) fail_input("[kv_cache] load_prefix: seq " + std::to_string(seq_id) + " is not empty");
-    const auto [from, to] = pool_.adopt_rows("load_prefix", seq_id, px->pages(), px->rows());
+    const auto [from, to] = kv_load_paged_prefix(this, pool_, seq_id, n_pos(seq_id), p, seq_regions(seq_id));
     if (from >= 0) copy_page(from, to);
-    kv_load_regions(*px, seq_regions(seq_id));
   }
   std::string describe() const override {
     return std::string("K ") + elem_name(ek_) + " / V " + elem_name(ev_) + " (dense)";

@@ -214,16 +214,34 @@ struct kv_seq_region {
   size_t n;
 };
 
-// Saves / loads the regions into / from the prefix (the same list, in the same order).
-inline void kv_save_regions(kv_prefix_paged& px, const std::vector<kv_seq_region>& r) {
-  for (const auto& x : r) px.blobs().emplace_back(x.p, x.p + x.n);
+// kv_cache::save_prefix of a paged cache (dense and compressed alike): pins seq's pages, which hold
+// its rows [0, rows), and copies `regions`, what seq holds outside pages (each cache lists them in
+// one fixed order). invalid_input for an empty sequence (n_pos 0).
+inline std::shared_ptr<const kv_prefix> kv_save_paged_prefix(const void* owner, kv_page_pool& pool, int seq, int n_pos,
+                                                             int rows, const std::vector<kv_seq_region>& regions) {
+  if (n_pos == 0) fail_input("[kv_cache] save_prefix: seq " + std::to_string(seq) + " is empty");
+  auto px = std::make_shared<kv_prefix_paged>(owner, pool, n_pos, rows, pool.table(seq));
+  for (const auto& x : regions) px->blobs().emplace_back(x.p, x.p + x.n);
+  return px;
 }
-inline void kv_load_regions(const kv_prefix_paged& px, const std::vector<kv_seq_region>& r) {
-  KVQ_ASSERT(px.blobs().size() == r.size());
-  for (size_t i = 0; i < r.size(); ++i) {
-    KVQ_ASSERT(px.blobs()[i].size() == r[i].n);
-    if (r[i].n) std::memcpy(r[i].p, px.blobs()[i].data(), r[i].n);
+
+// kv_cache::load_prefix of a paged cache: seq (n_pos positions now) takes the pages of `p`, which
+// `owner` saved, and its regions (the same list, in the same order, as saved). Returns adopt_rows'
+// {from, to}: a partly filled last page the cache copies (copy_page), else {-1, -1}. invalid_input
+// for a prefix of another cache, a non-empty seq, or no free page for the copy; nothing is changed then.
+inline std::pair<int, int> kv_load_paged_prefix(const void* owner, kv_page_pool& pool, int seq, int n_pos,
+                                                const kv_prefix& p, const std::vector<kv_seq_region>& regions) {
+  const auto* px = dynamic_cast<const kv_prefix_paged*>(&p);
+  if (!px || px->owner() != owner)
+    fail_input("[kv_cache] load_prefix: seq " + std::to_string(seq) + ": the prefix was saved by another cache");
+  if (n_pos != 0) fail_input("[kv_cache] load_prefix: seq " + std::to_string(seq) + " is not empty");
+  const auto copy = pool.adopt_rows("load_prefix", seq, px->pages(), px->rows());
+  KVQ_ASSERT(px->blobs().size() == regions.size());
+  for (size_t i = 0; i < regions.size(); ++i) {
+    KVQ_ASSERT(px->blobs()[i].size() == regions[i].n);
+    if (regions[i].n) std::memcpy(regions[i].p, px->blobs()[i].data(), regions[i].n);
   }
+  return copy;
 }
 
 }  // namespace kvq
