@@ -13,6 +13,8 @@
 #include "certified_report.h"
 #include "cli.h"
 #include "kvq/bench.h"
+#include "kvq/bench_cuda.h"
+#include "kvq/cuda_model.h"
 #include "kvq/error.h"
 #include "kvq/perplexity.h"
 #include "kvq/sys_memory.h"
@@ -30,6 +32,9 @@ struct bench_opts {
   kv_flags kv;
   bool json = false, no_progress = false, explicit_kv = false;
   bool weights_given = false, shape_layers_given = false;  // options of --shape only
+  // --device cuda: batched decode on the GPU (bench_cuda); --batch and --capacity belong to it
+  std::string device = "cpu", batches = "1", capacity = "0";
+  bool batches_given = false, capacity_given = false;
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -46,8 +51,13 @@ std::vector<std::string> split(const std::string& s) {
 // the per-token body alone; without them, --kv-sink / --kv-exact-recent, whose auto is
 // kv_auto_windows of the entry's types). The other cache options (--kv-rot, --kv-group, ...) apply to
 // every entry.
-kv_cache_params types_entry(const std::string& t, const kv_flags& kv) {
+kv_cache_params types_entry(const std::string& t, const kv_flags& kv, bool gpu = false) {
   kv_cache_params c = kv.p;
+  if (gpu) {  // the GPU runner keeps no exact windows and no K channel scale (unless asked: then refused)
+    c.sink = std::max(c.sink, 0);
+    c.exact_recent = std::max(c.exact_recent, 0);
+    if (!c.k_channel_scale) c.k_channel_scale = false;
+  }
   c.rotation = parse_kv_rotation(kv.rotation);
   std::string spec = t;
   int sink = -1, recent = -1;
@@ -179,7 +189,106 @@ void check(const kv_cache_params& shape, const bench_params& p) {
   }
 }
 
+void print_cuda(const bench_opts& o, const bench_cuda_result& r) {
+  if (o.json) {
+    nlohmann::json j;
+    j["model"] = o.shape.empty() ? o.model_path : "synthetic:" + o.shape;
+    j["model_desc"] = r.model_desc;
+    j["device"] = r.device;
+    j["copy_bandwidth_bytes_per_s"] = r.copy_bandwidth;
+    j["mem_total"] = r.mem_total;
+    j["n_decode"] = o.p.n_decode;
+    j["rows"] = nlohmann::json::array();
+    for (const auto& w : r.rows)
+      j["rows"].push_back({{"type", w.type}, {"describe", w.describe}, {"batch", w.batch}, {"depth", w.depth},
+                           {"capacity", w.capacity}, {"fill_seconds", w.fill_seconds},
+                           {"step_ms_median", w.step_ms_median}, {"step_ms_min", w.step_ms_min},
+                           {"step_ms_max", w.step_ms_max}, {"tokens_per_s", w.tokens_per_s},
+                           {"weight_bytes_read", w.weight_bytes_read}, {"kv_bytes_read", w.kv_bytes_read},
+                           {"kv_bytes_allocated", w.kv_bytes_allocated}, {"bound_ms", w.bound_ms},
+                           {"x_bound", w.x_bound}, {"speedup_vs_f16", w.speedup_vs_f16}});
+    std::printf("%s\n", json_text(j).c_str());
+    return;
+  }
+  std::printf("model: %s\n", r.model_desc.c_str());
+  std::printf("device: %s, %.1f GiB; copy bandwidth %.0f GB/s (read + write)\n", r.device.c_str(),
+              r.mem_total / 1073741824.0, r.copy_bandwidth / 1e9);
+  std::printf("decode step = one token of every sequence, greedy ids back to the host; median of %d steps; "
+              "bound = (weights read + KV attended) / copy bandwidth\n\n",
+              o.p.n_decode);
+  std::printf("| %-4s | %5s | %6s | %8s | %9s | %10s | %9s | %9s | %8s | %7s | %6s |\n", "KV", "batch", "depth",
+              "step ms", "tok/s", "x f16 t/s", "weights GB", "KV GB", "bound ms", "x bound", "fill s");
+  std::printf("|------|-------|--------|----------|-----------|------------|-----------|-----------|----------|---------|--------|\n");
+  for (const auto& w : r.rows)
+    std::printf("| %-4s | %5d%s | %6d | %8.2f | %9.1f | %10.2f | %10.2f | %9.2f | %8.2f | %7.2f | %6.1f |\n",
+                w.type.c_str(), w.batch, w.capacity ? "*" : " ", w.depth, w.step_ms_median, w.tokens_per_s,
+                w.speedup_vs_f16, w.weight_bytes_read / 1e9, w.kv_bytes_read / 1e9, w.bound_ms, w.x_bound,
+                w.fill_seconds);
+  bool cap = false;
+  for (const auto& w : r.rows) cap = cap || w.capacity;
+  if (cap)
+    std::printf("\n* capacity: the most sequences of this depth whose pages fit beside the weights (allocated, "
+                "filled and decoded as one batch)\n");
+}
+
+int run_bench_cuda(bench_opts& o) {
+  if (o.model_path.empty() == o.shape.empty())
+    fail_input("[bench] give exactly one of -m MODEL or --shape NAME");
+  if (!o.text_path.empty()) fail_input("[bench] -f TEXT: --device cuda fills the caches with random K/V");
+  if (o.shape.empty() && (o.weights_given || o.shape_layers_given))
+    fail_input(std::string("[bench] ") + (o.weights_given ? "--weights" : "--shape-layers") +
+               " sets the synthetic model of --shape; a model given with -m has its own weights and layers");
+  if (o.weights_given && o.weights != "f16")
+    fail_input("[bench] --weights " + o.weights + ": the GPU runs f16 weights (random, generated on the device)");
+  bench_cuda_params p;
+  std::vector<std::string> types = split(o.types);
+  if (o.explicit_kv) {
+    kv_cache_params c = o.kv.params(/*gpu=*/true);
+    if (!o.kv.p.k_channel_scale) c.k_channel_scale = false;
+    p.formats.push_back(c);
+  }
+  if (types.empty() && !o.explicit_kv) types = {"f16", "q8", "q4"};
+  for (const auto& t : types) {
+    try {
+      p.formats.push_back(types_entry(t, o.kv, /*gpu=*/true));
+    } catch (const error& e) {
+      throw error(e.code(), "[bench] KV format '" + t + "': " + e.what());
+    }
+  }
+  p.batches = parse_count_list(o.batches, "bench", "--batch");
+  p.depths = parse_count_list(o.depths, "bench", "--depths");
+  const std::vector<int> cap = parse_count_list(o.capacity, "bench", "--capacity");
+  if (cap.size() != 1) fail_input("[bench] --capacity takes one context length");
+  p.capacity_ctx = cap[0];
+  p.n_decode = o.p.n_decode;
+  p.seed = o.p.seed;
+  std::unique_ptr<model> m;
+  model_hparams hp;
+  if (!o.shape.empty()) {
+    if (o.shape_layers < 0) fail_input("[bench] --shape-layers " + std::to_string(o.shape_layers) + " must be >= 0");
+    hp = shape_hparams(find_model_shape(o.shape), o.shape_layers);
+  } else {
+    m = as_bench("-m '" + o.model_path + "': ", [&] { return model::load(o.model_path); });
+    hp = m->hparams();
+  }
+  bench_progress prog;
+  if (!o.no_progress)
+    prog = [tty = ::isatty(2)](const std::string& what) {
+      std::fprintf(stderr, tty ? "\r\033[K[kvq] %s" : "[kvq] %s\n", what.c_str());
+      std::fflush(stderr);
+    };
+  const bench_cuda_result r = as_bench("--device cuda: ", [&] { return bench_cuda(hp, m.get(), p, prog); });
+  if (!o.no_progress && ::isatty(2)) std::fprintf(stderr, "\r\033[K");
+  print_cuda(o, r);
+  std::fflush(stdout);
+  return 0;
+}
+
 int run_bench(bench_opts& o) {
+  if (parse_compute_device(o.device) == compute_device::cuda) return run_bench_cuda(o);
+  if (o.batches_given || o.capacity_given)
+    fail_input(std::string("[bench] ") + (o.batches_given ? "--batch" : "--capacity") +
+               " is an option of --device cuda (batched decode on the GPU)");
   if (o.model_path.empty() == o.shape.empty())
     fail_input("[bench] give exactly one of -m MODEL or --shape NAME");
   if (!o.shape.empty() && !o.text_path.empty())
@@ -315,8 +424,8 @@ const registrar reg{{"bench", "decode/prefill speed and KV memory of KV formats 
   auto o = std::make_shared<bench_opts>();
   app->add_option("-m,--model", o->model_path, "GGUF model file");
   app->add_option("--shape", o->shape,
-                  "synthetic random-weight model of a published shape: llama3-8b, llama3.2-1b, mistral-7b, "
-                  "qwen2.5-0.5b, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b");
+                  "synthetic random-weight model of a published shape: llama3-8b, llama3.1-8b, llama3.2-1b, "
+                  "mistral-7b, qwen2.5-0.5b, qwen2.5-1.5b, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b");
   app->add_option("--shape-layers", o->shape_layers, "layers of the synthetic model (0: the shape's)")->capture_default_str();
   app->add_option("--weights", o->weights, "weight type of the synthetic model: f16, q8_0, q4_0")->capture_default_str();
   app->add_option("-f,--file", o->text_path, "text whose tokens feed fill/prefill/decode (default: pseudo-random ids)");
@@ -342,10 +451,21 @@ const registrar reg{{"bench", "decode/prefill speed and KV memory of KV formats 
                   "refuse depths whose caches (all formats together) exceed this (0: half the available memory; -1: no limit)")
       ->capture_default_str();
   app->add_option("--plot", o->plot, "write a PNG of decode tok/s and KV memory against depth");
+  app->add_option("--device", o->device,
+                  "cpu, or cuda: batched decode steps of the model on the GPU (random f16 weights with --shape, "
+                  "caches filled with random K/V, default types f16,q8,q4)")
+      ->capture_default_str();
+  app->add_option("--batch", o->batches, "--device cuda: comma-separated sequences per decode step")->capture_default_str();
+  app->add_option("--capacity", o->capacity,
+                  "--device cuda: also find the most sequences of this context (tokens, 'k' = 1024) each type fits "
+                  "(0: skip)")
+      ->capture_default_str();
   add_report_flags(app, o->json, o->no_progress);
   add_kv_flags(app, o->kv, o->explicit_kv);
   app->get_option("--weights")->each([o](const std::string&) { o->weights_given = true; });
   app->get_option("--shape-layers")->each([o](const std::string&) { o->shape_layers_given = true; });
+  app->get_option("--batch")->each([o](const std::string&) { o->batches_given = true; });
+  app->get_option("--capacity")->each([o](const std::string&) { o->capacity_given = true; });
   return [o] { return run_bench(*o); };
 }}};
 

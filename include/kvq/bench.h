@@ -120,11 +120,16 @@ struct model_shape {
   bool tied_output = false;
 };
 
-// Published shapes (from each model's config.json): llama3-8b, llama3.2-1b, mistral-7b,
-// qwen2.5-0.5b (q/k/v biases, drawn uniform in [-0.5, 0.5]), qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b.
+// Published shapes (from each model's config.json): llama3-8b, llama3.1-8b, llama3.2-1b, mistral-7b,
+// qwen2.5-0.5b, qwen2.5-1.5b (qwen2.5: q/k/v biases, drawn uniform in [-0.5, 0.5]), qwen3-0.6b,
+// qwen3-1.7b, qwen3-4b, qwen3-8b.
 std::vector<model_shape> model_shapes();
 // Throws invalid_input listing the known names.
 model_shape find_model_shape(const std::string& name);
+// The hyper-parameters model::load reads from make_synthetic_model(shape, ..., n_layer)'s file, without
+// writing one (n_layer > 0 overrides the shape's): what the GPU runner's random-weight models take
+// (cuda::model_runner, kvq/cuda_model.h). invalid_input for n_layer < 0.
+model_hparams shape_hparams(const model_shape& shape, int n_layer = 0);
 
 // Writes a GGUF (v3) with this shape and random weights of `weight_type` (f16, q8_0 or q4_0;
 // norms f32 = 1) to a temporary file under `tmp_dir` (empty: $TMPDIR or /tmp), loads it with

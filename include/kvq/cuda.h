@@ -37,6 +37,13 @@ void copy_to_device(void* dst, const void* src, size_t bytes);
 void copy_to_host(void* dst, const void* src, size_t bytes);
 void device_fill(void* dst, uint8_t byte, size_t bytes);
 void synchronize();
+// Free and total bytes of the current device (cudaMemGetInfo).
+void memory_info(size_t* free_bytes, size_t* total_bytes);
+// Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (2 x bytes per
+// copy): the median of `repeats` cudaMemcpy of `bytes` between two fresh buffers, timed with events
+// after one untimed copy. The ceiling of memory-bound kernels measured on this device (METHOD:
+// "measure the two ceilings once"). invalid_input for bytes < 1 MiB or repeats < 1.
+double copy_bandwidth(size_t bytes, int repeats = 10);
 
 // ---- paged KV layout ---------------------------------------------------------------------------
 // A pool of fixed-size pages. A page holds page_size consecutive tokens of one sequence for every

@@ -11,7 +11,14 @@
 //    "sequence" per prompt token: query t attends the pages up to its own position (no tiled
 //    prefill kernel yet). q8 / q4 queries see every position through its codes, its own batch's
 //    too, as the CPU cache does without an exact window (sink 0, exact_recent 0).
-// One sequence per runner. Numerics against the CPU engine: the products round their inputs to
+// Sequences: the runner holds cp.n_seq sequences of up to cp.n_ctx positions each, their pages
+// (16 positions of every kv head of one layer) drawn from one pool of n_seq * ceil(n_ctx / 16)
+// pages per layer through a free list, so sequences of different lengths share it and a cleared
+// sequence returns its pages. forward() runs tokens of one sequence (prefill or one decode token);
+// decode() runs one token of each of several sequences as one batch (batched decode, issue 19
+// point 4): the weight products as one GEMM over the batch, RoPE at each token's own position,
+// append and attention per sequence through the page table (one decode-kernel launch for all).
+// Numerics against the CPU engine: the products round their inputs to
 // f16 (the CPU keeps f32 activations), so logits differ by rounding; tests/cuda/test_cuda_model.cpp
 // states the tolerances per cache type.
 //
@@ -46,34 +53,63 @@ namespace cuda {
 //    channel scales (K's is on by default for q8 / q4 on the CPU: pass --kv-k-channel-scale off),
 //    certified attention, the dequantize attention path, n_seq != 1;
 //  - head_dim, n_kv_head or GQA ratios the kernels do not take (kvq/cuda.h).
-// invalid_input for max_batch < 1 or cp.n_ctx < 1.
+// invalid_input for max_batch < 1, cp.n_ctx < 1 or cp.n_seq < 1.
 void check_supported(const model& m, const kv_cache_params& cp, int max_batch);
+// The same checks on hyper-parameters alone (a model of a published shape, weights not loaded).
+void check_supported(const model_hparams& hp, const kv_cache_params& cp, int max_batch);
 
 class model_runner {
  public:
   // Checks as check_supported, then needs a GPU (require()), uploads the weights of m and allocates
-  // the paged cache for cp.n_ctx positions of one sequence and the activations of max_batch
-  // tokens. m must outlive the runner (its hyper-parameters are read; weights are copied).
+  // the paged cache (cp.n_seq sequences of up to cp.n_ctx positions) and the activations of
+  // max_batch tokens. m must outlive the runner (its hyper-parameters are read; weights are copied).
   model_runner(const model& m, const kv_cache_params& cp, int max_batch);
+  // A model of hyper-parameters hp (llama / mistral / qwen2; kvq::shape_hparams gives published
+  // shapes) with random weights generated on the device (f16 uniform with variance 1 / n_in per
+  // output, norms 1, qwen2 biases U(-0.5, 0.5), from `seed`): for measuring speed at real shapes,
+  // which does not depend on the values, without a GGUF file. Checks and errors as above.
+  model_runner(const model_hparams& hp, const kv_cache_params& cp, int max_batch, uint64_t seed);
   ~model_runner();
   model_runner(const model_runner&) = delete;
   model_runner& operator=(const model_runner&) = delete;
 
-  // Runs tokens [n] at positions pos0 .. pos0 + n - 1 (pos0 must equal n_pos()) and appends their
-  // K/V. output: [n] nonzero = write that token's logits, empty = the last token only. logits:
-  // host [rows, n_vocab] f32 in token order; returns rows. Throws invalid_input (nothing appended)
-  // for n == 0, n > max_batch, a token id outside [0, n_vocab), pos0 != n_pos(), pos0 + n > n_ctx,
-  // an output span of another length; invalid_input "[cuda model] non-finite logits ..." when a
-  // written logit is NaN/Inf (the cache then holds the batch).
-  int forward(std::span<const int32_t> tokens, int pos0, std::span<const uint8_t> output, float* logits);
+  // Runs tokens [n] of sequence seq_id at positions pos0 .. pos0 + n - 1 (pos0 must equal
+  // n_pos(seq_id)) and appends their K/V. output: [n] nonzero = write that token's logits, empty =
+  // the last token only. logits: host [rows, n_vocab] f32 in token order; returns rows. Throws
+  // invalid_input (nothing appended) for n == 0, n > max_batch, a token id outside [0, n_vocab),
+  // seq_id outside [0, n_seq), pos0 != n_pos(seq_id), pos0 + n > n_ctx, an output span of another
+  // length; invalid_input "[cuda model] non-finite logits ..." when a written logit is NaN/Inf
+  // (the cache then holds the batch).
+  int forward(std::span<const int32_t> tokens, int pos0, std::span<const uint8_t> output, float* logits,
+              int seq_id = 0);
 
-  void clear();       // forgets every position (the pages are reused)
-  int n_pos() const;  // positions stored
-  int n_ctx() const;
+  // One decode step of n = seq_ids.size() distinct sequences: tokens[i] at position
+  // n_pos(seq_ids[i]) of sequence seq_ids[i], in one batch. logits: host [n][n_vocab] f32 or
+  // nullptr (not copied back); argmax: host [n], the first index of each row's largest logit
+  // (greedy sampling on the device; only n ids cross to the host), or nullptr. Throws
+  // invalid_input (nothing appended) for n == 0, n > max_batch, spans of different lengths, a
+  // repeated or out-of-range sequence id, a token id outside the vocabulary, a sequence already
+  // holding n_ctx positions; invalid_input "[cuda model] non-finite logits ..." when a row holds
+  // NaN/Inf (checked on the device when only argmax is asked for).
+  void decode(std::span<const int32_t> seq_ids, std::span<const int32_t> tokens, float* logits, int32_t* argmax);
+
+  // Benchmark aid: appends n_tokens rows of random K/V (uniform in [-2, 2], from seed) to every layer
+  // of sequence seq_id at positions n_pos(seq_id) .. + n_tokens - 1 through the same fused append
+  // kernel as forward(), without running the model: a cache filled to depth D in milliseconds
+  // instead of D forward steps (decode speed does not depend on the values). invalid_input for
+  // seq_id outside [0, n_seq), n_tokens < 0 or n_pos + n_tokens > n_ctx.
+  void fill_synthetic(int seq_id, int n_tokens, uint64_t seed);
+
+  void clear();                 // forgets every position of every sequence (the pages are reused)
+  void clear_seq(int seq_id);   // forgets sequence seq_id (its pages return to the pool)
+  int n_pos(int seq_id = 0) const;  // positions stored in sequence seq_id
+  int n_ctx() const;                // positions one sequence may hold
+  int n_seq() const;
   int max_batch() const;
   std::string describe() const;  // e.g. "q4/q4 (hadamard, g32), 16-token pages, on NVIDIA H200 ..."
   size_t kv_bytes() const;       // bytes of the device page pool (all layers)
-  size_t kv_bytes_used() const;  // bytes of the pages holding the n_pos() positions (all layers)
+  size_t kv_bytes_used() const;  // bytes of the pages in use by all sequences (all layers)
+  size_t kv_bytes_per_page() const;  // one page of every layer (16 positions of every kv head)
   size_t weight_bytes() const;   // bytes of the uploaded weights
 
  private:

@@ -1,5 +1,7 @@
 // Device discovery and memory helpers of the CUDA backend.
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "cuda/common.cuh"
 #include "kvq/cuda.h"
@@ -57,5 +59,47 @@ void copy_to_host(void* dst, const void* src, size_t bytes) {
 }
 void device_fill(void* dst, uint8_t byte, size_t bytes) { check(cudaMemset(dst, byte, bytes), "cudaMemset"); }
 void synchronize() { check(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
+void memory_info(size_t* free_bytes, size_t* total_bytes) {
+  check(cudaMemGetInfo(free_bytes, total_bytes), "cudaMemGetInfo");
+}
+
+double copy_bandwidth(size_t bytes, int repeats) {
+  if (bytes < (1u << 20) || repeats < 1)
+    fail_input("[cuda copy_bandwidth] bytes " + std::to_string(bytes) + " must be >= 1 MiB and repeats " +
+               std::to_string(repeats) + " >= 1");
+  require();
+  void *a = nullptr, *b = nullptr;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  auto release = [&] {
+    cudaFree(a);
+    cudaFree(b);
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+  };
+  std::vector<float> ms;
+  try {
+    check(cudaMalloc(&a, bytes), "cudaMalloc");
+    check(cudaMalloc(&b, bytes), "cudaMalloc");
+    check(cudaMemset(a, 0x3c, bytes), "cudaMemset");  // not zeros (METHOD: never time on zeros)
+    check(cudaEventCreate(&e0), "cudaEventCreate");
+    check(cudaEventCreate(&e1), "cudaEventCreate");
+    check(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy");
+    for (int r = 0; r < repeats; ++r) {
+      check(cudaEventRecord(e0), "cudaEventRecord");
+      check(cudaMemcpyAsync(r % 2 ? a : b, r % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpyAsync");
+      check(cudaEventRecord(e1), "cudaEventRecord");
+      check(cudaEventSynchronize(e1), "cudaEventSynchronize");
+      float t = 0;
+      check(cudaEventElapsedTime(&t, e0, e1), "cudaEventElapsedTime");
+      ms.push_back(t);
+    }
+  } catch (...) {
+    release();
+    throw;
+  }
+  release();
+  std::sort(ms.begin(), ms.end());
+  return 2.0 * (double)bytes / (ms[ms.size() / 2] * 1e-3);
+}
 
 }  // namespace kvq::cuda

@@ -21,6 +21,8 @@ void copy_to_device(void*, const void*, size_t) { no_cuda(); }
 void copy_to_host(void*, const void*, size_t) { no_cuda(); }
 void device_fill(void*, uint8_t, size_t) { no_cuda(); }
 void synchronize() { no_cuda(); }
+void memory_info(size_t*, size_t*) { no_cuda(); }
+double copy_bandwidth(size_t, int) { no_cuda(); }
 
 void append_paged(const paged_kv_view&, const void*, const void*, kv_elem, const int64_t*, int, void*) { no_cuda(); }
 void dequantize_paged(const paged_kv_view&, const paged_kv_view&, int, void*) { no_cuda(); }

@@ -23,10 +23,10 @@ namespace {
 [[noreturn]] void refuse(const std::string& what) { fail_unsupported("[cuda model] " + what); }
 }  // namespace
 
-paged_kv_format runner_kv_format(const model& m, const kv_cache_params& cp, int max_batch) {
-  const model_hparams& hp = m.hparams();
+paged_kv_format runner_kv_format(const model_hparams& hp, const kv_cache_params& cp, int max_batch) {
   if (max_batch < 1) fail_input("[cuda model] max_batch must be >= 1, got " + std::to_string(max_batch));
   if (cp.n_ctx < 1) fail_input("[cuda model] n_ctx must be >= 1, got " + std::to_string(cp.n_ctx));
+  if (cp.n_seq < 1) fail_input("[cuda model] n_seq must be >= 1, got " + std::to_string(cp.n_seq));
   // the model
   if (hp.arch != "llama" && hp.arch != "mistral" && hp.arch != "qwen2")
     refuse("architecture '" + hp.arch +
@@ -43,7 +43,6 @@ paged_kv_format runner_kv_format(const model& m, const kv_cache_params& cp, int 
     refuse("rope.dimension_count " + std::to_string(hp.n_rot) + " must be even and in [2, head_dim " +
            std::to_string(hp.head_dim) + "]");
   // the cache
-  if (cp.n_seq != 1) refuse("n_seq " + std::to_string(cp.n_seq) + ": the GPU runner holds one sequence");
   if (cp.type_k != cp.type_v)
     refuse(std::string("-ctk ") + kv_cache_type_name(cp.type_k) + " -ctv " + kv_cache_type_name(cp.type_v) +
            ": K and V must have the same type on the GPU (supported: f16, q8, q4)");
@@ -86,7 +85,12 @@ paged_kv_format runner_kv_format(const model& m, const kv_cache_params& cp, int 
   return f;
 }
 
-void check_supported(const model& m, const kv_cache_params& cp, int max_batch) { runner_kv_format(m, cp, max_batch); }
+void check_supported(const model& m, const kv_cache_params& cp, int max_batch) {
+  runner_kv_format(m.hparams(), cp, max_batch);
+}
+void check_supported(const model_hparams& hp, const kv_cache_params& cp, int max_batch) {
+  runner_kv_format(hp, cp, max_batch);
+}
 
 }  // namespace cuda
 }  // namespace kvq

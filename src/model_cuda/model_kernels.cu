@@ -1,5 +1,8 @@
 // Kernels of the GPU model path (model_kernels.h). Simple one-block-per-row kernels: at decode they
 // move a few KB per layer, far below the weight traffic of the products.
+#include <algorithm>
+#include <climits>
+
 #include "cuda/common.cuh"
 #include "model_cuda/model_kernels.h"
 
@@ -44,7 +47,7 @@ __global__ void add_rmsnorm_kernel(float* x, const float* add, const float* w, c
 
 // grid (n, n_head + 2 * n_kv_head), block hd threads: one head of one token.
 __global__ void qkv_rope_kernel(const float* qkv, const float* bias, const float* inv_freq, int n_rot, bool neox,
-                                int pos0, int n_head, int n_kv_head, int hd, __half* q, __half* k, __half* v) {
+                                const int32_t* pos, int n_head, int n_kv_head, int hd, __half* q, __half* k, __half* v) {
   const int t = blockIdx.x, s = blockIdx.y, d = threadIdx.x;
   const int width = (n_head + 2 * n_kv_head) * hd;
   const int off = s * hd;  // Q heads, then K heads, then V heads
@@ -55,7 +58,7 @@ __global__ void qkv_rope_kernel(const float* qkv, const float* bias, const float
     const int half = n_rot / 2;
     const int i = neox ? (d < half ? d : d - half) : d / 2;
     const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-    const float theta = (float)(pos0 + t) * inv_freq[i];
+    const float theta = (float)pos[t] * inv_freq[i];
     const float c = cosf(theta), sn = sinf(theta);
     const float x0 = val(a), x1 = val(b);
     out = d == a ? x0 * c - x1 * sn : x0 * sn + x1 * c;
@@ -74,7 +77,96 @@ __global__ void swiglu_kernel(const float* gu, int F, __half* act) {
   act[(int64_t)t * F + i] = __float2half_rn(g / (1.0f + expf(-g)) * u);
 }
 
+constexpr int kArgmaxThreads = 512;
+
+// one block per row: (value, index) max with the smaller index on ties; a non-finite value marks the row
+__global__ void argmax_kernel(const float* logits, int V, int32_t* out) {
+  const int r = blockIdx.x;
+  const float* row = logits + (int64_t)r * V;
+  float best = -INFINITY;
+  int idx = INT_MAX;
+  bool bad = false;
+  for (int i = threadIdx.x; i < V; i += kArgmaxThreads) {
+    const float v = row[i];
+    bad |= !isfinite(v);
+    if (v > best || (v == best && i < idx)) {
+      best = v;
+      idx = i;
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+    if (ob > best || (ob == best && oi < idx)) {
+      best = ob;
+      idx = oi;
+    }
+  }
+  bad = __any_sync(0xffffffffu, bad);
+  __shared__ float sb[kArgmaxThreads / 32];
+  __shared__ int si[kArgmaxThreads / 32];
+  __shared__ int sbad[kArgmaxThreads / 32];
+  const int w = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) {
+    sb[w] = best;
+    si[w] = idx;
+    sbad[w] = bad;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    bool any_bad = false;
+    for (int j = 0; j < kArgmaxThreads / 32; ++j) {
+      any_bad |= sbad[j] != 0;
+      if (sb[j] > best || (sb[j] == best && si[j] < idx)) {
+        best = sb[j];
+        idx = si[j];
+      }
+    }
+    out[r] = any_bad ? -1 : idx;
+  }
+}
+
+__device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+// uniform in [0, 1) from 24 bits of the hash of (seed, i)
+__device__ __forceinline__ float unit_of(uint64_t seed, int64_t i) {
+  return (float)(splitmix64(seed * 0x2545f4914f6cdd1dull + (uint64_t)i) >> 40) * 0x1.0p-24f;
+}
+
+__global__ void fill_f16_kernel(__half* x, int64_t n, float a, uint64_t seed) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    x[i] = __float2half_rn((2.0f * unit_of(seed, i) - 1.0f) * a);
+}
+__global__ void fill_f32_kernel(float* x, int64_t n, float lo, float hi, uint64_t seed) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    x[i] = lo + (hi - lo) * unit_of(seed, i);
+}
+
 }  // namespace
+
+void argmax_rows(const float* logits, int n, int V, int32_t* out, void* stream) {
+  if (n == 0) return;
+  argmax_kernel<<<n, kArgmaxThreads, 0, as_stream(stream)>>>(logits, V, out);
+  check_launch("model argmax");
+}
+
+void fill_uniform_f16(uint16_t* x, int64_t n, float a, uint64_t seed, void* stream) {
+  if (n == 0) return;
+  const int blocks = (int)std::min<int64_t>((n + 255) / 256, 132 * 64);
+  fill_f16_kernel<<<blocks, 256, 0, as_stream(stream)>>>(reinterpret_cast<__half*>(x), n, a, seed);
+  check_launch("model fill_uniform_f16");
+}
+
+void fill_uniform_f32(float* x, int64_t n, float lo, float hi, uint64_t seed, void* stream) {
+  if (n == 0) return;
+  const int blocks = (int)std::min<int64_t>((n + 255) / 256, 132 * 64);
+  fill_f32_kernel<<<blocks, 256, 0, as_stream(stream)>>>(x, n, lo, hi, seed);
+  check_launch("model fill_uniform_f32");
+}
 
 void embed(const int32_t* tokens, const uint16_t* emb, int n, int E, float* x, void* stream) {
   embed_kernel<<<n, 256, 0, as_stream(stream)>>>(tokens, reinterpret_cast<const __half*>(emb), E, x);
@@ -89,10 +181,10 @@ void add_rmsnorm(float* x, const float* add, const float* w, const int32_t* rows
   check_launch("model add_rmsnorm");
 }
 
-void qkv_rope(const float* qkv, const float* bias, const float* inv_freq, int n_rot, bool neox, int pos0, int n,
+void qkv_rope(const float* qkv, const float* bias, const float* inv_freq, int n_rot, bool neox, const int32_t* pos, int n,
               int n_head, int n_kv_head, int hd, uint16_t* q, uint16_t* k, uint16_t* v, void* stream) {
   qkv_rope_kernel<<<dim3(n, n_head + 2 * n_kv_head), hd, 0, as_stream(stream)>>>(
-      qkv, bias, inv_freq, n_rot, neox, pos0, n_head, n_kv_head, hd, reinterpret_cast<__half*>(q),
+      qkv, bias, inv_freq, n_rot, neox, pos, n_head, n_kv_head, hd, reinterpret_cast<__half*>(q),
       reinterpret_cast<__half*>(k), reinterpret_cast<__half*>(v));
   check_launch("model qkv_rope");
 }

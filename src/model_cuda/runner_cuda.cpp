@@ -31,12 +31,11 @@ void check_blas(cublasStatus_t s, const char* op) {
 }  // namespace
 
 struct model_runner::impl {
-  const model* m = nullptr;
   model_hparams hp;
   paged_kv_format fmt;
   paged_kv_geometry geo;
   bool compressed = false;
-  int n_ctx = 0, max_batch = 0, n_pos = 0, n_pages = 0;
+  int n_ctx = 0, n_seq = 0, max_batch = 0, n_pages = 0, pages_per_seq = 0;
   int64_t dq = 0, dkv = 0, dqkv = 0;
   cublasHandle_t blas = nullptr;
   std::vector<void*> allocs;
@@ -53,14 +52,25 @@ struct model_runner::impl {
   bool neox = false;
   uint8_t* pool = nullptr;  // [n_layer][n_pages][page_bytes]
 
+  // sequences: seq_pages[s][j] = the page holding positions [16j, 16j + 16) of sequence s (in every
+  // layer); free_pages: the pool's unused page ids (a stack)
+  std::vector<std::vector<int32_t>> seq_pages;
+  std::vector<int> seq_pos;
+  std::vector<int32_t> free_pages;
+
   // per-forward device buffers, sized for max_batch
-  int32_t *tokens = nullptr, *rows = nullptr, *indptr = nullptr, *indices = nullptr, *last = nullptr;
+  int32_t *tokens = nullptr, *pos = nullptr, *rows = nullptr, *indptr = nullptr, *indices = nullptr,
+          *last = nullptr, *argmax = nullptr;
   int64_t* slots = nullptr;
   float *x = nullptr, *o = nullptr, *qkv = nullptr, *gu = nullptr, *logits = nullptr;
   uint16_t *h = nullptr, *q16 = nullptr, *k16 = nullptr, *v16 = nullptr, *attn16 = nullptr, *act = nullptr;
+  // fill_synthetic's buffers, allocated on first use: K/V [kFillChunk][n_kv_head][head_dim] f16, slots
+  static constexpr int kFillChunk = 4096;
+  uint16_t *fill_k = nullptr, *fill_v = nullptr;
+  int64_t* fill_slots = nullptr;
 
   // host staging
-  std::vector<int32_t> h_indptr, h_indices, h_last, h_rows;
+  std::vector<int32_t> h_tok, h_seq, h_pos, h_indptr, h_indices, h_last, h_rows, h_argmax;
   std::vector<int64_t> h_slots;
 
   ~impl() {
@@ -71,14 +81,22 @@ struct model_runner::impl {
   template <class T>
   T* alloc(size_t n, size_t* counter = nullptr) {
     void* p = nullptr;
-    check_cuda(cudaMalloc(&p, std::max<size_t>(1, n * sizeof(T))), "cudaMalloc");
+    const cudaError_t e = cudaMalloc(&p, std::max<size_t>(1, n * sizeof(T)));
+    if (e == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      size_t fr = 0, tot = 0;
+      cudaMemGetInfo(&fr, &tot);
+      fail(errc::invalid_input, "[cuda model] out of device memory: " + std::to_string(n * sizeof(T)) +
+                                    " bytes asked, " + std::to_string(fr) + " of " + std::to_string(tot) + " free");
+    }
+    check_cuda(e, "cudaMalloc");
     allocs.push_back(p);
     if (counter) *counter += n * sizeof(T);
     return static_cast<T*>(p);
   }
 
-  float* upload_f32(const std::vector<float>& v) {
-    float* d = alloc<float>(v.size(), &weight_bytes);
+  float* upload_f32(const std::vector<float>& v, bool is_weight = true) {
+    float* d = alloc<float>(v.size(), is_weight ? &weight_bytes : nullptr);
     check_cuda(cudaMemcpy(d, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy weights");
     return d;
   }
@@ -111,6 +129,19 @@ struct model_runner::impl {
     return d;
   }
 
+  // Random weights on the device (the synthetic GGUF's distribution, src/runtime/synthetic_model.cpp).
+  uint64_t seed = 0, n_drawn = 0;
+  uint16_t* random_f16(int64_t n_out, int64_t n_in) {
+    uint16_t* d = alloc<uint16_t>((size_t)(n_out * n_in), &weight_bytes);
+    mk::fill_uniform_f16(d, n_out * n_in, std::sqrt(3.0f / (float)n_in), seed + (++n_drawn), nullptr);
+    return d;
+  }
+  float* random_f32(int64_t n, float lo, float hi) {
+    float* d = alloc<float>((size_t)n, &weight_bytes);
+    mk::fill_uniform_f32(d, n, lo, hi, seed + (++n_drawn), nullptr);
+    return d;
+  }
+
   // y [n][n_out] f32 = x [n][n_in] f16 . W^T, W [n_out][n_in] f16 (column-major: W is n_in x n_out).
   void gemm(const uint16_t* w, int64_t n_out, int64_t n_in, const uint16_t* xin, int n, float* y) {
     const float alpha = 1.0f, beta = 0.0f;
@@ -119,24 +150,185 @@ struct model_runner::impl {
                      CUDA_R_16F, (int)n_in, &beta, y, CUDA_R_32F, (int)n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
         "cublasGemmEx");
   }
+
+  // Everything but the weights: format, cache pool, sequences, activations.
+  void init(const model_hparams& hp_in, const kv_cache_params& cp, int mb) {
+    fmt = runner_kv_format(hp_in, cp, mb);
+    require();
+    hp = hp_in;
+    geo = paged_kv_geometry_of(fmt);
+    compressed = fmt.format != kv_format::f16;
+    n_ctx = cp.n_ctx;
+    n_seq = cp.n_seq;
+    max_batch = mb;
+    pages_per_seq = (cp.n_ctx + fmt.page_size - 1) / fmt.page_size;
+    if ((int64_t)pages_per_seq * n_seq > INT32_MAX)
+      fail_input("[cuda model] n_seq " + std::to_string(n_seq) + " x n_ctx " + std::to_string(n_ctx) +
+                 " needs more than 2^31 pages");
+    n_pages = pages_per_seq * n_seq;
+    dq = (int64_t)hp.n_head * hp.head_dim;
+    dkv = (int64_t)hp.n_kv_head * hp.head_dim;
+    dqkv = dq + 2 * dkv;
+    check_blas(cublasCreate(&blas), "cublasCreate");
+    const build::rope_table rope = build::make_rope(hp, hp.layers[0], {});
+    n_rot = rope.n_rot;
+    neox = rope.neox;
+
+    // the paged cache: page p of layer il holds 16 positions of one sequence (seq_pages)
+    pool = alloc<uint8_t>((size_t)hp.n_layer * n_pages * geo.page_bytes, &kv_bytes);
+    check_cuda(cudaMemset(pool, 0, kv_bytes), "cudaMemset pool");
+    seq_pages.assign(n_seq, {});
+    seq_pos.assign(n_seq, 0);
+    free_pages.resize(n_pages);
+    for (int p = 0; p < n_pages; ++p) free_pages[p] = n_pages - 1 - p;  // page 0 on top
+
+    const int B = max_batch;
+    const int64_t E = hp.n_embd, F = hp.n_ff;
+    tokens = alloc<int32_t>(B);
+    pos = alloc<int32_t>(B);
+    rows = alloc<int32_t>(B);
+    argmax = alloc<int32_t>(B);
+    indptr = alloc<int32_t>(B + 1);
+    indices = alloc<int32_t>((size_t)B * pages_per_seq);
+    last = alloc<int32_t>(B);
+    slots = alloc<int64_t>(B);
+    x = alloc<float>((size_t)B * E);
+    o = alloc<float>((size_t)B * E);
+    qkv = alloc<float>((size_t)B * dqkv);
+    gu = alloc<float>((size_t)B * 2 * F);
+    logits = alloc<float>((size_t)B * hp.n_vocab);
+    h = alloc<uint16_t>((size_t)B * E);
+    q16 = alloc<uint16_t>((size_t)B * dq);
+    attn16 = alloc<uint16_t>((size_t)B * dq);
+    k16 = alloc<uint16_t>((size_t)B * dkv);
+    v16 = alloc<uint16_t>((size_t)B * dkv);
+    act = alloc<uint16_t>((size_t)B * F);
+    layers.resize(hp.n_layer);
+  }
+
+  paged_kv_view layer_view(int il, int batch) const {
+    paged_kv_view kv;
+    kv.format = fmt;
+    kv.pool = pool + (size_t)il * n_pages * geo.page_bytes;
+    kv.n_pages = n_pages;
+    kv.indptr = indptr;
+    kv.indices = indices;
+    kv.last_page_len = last;
+    kv.batch = batch;
+    return kv;
+  }
+
+  // The page of position p of sequence sq, taken from the free list when p opens a new page.
+  int32_t page_for(int sq, int p) {
+    std::vector<int32_t>& pg = seq_pages[sq];
+    const size_t j = (size_t)(p / fmt.page_size);
+    while (pg.size() <= j) {
+      KVQ_ASSERT(!free_pages.empty());  // n_pages = n_seq * pages_per_seq and every sequence <= n_ctx
+      pg.push_back(free_pages.back());
+      free_pages.pop_back();
+    }
+    return pg[j];
+  }
+
+  // Runs the validated tokens h_tok / h_seq / h_pos (token t of sequence h_seq[t] at position
+  // h_pos[t], one sequence's positions consecutive and continuing its cache), with logits for the
+  // tokens h_rows. Copies the logits to `out` and / or the argmax ids to `ids` (either may be null).
+  void run(float* out, int32_t* ids) {
+    const int n = (int)h_tok.size();
+    const int n_out = (int)h_rows.size();
+    const int P = fmt.page_size;
+    h_slots.resize(n);
+    for (int t = 0; t < n; ++t) h_slots[t] = (int64_t)page_for(h_seq[t], h_pos[t]) * P + h_pos[t] % P;
+    h_indptr.assign(n + 1, 0);
+    h_last.assign(n, 0);
+    h_indices.clear();
+    for (int t = 0; t < n; ++t) {
+      // query t attends positions [0, pos_t] of its sequence through its pages (all of them compressed,
+      // as the CPU cache without an exact tail: kv_cache_quant's comp_rule with min_tail 0)
+      const int len = h_pos[t] + 1;
+      const int np = (len + P - 1) / P;
+      const std::vector<int32_t>& pg = seq_pages[h_seq[t]];
+      h_indices.insert(h_indices.end(), pg.begin(), pg.begin() + np);
+      h_indptr[t + 1] = (int32_t)h_indices.size();
+      h_last[t] = len - (np - 1) * P;
+    }
+    auto up = [](void* d, const void* src, size_t bytes) {
+      if (bytes) check_cuda(cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy tables");
+    };
+    up(tokens, h_tok.data(), n * sizeof(int32_t));
+    up(pos, h_pos.data(), n * sizeof(int32_t));
+    up(rows, h_rows.data(), n_out * sizeof(int32_t));
+    up(indptr, h_indptr.data(), (n + 1) * sizeof(int32_t));
+    up(indices, h_indices.data(), h_indices.size() * sizeof(int32_t));
+    up(last, h_last.data(), n * sizeof(int32_t));
+    up(slots, h_slots.data(), n * sizeof(int64_t));
+
+    decode_params dp;
+    dp.n_head = hp.n_head;
+    dp.spec = attn_spec{hp.attn_scale};
+    dp.q_elem = kv_elem::f16;
+    dp.out_elem = kv_elem::f16;
+    const decode_plan plan(fmt, dp, h_indptr.data(), h_last.data(), n);
+
+    // ---- the graph (src/model/arch/llama.cpp) ----
+    const int64_t E = hp.n_embd, F = hp.n_ff;
+    mk::embed(tokens, emb, n, (int)E, x, nullptr);
+    for (int il = 0; il < hp.n_layer; ++il) {
+      const layer_w& L = layers[il];
+      mk::add_rmsnorm(x, il == 0 ? nullptr : o, L.attn_norm, nullptr, n, (int)E, hp.rms_eps, h, nullptr);
+      gemm(L.wqkv, dqkv, E, h, n, qkv);
+      mk::qkv_rope(qkv, L.bqkv, inv_freq, n_rot, neox, pos, n, hp.n_head, hp.n_kv_head, hp.head_dim, q16, k16, v16,
+                   nullptr);
+      const paged_kv_view kv = layer_view(il, n);
+      append_paged(kv, k16, v16, kv_elem::f16, slots, n, nullptr);
+      plan.run(kv, q16, attn16, nullptr, nullptr);
+      gemm(L.wo, E, dq, attn16, n, o);
+      mk::add_rmsnorm(x, o, L.ffn_norm, nullptr, n, (int)E, hp.rms_eps, h, nullptr);
+      gemm(L.wgu, 2 * F, E, h, n, gu);
+      mk::swiglu(gu, n, (int)F, act, nullptr);
+      gemm(L.wdown, E, F, act, n, o);
+    }
+    // x += the last FFN output and the final norm, for the output rows only
+    mk::add_rmsnorm(x, o, out_norm, rows, n_out, (int)E, hp.rms_eps, h, nullptr);
+    if (n_out > 0) gemm(w_out, hp.n_vocab, E, h, n_out, logits);
+    if (ids) mk::argmax_rows(logits, n_out, hp.n_vocab, argmax, nullptr);
+    for (int t = 0; t < n; ++t) seq_pos[h_seq[t]] = std::max(seq_pos[h_seq[t]], h_pos[t] + 1);
+    const size_t n_logits = (size_t)n_out * hp.n_vocab;
+    if (out) {
+      check_cuda(cudaMemcpy(out, logits, n_logits * sizeof(float), cudaMemcpyDeviceToHost), "cudaMemcpy logits");
+      for (size_t i = 0; i < n_logits; ++i)
+        if (!std::isfinite(out[i])) non_finite(i / hp.n_vocab);
+    }
+    if (ids) {
+      check_cuda(cudaMemcpy(ids, argmax, n_out * sizeof(int32_t), cudaMemcpyDeviceToHost), "cudaMemcpy argmax");
+      for (int r = 0; r < n_out; ++r)
+        if (ids[r] < 0) non_finite((size_t)r);
+    }
+    if (!out && !ids) check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+
+  [[noreturn]] void non_finite(size_t row) const {
+    const int t = h_rows[row];
+    fail_input("[cuda model] non-finite logits (NaN/Inf) for sequence " + std::to_string(h_seq[t]) + " at position " +
+               std::to_string(h_pos[t]) + " (f16 overflow of an activation?)");
+  }
+
+  void check_seq(int sq) const {
+    if (sq < 0 || sq >= n_seq)
+      fail_input("[cuda model] sequence id " + std::to_string(sq) + " is outside [0, n_seq " + std::to_string(n_seq) +
+                 ")");
+  }
+  void check_token(int32_t id, int t) const {
+    if (id < 0 || id >= hp.n_vocab)
+      fail_input("[cuda model] token id " + std::to_string(id) + " at batch index " + std::to_string(t) +
+                 " is outside the vocabulary [0, " + std::to_string(hp.n_vocab) + ")");
+  }
 };
 
 model_runner::model_runner(const model& m, const kv_cache_params& cp, int max_batch) : p_(std::make_unique<impl>()) {
   impl& s = *p_;
-  s.fmt = runner_kv_format(m, cp, max_batch);
-  require();
-  s.m = &m;
-  s.hp = m.hparams();
+  s.init(m.hparams(), cp, max_batch);
   const model_hparams& hp = s.hp;
-  s.geo = paged_kv_geometry_of(s.fmt);
-  s.compressed = s.fmt.format != kv_format::f16;
-  s.n_ctx = cp.n_ctx;
-  s.max_batch = max_batch;
-  s.n_pages = (cp.n_ctx + s.fmt.page_size - 1) / s.fmt.page_size;
-  s.dq = (int64_t)hp.n_head * hp.head_dim;
-  s.dkv = (int64_t)hp.n_kv_head * hp.head_dim;
-  s.dqkv = s.dq + 2 * s.dkv;
-  check_blas(cublasCreate(&s.blas), "cublasCreate");
 
   // weights (the tensors the CPU graph reads, src/model/arch/llama.cpp)
   const gguf_file& f = m.gguf();
@@ -146,11 +338,7 @@ model_runner::model_runner(const model& m, const kv_cache_params& cp, int max_ba
   s.emb = s.upload_f16({&io.tok_embd});
   s.w_out = hq.tied_output ? s.emb : s.upload_f16({&io.output});
   s.out_norm = s.upload_f32(io.output_norm);
-  const build::rope_table rope = build::make_rope(hp, hp.layers[0], load::rope_factors(f, hp));
-  s.n_rot = rope.n_rot;
-  s.neox = rope.neox;
-  s.inv_freq = s.upload_f32(rope.inv_freq);
-  s.layers.resize(hp.n_layer);
+  s.inv_freq = s.upload_f32(build::make_rope(hp, hp.layers[0], load::rope_factors(f, hp)).inv_freq, false);
   for (int il = 0; il < hp.n_layer; ++il) {
     impl::layer_w& L = s.layers[il];
     const std::string b = "blk." + std::to_string(il) + ".";
@@ -176,36 +364,40 @@ model_runner::model_runner(const model& m, const kv_cache_params& cp, int max_ba
       L.bqkv = s.upload_f32(bias);
     }
   }
+}
 
-  // the paged cache: page p of layer il holds positions [16p, 16p + 16) of the one sequence
-  s.pool = s.alloc<uint8_t>((size_t)hp.n_layer * s.n_pages * s.geo.page_bytes, &s.kv_bytes);
-  check_cuda(cudaMemset(s.pool, 0, s.kv_bytes), "cudaMemset pool");
-
-  const int B = max_batch;
-  s.tokens = s.alloc<int32_t>(B);
-  s.rows = s.alloc<int32_t>(B);
-  s.indptr = s.alloc<int32_t>(B + 1);
-  s.indices = s.alloc<int32_t>((size_t)B * s.n_pages);
-  s.last = s.alloc<int32_t>(B);
-  s.slots = s.alloc<int64_t>(B);
-  s.x = s.alloc<float>((size_t)B * E);
-  s.o = s.alloc<float>((size_t)B * E);
-  s.qkv = s.alloc<float>((size_t)B * s.dqkv);
-  s.gu = s.alloc<float>((size_t)B * 2 * F);
-  s.logits = s.alloc<float>((size_t)B * hp.n_vocab);
-  s.h = s.alloc<uint16_t>((size_t)B * E);
-  s.q16 = s.alloc<uint16_t>((size_t)B * s.dq);
-  s.attn16 = s.alloc<uint16_t>((size_t)B * s.dq);
-  s.k16 = s.alloc<uint16_t>((size_t)B * s.dkv);
-  s.v16 = s.alloc<uint16_t>((size_t)B * s.dkv);
-  s.act = s.alloc<uint16_t>((size_t)B * F);
+model_runner::model_runner(const model_hparams& hp_in, const kv_cache_params& cp, int max_batch, uint64_t seed)
+    : p_(std::make_unique<impl>()) {
+  impl& s = *p_;
+  if ((int)hp_in.layers.size() != hp_in.n_layer)
+    fail_input("[cuda model] hyper-parameters: " + std::to_string(hp_in.layers.size()) + " layer entries for n_layer " +
+               std::to_string(hp_in.n_layer));
+  s.init(hp_in, cp, max_batch);
+  s.seed = seed * 0x100000001b3ull;
+  const model_hparams& hp = s.hp;
+  const int64_t E = hp.n_embd, F = hp.n_ff;
+  s.emb = s.random_f16(hp.n_vocab, E);
+  s.w_out = hp.tied_output ? s.emb : s.random_f16(hp.n_vocab, E);
+  s.out_norm = s.random_f32(E, 1.0f, 1.0f);
+  s.inv_freq = s.upload_f32(build::make_rope(hp, hp.layers[0], {}).inv_freq, false);
+  for (int il = 0; il < hp.n_layer; ++il) {
+    impl::layer_w& L = s.layers[il];
+    L.wqkv = s.random_f16(s.dqkv, E);
+    L.wo = s.random_f16(E, s.dq);
+    L.wgu = s.random_f16(2 * F, E);
+    L.wdown = s.random_f16(E, F);
+    L.attn_norm = s.random_f32(E, 1.0f, 1.0f);
+    L.ffn_norm = s.random_f32(E, 1.0f, 1.0f);
+    if (hp.qkv_bias) L.bqkv = s.random_f32(s.dqkv, -0.5f, 0.5f);
+  }
+  check_cuda(cudaDeviceSynchronize(), "random weights");
 }
 
 model_runner::~model_runner() = default;
 
-int model_runner::forward(std::span<const int32_t> tokens, int pos0, std::span<const uint8_t> output, float* logits) {
+int model_runner::forward(std::span<const int32_t> tokens, int pos0, std::span<const uint8_t> output, float* logits,
+                          int seq_id) {
   impl& s = *p_;
-  const model_hparams& hp = s.hp;
   const int n = (int)tokens.size();
   // ---- validate (nothing appended on error) ----
   if (n == 0) fail_input("[cuda model] forward called with no tokens");
@@ -215,101 +407,116 @@ int model_runner::forward(std::span<const int32_t> tokens, int pos0, std::span<c
   if (!output.empty() && (int)output.size() != n)
     fail_input("[cuda model] output flags: " + std::to_string(output.size()) + " for " + std::to_string(n) +
                " tokens (one per token, or empty)");
-  for (int t = 0; t < n; ++t)
-    if (tokens[t] < 0 || tokens[t] >= hp.n_vocab)
-      fail_input("[cuda model] token id " + std::to_string(tokens[t]) + " at batch index " + std::to_string(t) +
-                 " is outside the vocabulary [0, " + std::to_string(hp.n_vocab) + ")");
-  if (pos0 != s.n_pos)
-    fail_input("[cuda model] cache holds " + std::to_string(s.n_pos) + " positions but the batch starts at position " +
-               std::to_string(pos0));
+  for (int t = 0; t < n; ++t) s.check_token(tokens[t], t);
+  s.check_seq(seq_id);
+  if (pos0 != s.seq_pos[seq_id])
+    fail_input("[cuda model] cache holds " + std::to_string(s.seq_pos[seq_id]) +
+               " positions but the batch starts at position " + std::to_string(pos0));
   if ((int64_t)pos0 + n > s.n_ctx)
     fail_input("[cuda model] the sequence would hold " + std::to_string((int64_t)pos0 + n) +
                " positions, more than n_ctx " + std::to_string(s.n_ctx));
-
-  // ---- host-side tables ----
+  s.h_tok.assign(tokens.begin(), tokens.end());
+  s.h_seq.assign(n, seq_id);
+  s.h_pos.resize(n);
   s.h_rows.clear();
-  for (int t = 0; t < n; ++t)
+  for (int t = 0; t < n; ++t) {
+    s.h_pos[t] = pos0 + t;
     if (output.empty() ? t == n - 1 : output[t] != 0) s.h_rows.push_back(t);
-  const int n_out = (int)s.h_rows.size();
-  const int P = s.fmt.page_size;
-  s.h_indptr.assign(n + 1, 0);
-  s.h_last.assign(n, 0);
-  s.h_indices.clear();
-  for (int b = 0; b < n; ++b) {
-    // query b attends positions [0, pos0 + b] through their pages (all of them compressed, as
-    // the CPU cache without an exact tail: kv_cache_quant's comp_rule with min_tail 0)
-    const int len = pos0 + b + 1;
-    const int np = (len + P - 1) / P;
-    for (int p = 0; p < np; ++p) s.h_indices.push_back(p);
-    s.h_indptr[b + 1] = (int32_t)s.h_indices.size();
-    s.h_last[b] = np > 0 ? len - (np - 1) * P : 0;
   }
-  s.h_slots.resize(n);
-  for (int t = 0; t < n; ++t) s.h_slots[t] = (int64_t)pos0 + t;
-  auto up = [](void* d, const void* h, size_t bytes) {
-    if (bytes) check_cuda(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice), "cudaMemcpy tables");
-  };
-  up(s.tokens, tokens.data(), n * sizeof(int32_t));
-  up(s.rows, s.h_rows.data(), n_out * sizeof(int32_t));
-  up(s.indptr, s.h_indptr.data(), (n + 1) * sizeof(int32_t));
-  up(s.indices, s.h_indices.data(), s.h_indices.size() * sizeof(int32_t));
-  up(s.last, s.h_last.data(), n * sizeof(int32_t));
-  up(s.slots, s.h_slots.data(), n * sizeof(int64_t));
-
-  decode_params dp;
-  dp.n_head = hp.n_head;
-  dp.spec = attn_spec{hp.attn_scale};
-  dp.q_elem = kv_elem::f16;
-  dp.out_elem = kv_elem::f16;
-  const decode_plan plan(s.fmt, dp, s.h_indptr.data(), s.h_last.data(), n);
-
-  // ---- the graph (src/model/arch/llama.cpp) ----
-  const int64_t E = hp.n_embd, F = hp.n_ff;
-  mk::embed(s.tokens, s.emb, n, (int)E, s.x, nullptr);
-  for (int il = 0; il < hp.n_layer; ++il) {
-    const impl::layer_w& L = s.layers[il];
-    mk::add_rmsnorm(s.x, il == 0 ? nullptr : s.o, L.attn_norm, nullptr, n, (int)E, hp.rms_eps, s.h, nullptr);
-    s.gemm(L.wqkv, s.dqkv, E, s.h, n, s.qkv);
-    mk::qkv_rope(s.qkv, L.bqkv, s.inv_freq, s.n_rot, s.neox, pos0, n, hp.n_head, hp.n_kv_head, hp.head_dim, s.q16,
-                 s.k16, s.v16, nullptr);
-    paged_kv_view kv;
-    kv.format = s.fmt;
-    kv.pool = s.pool + (size_t)il * s.n_pages * s.geo.page_bytes;
-    kv.n_pages = s.n_pages;
-    kv.indptr = s.indptr;
-    kv.indices = s.indices;
-    kv.last_page_len = s.last;
-    kv.batch = n;
-    append_paged(kv, s.k16, s.v16, kv_elem::f16, s.slots, n, nullptr);
-    plan.run(kv, s.q16, s.attn16, nullptr, nullptr);
-    s.gemm(L.wo, E, s.dq, s.attn16, n, s.o);
-    mk::add_rmsnorm(s.x, s.o, L.ffn_norm, nullptr, n, (int)E, hp.rms_eps, s.h, nullptr);
-    s.gemm(L.wgu, 2 * F, E, s.h, n, s.gu);
-    mk::swiglu(s.gu, n, (int)F, s.act, nullptr);
-    s.gemm(L.wdown, E, F, s.act, n, s.o);
-  }
-  // x += the last FFN output and the final norm, for the output rows only
-  mk::add_rmsnorm(s.x, s.o, s.out_norm, s.rows, n_out, (int)E, hp.rms_eps, s.h, nullptr);
-  if (n_out > 0) s.gemm(s.w_out, hp.n_vocab, E, s.h, n_out, s.logits);
-  const size_t n_logits = (size_t)n_out * hp.n_vocab;
-  check_cuda(cudaMemcpy(logits, s.logits, n_logits * sizeof(float), cudaMemcpyDeviceToHost), "cudaMemcpy logits");
-  s.n_pos = pos0 + n;
-  for (size_t i = 0; i < n_logits; ++i)
-    if (!std::isfinite(logits[i]))
-      fail_input("[cuda model] non-finite logits (NaN/Inf) for the batch at positions " + std::to_string(pos0) + ".." +
-                 std::to_string(pos0 + n - 1) + " (f16 overflow of an activation?)");
-  return n_out;
+  s.run(logits, nullptr);
+  return (int)s.h_rows.size();
 }
 
-void model_runner::clear() { p_->n_pos = 0; }
-int model_runner::n_pos() const { return p_->n_pos; }
+void model_runner::decode(std::span<const int32_t> seq_ids, std::span<const int32_t> tokens, float* logits,
+                          int32_t* argmax) {
+  impl& s = *p_;
+  const int n = (int)seq_ids.size();
+  if (n == 0) fail_input("[cuda model] decode called with no sequences");
+  if ((int)tokens.size() != n)
+    fail_input("[cuda model] decode: " + std::to_string(tokens.size()) + " tokens for " + std::to_string(n) +
+               " sequences (one each)");
+  if (n > s.max_batch)
+    fail_input("[cuda model] decode batch of " + std::to_string(n) + " sequences exceeds the runner's max_batch " +
+               std::to_string(s.max_batch));
+  std::vector<uint8_t> seen(s.n_seq, 0);
+  for (int i = 0; i < n; ++i) {
+    s.check_seq(seq_ids[i]);
+    if (seen[seq_ids[i]]++) fail_input("[cuda model] decode: sequence " + std::to_string(seq_ids[i]) + " appears twice");
+    s.check_token(tokens[i], i);
+    if (s.seq_pos[seq_ids[i]] >= s.n_ctx)
+      fail_input("[cuda model] decode: sequence " + std::to_string(seq_ids[i]) + " already holds n_ctx " +
+                 std::to_string(s.n_ctx) + " positions");
+  }
+  s.h_tok.assign(tokens.begin(), tokens.end());
+  s.h_seq.assign(seq_ids.begin(), seq_ids.end());
+  s.h_pos.resize(n);
+  s.h_rows.resize(n);
+  for (int i = 0; i < n; ++i) {
+    s.h_pos[i] = s.seq_pos[seq_ids[i]];
+    s.h_rows[i] = i;
+  }
+  s.run(logits, argmax);
+}
+
+void model_runner::fill_synthetic(int seq_id, int n_tokens, uint64_t seed) {
+  impl& s = *p_;
+  s.check_seq(seq_id);
+  if (n_tokens < 0) fail_input("[cuda model] fill_synthetic: n_tokens " + std::to_string(n_tokens) + " must be >= 0");
+  const int p0 = s.seq_pos[seq_id];
+  if ((int64_t)p0 + n_tokens > s.n_ctx)
+    fail_input("[cuda model] fill_synthetic: the sequence would hold " + std::to_string((int64_t)p0 + n_tokens) +
+               " positions, more than n_ctx " + std::to_string(s.n_ctx));
+  if (n_tokens == 0) return;
+  constexpr int C = impl::kFillChunk;
+  if (!s.fill_k) {
+    s.fill_k = s.alloc<uint16_t>((size_t)C * s.dkv);
+    s.fill_v = s.alloc<uint16_t>((size_t)C * s.dkv);
+    s.fill_slots = s.alloc<int64_t>(C);
+  }
+  const int P = s.fmt.page_size;
+  std::vector<int64_t> sl(C);
+  uint64_t draw = seed * 0x9e3779b97f4a7c15ull + (uint64_t)seq_id * 0x100000001b3ull + (uint64_t)p0;
+  for (int c0 = 0; c0 < n_tokens; c0 += C) {
+    const int c = std::min(C, n_tokens - c0);
+    for (int i = 0; i < c; ++i) {
+      const int p = p0 + c0 + i;
+      sl[i] = (int64_t)s.page_for(seq_id, p) * P + p % P;
+    }
+    check_cuda(cudaMemcpy(s.fill_slots, sl.data(), c * sizeof(int64_t), cudaMemcpyHostToDevice), "cudaMemcpy slots");
+    for (int il = 0; il < s.hp.n_layer; ++il) {
+      mk::fill_uniform_f16(s.fill_k, c * s.dkv, 2.0f, ++draw, nullptr);
+      mk::fill_uniform_f16(s.fill_v, c * s.dkv, 2.0f, ++draw, nullptr);
+      append_paged(s.layer_view(il, 0), s.fill_k, s.fill_v, kv_elem::f16, s.fill_slots, c, nullptr);
+    }
+    check_cuda(cudaDeviceSynchronize(), "fill_synthetic");  // sl is rewritten by the next chunk
+  }
+  s.seq_pos[seq_id] = p0 + n_tokens;
+}
+
+void model_runner::clear() {
+  for (int sq = 0; sq < p_->n_seq; ++sq) clear_seq(sq);
+}
+void model_runner::clear_seq(int seq_id) {
+  impl& s = *p_;
+  s.check_seq(seq_id);
+  std::vector<int32_t>& pg = s.seq_pages[seq_id];
+  s.free_pages.insert(s.free_pages.end(), pg.rbegin(), pg.rend());
+  pg.clear();
+  s.seq_pos[seq_id] = 0;
+}
+int model_runner::n_pos(int seq_id) const {
+  p_->check_seq(seq_id);
+  return p_->seq_pos[seq_id];
+}
 int model_runner::n_ctx() const { return p_->n_ctx; }
+int model_runner::n_seq() const { return p_->n_seq; }
 int model_runner::max_batch() const { return p_->max_batch; }
 size_t model_runner::kv_bytes() const { return p_->kv_bytes; }
 size_t model_runner::weight_bytes() const { return p_->weight_bytes; }
+size_t model_runner::kv_bytes_per_page() const { return (size_t)p_->hp.n_layer * p_->geo.page_bytes; }
 size_t model_runner::kv_bytes_used() const {
   const impl& s = *p_;
-  return (size_t)s.hp.n_layer * ((s.n_pos + s.fmt.page_size - 1) / s.fmt.page_size) * s.geo.page_bytes;
+  return (size_t)(s.n_pages - (int)s.free_pages.size()) * kv_bytes_per_page();
 }
 
 std::string model_runner::describe() const {

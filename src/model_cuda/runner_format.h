@@ -7,6 +7,6 @@
 namespace kvq::cuda {
 
 // check_supported's checks; returns the device page format (page size 16) for m and cp.
-paged_kv_format runner_kv_format(const model& m, const kv_cache_params& cp, int max_batch);
+paged_kv_format runner_kv_format(const model_hparams& hp, const kv_cache_params& cp, int max_batch);
 
 }  // namespace kvq::cuda

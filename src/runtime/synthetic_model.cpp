@@ -18,9 +18,13 @@ std::vector<model_shape> model_shapes() {
   // name, arch, n_layer, n_embd, n_head, n_kv_head, head_dim, n_ff, n_vocab, n_ctx_train, rope base, tied
   return {
       {"llama3-8b", "llama", 32, 4096, 32, 8, 128, 14336, 128256, 8192, 500000.0f, false},
+      // Llama-3.1-8B: Llama-3-8B's shape with a 128K context (its llama3 RoPE scaling is not modelled:
+      // the speed does not depend on it)
+      {"llama3.1-8b", "llama", 32, 4096, 32, 8, 128, 14336, 128256, 131072, 500000.0f, false},
       {"llama3.2-1b", "llama", 16, 2048, 32, 8, 64, 8192, 128256, 131072, 500000.0f, true},
       {"mistral-7b", "llama", 32, 4096, 32, 8, 128, 14336, 32768, 32768, 1000000.0f, false},
       {"qwen2.5-0.5b", "qwen2", 24, 896, 14, 2, 64, 4864, 151936, 32768, 1000000.0f, true},
+      {"qwen2.5-1.5b", "qwen2", 28, 1536, 12, 2, 128, 8960, 151936, 32768, 1000000.0f, true},
       {"qwen3-0.6b", "qwen3", 28, 1024, 16, 8, 128, 3072, 151936, 40960, 1000000.0f, true},
       {"qwen3-1.7b", "qwen3", 28, 2048, 16, 8, 128, 6144, 151936, 40960, 1000000.0f, true},
       {"qwen3-4b", "qwen3", 36, 2560, 32, 8, 128, 9728, 151936, 40960, 1000000.0f, true},
@@ -35,6 +39,35 @@ model_shape find_model_shape(const std::string& name) {
     names += (names.empty() ? "" : ", ") + s.name;
   }
   fail_input("[bench] unknown model shape '" + name + "' (known: " + names + ")");
+}
+
+model_hparams shape_hparams(const model_shape& s, int n_layer) {
+  if (n_layer < 0) fail_input("[bench] synthetic model layers " + std::to_string(n_layer) + " must be >= 0");
+  model_hparams hp;
+  hp.arch = s.arch;
+  hp.n_layer = n_layer > 0 ? n_layer : s.n_layer;
+  hp.name = "synthetic " + s.name + (hp.n_layer != s.n_layer ? " (" + std::to_string(hp.n_layer) + " layers)" : "");
+  hp.n_vocab = s.n_vocab;
+  hp.n_embd = s.n_embd;
+  hp.n_head = s.n_head;
+  hp.n_kv_head = s.n_kv_head;
+  hp.head_dim = s.head_dim;
+  hp.n_ff = s.n_ff;
+  hp.n_ctx_train = s.n_ctx_train;
+  hp.n_rot = s.head_dim;
+  hp.rope_freq_base = s.rope_freq_base;
+  hp.rms_eps = 1e-6f;  // the value make_synthetic_model writes
+  hp.attn_scale = (float)(1.0 / std::sqrt((double)s.head_dim));
+  hp.rope = (s.arch == "qwen2" || s.arch == "qwen3") ? rope_type::neox : rope_type::norm;
+  hp.qkv_bias = s.arch == "qwen2";
+  hp.qk_norm = s.arch == "qwen3";
+  hp.tied_output = s.tied_output;
+  hp.layers.assign(hp.n_layer, layer_hparams{0, hp.rope_freq_base, hp.rope_freq_scale});
+  const int64_t E = s.n_embd, dq = (int64_t)s.n_head * s.head_dim, dkv = (int64_t)s.n_kv_head * s.head_dim;
+  hp.n_params = (int64_t)s.n_vocab * E * (s.tied_output ? 1 : 2) + E +
+                hp.n_layer * (2 * E + E * (dq + 2 * dkv) + dq * E + 3 * E * (int64_t)s.n_ff +
+                              (hp.qkv_bias ? dq + 2 * dkv : 0) + (hp.qk_norm ? 2 * s.head_dim : 0));
+  return hp;
 }
 
 namespace {

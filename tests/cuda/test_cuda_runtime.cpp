@@ -10,6 +10,7 @@
 
 #include "cuda_test_util.h"
 #include "kvq/bench.h"
+#include "kvq/bench_cuda.h"
 #include "kvq/error.h"
 #include "kvq/generate.h"
 #include "kvq/perplexity.h"
@@ -158,6 +159,53 @@ TEST(CudaRuntime, Qwen2ShapeMatchesCpu) {
         ggml_type_name(wt), rel, mx, same, n, r.weight_bytes() / 1e6);
     EXPECT_LE(rel, max_rel);
     EXPECT_GE(same, n - 2);
+  }
+}
+
+// kvq bench --device cuda's protocol on a small model of a published architecture (random weights):
+// every row's bytes, bound and ratios follow from its fields, and the capacity rows hold as many
+// sequences as fit in the memory left free for them.
+TEST(CudaRuntime, BenchCudaRowsAreConsistent) {
+  KVQ_REQUIRE_GPU();
+  const model_shape shape{"tiny-qwen2", "qwen2", 2, 256, 4, 2, 64, 512, 1000, 32768, 1e6f, false};
+  const model_hparams hp = shape_hparams(shape);
+  bench_cuda_params p;
+  for (kv_cache_type t : {kv_cache_type::f16, kv_cache_type::q4}) {
+    kv_cache_params c;
+    c.type_k = c.type_v = t;
+    c.k_channel_scale = false;
+    p.formats.push_back(c);
+  }
+  p.batches = {1, 3};
+  p.depths = {0, 100};
+  p.n_decode = 3;
+  p.capacity_ctx = 65536;
+  size_t free_b = 0, total_b = 0;
+  cuda::memory_info(&free_b, &total_b);
+  p.reserve_bytes = free_b - (size_t(512) << 20);  // about 512 MiB for the capacity rows' caches
+  const bench_cuda_result r = bench_cuda(hp, nullptr, p);
+  ASSERT_EQ(r.rows.size(), 2u * 2 * 2 + 2);
+  EXPECT_GT(r.copy_bandwidth, 1e10);
+  const size_t weights = (size_t)(2 * (256 * 512 + 256 * 256 + 2 * 512 * 256 + 512 * 256) + 1000 * 256) * 2 +
+                         (size_t)(256 + 2 * (2 * 256 + 512)) * 4;  // f16 matrices but the table; f32 norms, biases
+  for (const bench_cuda_row& w : r.rows) {
+    const size_t page = w.type == "f16" ? (size_t)2 * 2 * 16 * 64 * 2 * 2 : 0;  // layers x heads x 16 x hd x K,V x 2 B
+    EXPECT_EQ(w.weight_bytes_read, weights) << w.type;
+    if (page) EXPECT_EQ(w.kv_bytes_read, (size_t)w.batch * ((w.depth + 16) / 16) * page);
+    EXPECT_NEAR(w.bound_ms, (w.weight_bytes_read + w.kv_bytes_read) / r.copy_bandwidth * 1e3, 1e-9);
+    EXPECT_NEAR(w.x_bound, w.step_ms_median / w.bound_ms, 1e-9);
+    EXPECT_LE(w.step_ms_min, w.step_ms_median);
+    EXPECT_LE(w.step_ms_median, w.step_ms_max);
+    EXPECT_NEAR(w.tokens_per_s, w.batch / (w.step_ms_median * 1e-3), 1e-6 * w.tokens_per_s);
+    if (w.type == "f16") EXPECT_DOUBLE_EQ(w.speedup_vs_f16, 1.0);
+    if (w.capacity) {
+      // the pages of batch sequences of capacity_ctx (+ the 5 timed steps) fit in ~512 MiB, one more would not
+      const size_t per_seq = w.kv_bytes_allocated / w.batch;  // the pool: batch sequences of n_ctx positions
+      EXPECT_GE(w.batch, 1);
+      EXPECT_LE((size_t)w.batch * per_seq, size_t(600) << 20) << w.type;
+      EXPECT_GT((size_t)(w.batch + 1) * per_seq, size_t(400) << 20) << w.type;
+      std::printf("[ bench capacity %s ] %d sequences of 65536 in ~512 MiB\n", w.type.c_str(), w.batch);
+    }
   }
 }
 

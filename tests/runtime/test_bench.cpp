@@ -149,12 +149,57 @@ TEST(Bench, PublishedShapes) {
   };
   expect_shape("qwen3-1.7b", {28, 2048, 16, 8, 128, 6144, 151936});
   expect_shape("llama3-8b", {32, 4096, 32, 8, 128, 14336, 128256});
+  expect_shape("llama3.1-8b", {32, 4096, 32, 8, 128, 14336, 128256});
+  expect_shape("qwen2.5-1.5b", {28, 1536, 12, 2, 128, 8960, 151936});
   try {
     find_model_shape("gpt-5");
     ADD_FAILURE();
   } catch (const error& e) {
     EXPECT_NE(std::string(e.what()).find("qwen3-1.7b"), std::string::npos);
   }
+}
+
+// shape_hparams (what the GPU runner's random-weight models take) equals what model::load reads
+// from make_synthetic_model's file, field by field, for the three architectures' variants.
+TEST(Bench, ShapeHparamsEqualTheLoadedSyntheticModel) {
+  const std::string dir = (fs::temp_directory_path() / ("kvq_test_shape_hp_" + std::to_string(::getpid()))).string();
+  fs::create_directories(dir);
+  for (const model_shape& s : {model_shape{"tiny-llama", "llama", 3, 64, 4, 2, 32, 96, 256, 8192, 5e5f, false},
+                               model_shape{"tiny-qwen2", "qwen2", 2, 64, 4, 1, 64, 128, 300, 32768, 1e6f, true},
+                               model_shape{"tiny-qwen3", "qwen3", 2, 64, 4, 2, 32, 96, 256, 4096, 1e6f, true}}) {
+    for (int n_layer : {0, 1}) {
+      auto m = make_synthetic_model(s, ggml_type::f16, n_layer, 3, dir);
+      const model_hparams& a = m->hparams();
+      const model_hparams b = shape_hparams(s, n_layer);
+      EXPECT_EQ(a.arch, b.arch);
+      EXPECT_EQ(a.name, b.name);
+      EXPECT_EQ((std::vector<int>{a.n_vocab, a.n_embd, a.n_layer, a.n_head, a.n_kv_head, a.head_dim, a.n_ff,
+                                  a.n_ctx_train, a.n_rot}),
+                (std::vector<int>{b.n_vocab, b.n_embd, b.n_layer, b.n_head, b.n_kv_head, b.head_dim, b.n_ff,
+                                  b.n_ctx_train, b.n_rot}))
+          << s.name;
+      EXPECT_EQ(a.rope_freq_base, b.rope_freq_base);
+      EXPECT_EQ(a.rope_freq_scale, b.rope_freq_scale);
+      EXPECT_EQ(a.rope, b.rope);
+      EXPECT_EQ(a.rms_eps, b.rms_eps);
+      EXPECT_EQ(a.attn_scale, b.attn_scale);
+      EXPECT_EQ((std::vector<bool>{a.qkv_bias, a.qk_norm, a.tied_output, a.post_norms}),
+                (std::vector<bool>{b.qkv_bias, b.qk_norm, b.tied_output, b.post_norms}))
+          << s.name;
+      EXPECT_EQ(a.ffn, b.ffn);
+      EXPECT_EQ(a.embd_scale, b.embd_scale);
+      EXPECT_EQ(a.final_logit_softcap, b.final_logit_softcap);
+      EXPECT_EQ(a.sliding_window, b.sliding_window);
+      EXPECT_EQ(a.n_params, b.n_params) << s.name;
+      ASSERT_EQ(a.layers.size(), b.layers.size());
+      for (size_t i = 0; i < a.layers.size(); ++i) {
+        EXPECT_EQ(a.layers[i].window, b.layers[i].window);
+        EXPECT_EQ(a.layers[i].rope_freq_base, b.layers[i].rope_freq_base);
+        EXPECT_EQ(a.layers[i].rope_freq_scale, b.layers[i].rope_freq_scale);
+      }
+    }
+  }
+  fs::remove_all(dir);
 }
 
 TEST(Bench, BadInput) {
@@ -359,6 +404,38 @@ TEST(BenchCli, SyntheticOptionsAndMemoryLimitAreValidated) {
                    {"--max-kv-gib -0.5"});
   EXPECT_EQ(test::run_cmd({bin, "bench", "-m", mp, "--types", "q4", "--depths", "0", "-n", "1", "-p", "0",
                            "--max-kv-gib", "-1", "--no-progress"}).rc, 0);
+}
+
+// --device cuda (batched decode on the GPU): its options are validated before any work, and without
+// a GPU (or a CUDA build) it is a clear "not supported" error, never a crash.
+TEST(BenchCli, CudaDeviceOptionsAreValidated) {
+  KVQ_REQUIRE_DATA(mp, "models/stories260K/stories260K.gguf");
+  const std::string bin = test::kvq_bin();
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--batch", "4", "--no-progress"}),
+                   {"--batch is an option of --device cuda"});
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--capacity", "128k", "--no-progress"}),
+                   {"--capacity is an option of --device cuda"});
+  expect_bad_input(test::run_cmd({bin, "bench", "--shape", "llama3.1-8b", "--device", "cuda", "--weights", "q4_0",
+                                  "--no-progress"}),
+                   {"--weights q4_0", "the GPU runs f16 weights"});
+  expect_bad_input(test::run_cmd({bin, "bench", "--shape", "llama3.1-8b", "--device", "cuda", "--batch", "0",
+                                  "--no-progress"}),
+                   {"batch 0 must be >= 1"});
+  // a type the GPU has no kernels for: refused by name before the GPU is looked for
+  expect_bad_input(test::run_cmd({bin, "bench", "--shape", "llama3.1-8b", "--device", "cuda", "--types", "f16,q3",
+                                  "--no-progress"}),
+                   {"cache type 'q3' has no GPU kernels"});
+  // -m with a head_dim the kernels do not take
+  expect_bad_input(test::run_cmd({bin, "bench", "-m", mp, "--device", "cuda", "--no-progress"}),
+                   {"unsupported head_dim 8"});
+  const test::cmd_result r =
+      test::run_cmd({bin, "bench", "--shape", "qwen2.5-1.5b", "--device", "cuda", "--depths", "64", "-n", "2",
+                     "--no-progress"});
+  if (r.rc == 0) GTEST_SKIP() << "a GPU is visible: the run itself is checked on the GPU machine";
+  expect_bad_input(r, {"[bench] --device cuda: "});
+  EXPECT_TRUE(r.err.find("not supported: kvq was built without KVQ_BUILD_CUDA") != std::string::npos ||
+              r.err.find("no GPU visible") != std::string::npos)
+      << r.err;
 }
 
 TEST(BenchCli, ErrorsCarryTheBenchTag) {

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The model on the GPU in one call on a GPU machine (issue 19's benchmark table, docs/perf.md "CUDA:
+# batched decode"): builds kvq and test_cuda with -DKVQ_BUILD_CUDA=ON (runtime and tools on: needs
+# PCRE2, nlohmann_json, CLI11, cpp-httplib, fmt, GoogleTest; --deps DIR adds DIR to CMAKE_PREFIX_PATH),
+# runs the GPU model tests (tinylit from KVQ_DATA_DIR), then `kvq bench --device cuda` on the
+# Llama-3.1-8B and Qwen2.5-1.5B shapes with random f16 weights: decode steps at batch 1 / 16 and
+# depth 4K / 32K for f16 / q8 / q4 caches, and the number of 128K-token sequences each type fits
+# (Llama shape). Logs and JSON go to $OUT (or build-cuda-model/out).
+#   scripts/cuda_model_bench.sh [--deps DIR] [--no-tests] [--no-bench] [-n STEPS]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-build-cuda-model/out}
+mkdir -p "$out"
+deps="" tests=1 bench=1 steps=10
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --deps) deps=$2; shift ;;
+    --no-tests) tests=0 ;;
+    --no-bench) bench=0 ;;
+    -n) steps=$2; shift ;;
+  esac
+  shift
+done
+echo "commit: ${KVQ_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" | tee "$out/device.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem --format=csv | tee -a "$out/device.txt"
+nvcc --version | tail -2 | tee -a "$out/device.txt"
+
+t0=$(date +%s)
+cmake -S . -B build-cuda-model -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVQ_BUILD_CUDA=ON -DKVQ_BUILD_RUNTIME=ON \
+  -DKVQ_BUILD_TOOLS=ON -DKVQ_BUILD_PYTHON=OFF -DKVQ_BUILD_TESTS=ON -DKVQ_BUILD_BENCH=OFF \
+  ${deps:+-DCMAKE_PREFIX_PATH=$deps} > "$out/build.log" 2>&1 &&
+  cmake --build build-cuda-model -j"$(nproc)" --target kvq test_cuda >> "$out/build.log" 2>&1 ||
+  { grep -E "error|Error" -A3 "$out/build.log" | head -40; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"
+
+status=0
+if [ $tests = 1 ]; then
+  build-cuda-model/tests/test_cuda --gtest_filter='*CudaModel*:*CudaRuntime*' > "$out/test.log" 2>&1
+  grep -E "^\[ (gpu|batched|beside|bench|greedy)|Failure|FAILED|PASSED|SKIPPED \]" "$out/test.log" | head -40
+  grep -q "FAILED" "$out/test.log" && status=1
+fi
+if [ $bench = 1 ]; then
+  kvq=build-cuda-model/kvq
+  $kvq bench --device cuda --shape llama3.1-8b --types f16,q8,q4 --batch 1,16 --depths 4k,32k --capacity 128k \
+    -n "$steps" --no-progress 2>&1 | tee "$out/bench_llama.txt"
+  $kvq bench --device cuda --shape qwen2.5-1.5b --types f16,q8,q4 --batch 1,16 --depths 4k,32k \
+    -n "$steps" --no-progress 2>&1 | tee "$out/bench_qwen.txt"
+fi
+nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader | tee -a "$out/device.txt"
+exit $status
