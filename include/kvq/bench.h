@@ -127,7 +127,7 @@ std::vector<model_shape> model_shapes();
 // Throws invalid_input listing the known names.
 model_shape find_model_shape(const std::string& name);
 // The hyper-parameters model::load reads from make_synthetic_model(shape, ..., n_layer)'s file, without
-// writing one (n_layer > 0 overrides the shape's): what the GPU runner's random-weight models take
+// writing one, as for f16 weights (n_layer > 0 overrides the shape's): what the GPU runner's random-weight models take
 // (cuda::model_runner, kvq/cuda_model.h). invalid_input for n_layer < 0.
 model_hparams shape_hparams(const model_shape& shape, int n_layer = 0);
 

@@ -31,12 +31,12 @@
 namespace kvq {
 
 struct bench_cuda_params {
-  std::vector<kv_cache_params> formats;  // GPU cache types (f16, q8, q4; see cuda::check_supported)
-  std::vector<int> batches = {1};        // sequences per decode step
-  std::vector<int> depths = {4096};      // positions each sequence holds before the timed steps
-  int n_decode = 16;                     // timed steps (median)
-  int n_warmup = 2;                      // untimed steps before them
-  int capacity_ctx = 0;                  // > 0: also measure how many sequences of this context fit
+  std::vector<kv_cache_params> formats;    // GPU cache types (f16, q8, q4; see cuda::check_supported)
+  std::vector<int> batches = {1};          // sequences per decode step
+  std::vector<int> depths = {4096};        // positions each sequence holds before the timed steps
+  int n_decode = 16;                       // timed steps (median)
+  int n_warmup = 2;                        // untimed steps before them
+  int capacity_ctx = 0;                    // > 0: also measure how many sequences of this context fit
   size_t reserve_bytes = size_t(3) << 30;  // device memory kept free beside the cache in the capacity rows
   uint64_t seed = 1234;
 };
@@ -48,18 +48,18 @@ struct bench_cuda_row {
   bool capacity = false;  // a capacity row: batch = the most sequences of depth capacity_ctx that fit
   double fill_seconds = 0;
   double step_ms_median = 0, step_ms_min = 0, step_ms_max = 0;
-  double tokens_per_s = 0;  // batch / median step
+  double tokens_per_s = 0;       // batch / median step
   size_t weight_bytes_read = 0;  // per step
   size_t kv_bytes_read = 0;      // pages attended in one step
   size_t kv_bytes_allocated = 0;
-  double bound_ms = 0;           // (weight_bytes_read + kv_bytes_read) / copy bandwidth
-  double x_bound = 0;            // step_ms_median / bound_ms
-  double speedup_vs_f16 = 0;     // tokens_per_s / f16's at the same (batch, depth); 0 without an f16 row
+  double bound_ms = 0;        // (weight_bytes_read + kv_bytes_read) / copy bandwidth
+  double x_bound = 0;         // step_ms_median / bound_ms
+  double speedup_vs_f16 = 0;  // tokens_per_s / f16's at the same (batch, depth); 0 without an f16 row
 };
 
 struct bench_cuda_result {
-  std::string device;      // cuda::device_name()
-  std::string model_desc;  // arch, layers, heads, head_dim, vocab, weights
+  std::string device;         // cuda::device_name()
+  std::string model_desc;     // arch, layers, heads, head_dim, vocab, weights
   double copy_bandwidth = 0;  // bytes/s (read + write)
   size_t mem_total = 0, mem_free_start = 0;
   std::vector<bench_cuda_row> rows;  // (batch, depth)-major, format-minor; capacity rows last

@@ -47,7 +47,8 @@ __global__ void add_rmsnorm_kernel(float* x, const float* add, const float* w, c
 
 // grid (n, n_head + 2 * n_kv_head), block hd threads: one head of one token.
 __global__ void qkv_rope_kernel(const float* qkv, const float* bias, const float* inv_freq, int n_rot, bool neox,
-                                const int32_t* pos, int n_head, int n_kv_head, int hd, __half* q, __half* k, __half* v) {
+                                const int32_t* pos, int n_head, int n_kv_head, int hd, __half* q, __half* k,
+                                __half* v) {
   const int t = blockIdx.x, s = blockIdx.y, d = threadIdx.x;
   const int width = (n_head + 2 * n_kv_head) * hd;
   const int off = s * hd;  // Q heads, then K heads, then V heads
@@ -181,8 +182,8 @@ void add_rmsnorm(float* x, const float* add, const float* w, const int32_t* rows
   check_launch("model add_rmsnorm");
 }
 
-void qkv_rope(const float* qkv, const float* bias, const float* inv_freq, int n_rot, bool neox, const int32_t* pos, int n,
-              int n_head, int n_kv_head, int hd, uint16_t* q, uint16_t* k, uint16_t* v, void* stream) {
+void qkv_rope(const float* qkv, const float* bias, const float* inv_freq, int n_rot, bool neox, const int32_t* pos,
+              int n, int n_head, int n_kv_head, int hd, uint16_t* q, uint16_t* k, uint16_t* v, void* stream) {
   qkv_rope_kernel<<<dim3(n, n_head + 2 * n_kv_head), hd, 0, as_stream(stream)>>>(
       qkv, bias, inv_freq, n_rot, neox, pos, n_head, n_kv_head, hd, reinterpret_cast<__half*>(q),
       reinterpret_cast<__half*>(k), reinterpret_cast<__half*>(v));

@@ -59,8 +59,8 @@ struct model_runner::impl {
   std::vector<int32_t> free_pages;
 
   // per-forward device buffers, sized for max_batch
-  int32_t *tokens = nullptr, *pos = nullptr, *rows = nullptr, *indptr = nullptr, *indices = nullptr,
-          *last = nullptr, *argmax = nullptr;
+  int32_t *tokens = nullptr, *pos = nullptr, *rows = nullptr, *indptr = nullptr, *indices = nullptr, *last = nullptr,
+          *argmax = nullptr;
   int64_t* slots = nullptr;
   float *x = nullptr, *o = nullptr, *qkv = nullptr, *gu = nullptr, *logits = nullptr;
   uint16_t *h = nullptr, *q16 = nullptr, *k16 = nullptr, *v16 = nullptr, *attn16 = nullptr, *act = nullptr;
@@ -441,7 +441,8 @@ void model_runner::decode(std::span<const int32_t> seq_ids, std::span<const int3
   std::vector<uint8_t> seen(s.n_seq, 0);
   for (int i = 0; i < n; ++i) {
     s.check_seq(seq_ids[i]);
-    if (seen[seq_ids[i]]++) fail_input("[cuda model] decode: sequence " + std::to_string(seq_ids[i]) + " appears twice");
+    if (seen[seq_ids[i]]++)
+      fail_input("[cuda model] decode: sequence " + std::to_string(seq_ids[i]) + " appears twice");
     s.check_token(tokens[i], i);
     if (s.seq_pos[seq_ids[i]] >= s.n_ctx)
       fail_input("[cuda model] decode: sequence " + std::to_string(seq_ids[i]) + " already holds n_ctx " +

@@ -28,7 +28,7 @@ std::unique_ptr<cuda::model_runner> make_runner(const model_hparams& hp, const m
 
 size_t weights_read_per_step(const cuda::model_runner& r, const model_hparams& hp) {
   const size_t table = (size_t)hp.n_vocab * hp.n_embd * 2;  // f16 embedding table
-  return r.weight_bytes() - (hp.tied_output ? 0 : table);  // untied: only B rows of the table are read
+  return r.weight_bytes() - (hp.tied_output ? 0 : table);   // untied: only B rows of the table are read
 }
 
 // Fills n_seq sequences to depth, runs the warm-up and timed steps; fills the row's timings.
@@ -93,8 +93,8 @@ bench_cuda_result bench_cuda(const model_hparams& hp, const model* m, const benc
 
   bench_cuda_result res;
   res.device = cuda::device_name();
-  res.model_desc = hp.arch + ", " + std::to_string(hp.n_layer) + " layers, n_embd " + std::to_string(hp.n_embd) +
-                   ", " + std::to_string(hp.n_head) + " q / " + std::to_string(hp.n_kv_head) + " kv heads, head_dim " +
+  res.model_desc = hp.arch + ", " + std::to_string(hp.n_layer) + " layers, n_embd " + std::to_string(hp.n_embd) + ", " +
+                   std::to_string(hp.n_head) + " q / " + std::to_string(hp.n_kv_head) + " kv heads, head_dim " +
                    std::to_string(hp.head_dim) + ", n_ff " + std::to_string(hp.n_ff) + ", vocab " +
                    std::to_string(hp.n_vocab) + (m ? ", the model's weights in f16" : ", random f16 weights");
   cuda::memory_info(&res.mem_free_start, &res.mem_total);
@@ -116,7 +116,8 @@ bench_cuda_result bench_cuda(const model_hparams& hp, const model* m, const benc
       }
       for (size_t i = first; i < res.rows.size(); ++i)
         for (size_t j = first; j < res.rows.size(); ++j)
-          if (res.rows[j].type == "f16") res.rows[i].speedup_vs_f16 = res.rows[i].tokens_per_s / res.rows[j].tokens_per_s;
+          if (res.rows[j].type == "f16")
+            res.rows[i].speedup_vs_f16 = res.rows[i].tokens_per_s / res.rows[j].tokens_per_s;
     }
 
   if (p.capacity_ctx > 0) {
@@ -147,7 +148,9 @@ bench_cuda_result bench_cuda(const model_hparams& hp, const model* m, const benc
           --N;  // the estimate left too little for the activations: one fewer
         }
       }
-      if (!r) fail_input("[bench] not one sequence of " + std::to_string(p.capacity_ctx) + " positions fits (" + row.type + ")");
+      if (!r)
+        fail_input("[bench] not one sequence of " + std::to_string(p.capacity_ctx) + " positions fits (" + row.type +
+                   ")");
       row.batch = N;
       measure(*r, hp, N, p.capacity_ctx, p, res.copy_bandwidth, row);
       res.rows.push_back(row);

@@ -46,7 +46,7 @@ model_hparams shape_hparams(const model_shape& s, int n_layer) {
   model_hparams hp;
   hp.arch = s.arch;
   hp.n_layer = n_layer > 0 ? n_layer : s.n_layer;
-  hp.name = "synthetic " + s.name + (hp.n_layer != s.n_layer ? " (" + std::to_string(hp.n_layer) + " layers)" : "");
+  hp.name = "synthetic " + s.name + (hp.n_layer != s.n_layer ? " (" + std::to_string(hp.n_layer) + " layers)" : "") + " f16";
   hp.n_vocab = s.n_vocab;
   hp.n_embd = s.n_embd;
   hp.n_head = s.n_head;

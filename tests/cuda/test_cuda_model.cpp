@@ -305,8 +305,9 @@ TEST(CudaModel, RefusesBadInput) {
 // the same pages, but the weight products run as one GEMM over 4 rows instead of 1 (cuBLAS may pick
 // another kernel and summation order) and the split-KV plan differs with the batch, so activations
 // may round differently to f16; with q8 / q4 a K/V value near a code boundary can then take the other
-// code. Bounds: f16 rel 1e-3 (the GPU-vs-CPU f16 bound), q4 rel 6e-2 (the GPU-vs-CPU q4 bound); the
-// measured values are printed. rel as in CudaModelLogits.
+// code. Bounds: f16 rel 1e-3 (the GPU-vs-CPU f16 bound), q8 5e-3, q4 rel 6e-2 (the GPU-vs-CPU q4
+// bound); measured on the H200 at d412005: identical bits for all three (cuBLAS gave the same sums
+// for 4 rows and 1; the plan the same splits), printed each run. rel as in CudaModelLogits.
 struct batch_case {
   kv_cache_type type;
   double max_rel_rms;
@@ -364,7 +365,9 @@ TEST_P(CudaModelBatched, StepEqualsSingleSequenceSteps) {
                 "same %d/%d\n",
                 kv_cache_type_name(bc.type), b, prompt_len[b], d.max_abs, rel, d.argmax_same, d.rows);
     EXPECT_LE(rel, bc.max_rel_rms) << "sequence " << b;
-    if (bc.type == kv_cache_type::f16) EXPECT_EQ(d.argmax_same, d.rows) << "sequence " << b;
+    if (bc.type == kv_cache_type::f16) {
+      EXPECT_EQ(d.argmax_same, d.rows) << "sequence " << b;
+    }
   }
   EXPECT_GT(worst, -1.0);
 }

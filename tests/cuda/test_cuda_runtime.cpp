@@ -191,13 +191,17 @@ TEST(CudaRuntime, BenchCudaRowsAreConsistent) {
   for (const bench_cuda_row& w : r.rows) {
     const size_t page = w.type == "f16" ? (size_t)2 * 2 * 16 * 64 * 2 * 2 : 0;  // layers x heads x 16 x hd x K,V x 2 B
     EXPECT_EQ(w.weight_bytes_read, weights) << w.type;
-    if (page) EXPECT_EQ(w.kv_bytes_read, (size_t)w.batch * ((w.depth + 16) / 16) * page);
+    if (page) {
+      EXPECT_EQ(w.kv_bytes_read, (size_t)w.batch * ((w.depth + 16) / 16) * page);
+    }
     EXPECT_NEAR(w.bound_ms, (w.weight_bytes_read + w.kv_bytes_read) / r.copy_bandwidth * 1e3, 1e-9);
     EXPECT_NEAR(w.x_bound, w.step_ms_median / w.bound_ms, 1e-9);
     EXPECT_LE(w.step_ms_min, w.step_ms_median);
     EXPECT_LE(w.step_ms_median, w.step_ms_max);
     EXPECT_NEAR(w.tokens_per_s, w.batch / (w.step_ms_median * 1e-3), 1e-6 * w.tokens_per_s);
-    if (w.type == "f16") EXPECT_DOUBLE_EQ(w.speedup_vs_f16, 1.0);
+    if (w.type == "f16") {
+      EXPECT_DOUBLE_EQ(w.speedup_vs_f16, 1.0);
+    }
     if (w.capacity) {
       // the pages of batch sequences of capacity_ctx (+ the 5 timed steps) fit in ~512 MiB, one more would not
       const size_t per_seq = w.kv_bytes_allocated / w.batch;  // the pool: batch sequences of n_ctx positions
