@@ -113,7 +113,7 @@ struct kv_cache_params {
   // one pool of n_pages pages shared by all sequences, a page holding page_size consecutive rows of
   // one sequence for every global layer, kv head, K and V. A sequence takes pages on demand as it
   // appends and returns them on clear / truncate; pages are refcounted, so sequences can share a
-  // prefix's full pages (kv_cache::share_prefix). Sliding-window rings, exact sink / tail rows and
+  // prefix's full pages (kv_cache::save_prefix / load_prefix). Sliding-window rings, exact sink / tail rows and
   // channel statistics stay per sequence. Attention over pages equals the contiguous cache's bit for
   // bit. page_size 0: contiguous per-sequence storage. A KIVI side needs page_size % kivi_group == 0.
   int page_size = 0;  // rows (tokens) per page; 0 = contiguous
@@ -221,17 +221,6 @@ class kv_cache {
   // invalid_input for a page id out of range or not referenced by anyone (pin) / not pinned (unpin).
   virtual void pin_page(int page);
   virtual void unpin_page(int page);
-  // Whether share_prefix can give a sequence exactly the state (and so the outputs) it would have
-  // reached by appending the prefix itself: paged, no sliding-window layer, and a format whose stored
-  // rows depend on their own position's K/V only (no exact sink / recent windows, no KIVI, no
-  // channel statistics calibrated on the sequence's first append).
-  virtual bool can_share_prefix() const { return false; }
-  // Makes the empty sequence seq_id hold positions [0, n * page_size) of every layer from the full
-  // pages pages[0, n) (held by other sequences or pinned), referencing them; its next append
-  // starts at position n * page_size on a page of its own. Pages are never written while shared.
-  // Throws unsupported unless can_share_prefix(), invalid_input for a non-empty sequence, a page
-  // nobody references, or n * page_size >= n_ctx.
-  virtual void share_prefix(int seq_id, const int* pages, int n);
   // Prefix reuse for every format (the server's prefix cache; docs/server.md): save_prefix(seq)
   // keeps seq's whole state as it is now, load_prefix gives it to an empty sequence, which then
   // holds exactly that state: what it appends and attends next gives the bits seq would give (so a

@@ -294,10 +294,6 @@ void kv_cache::pin_page(int page) {
 void kv_cache::unpin_page(int page) {
   fail_unsupported("[kv_cache] unpin_page " + std::to_string(page) + ": not a paged cache (page_size 0)");
 }
-void kv_cache::share_prefix(int seq_id, const int*, int n) {
-  fail_unsupported("[kv_cache] share_prefix: seq " + std::to_string(seq_id) + ", " + std::to_string(n) +
-                   " pages: this cache cannot share a prefix (" + describe() + ")");
-}
 
 std::shared_ptr<const kv_prefix> kv_cache::save_prefix(int seq_id) {
   fail_unsupported("[kv_cache] save_prefix: seq " + std::to_string(seq_id) + ": this cache cannot save a prefix (" +

@@ -164,19 +164,6 @@ class kv_cache_dense final : public kv_cache {
     if (!pool_.on()) kv_cache::unpin_page(page);
     pool_.unpin(page);
   }
-  bool can_share_prefix() const override {
-    return pool_.on() && std::find(paged_.begin(), paged_.end(), false) == paged_.end();
-  }
-  void share_prefix(int seq_id, const int* pages, int n) override {
-    check_layer_seq("share_prefix", 0, seq_id);
-    if (!can_share_prefix()) kv_cache::share_prefix(seq_id, pages, n);
-    for (int il = 0; il < p_.n_layer; ++il)
-      if (pos_[(size_t)il * p_.n_seq + seq_id] != 0)
-        fail_input("[kv_cache] share_prefix: seq " + std::to_string(seq_id) + " is not empty");
-    pool_.check_adopt("share_prefix", seq_id, pages, n, p_.n_ctx);
-    pool_.adopt(seq_id, pages, n);
-    for (int il = 0; il < p_.n_layer; ++il) pos_[(size_t)il * p_.n_seq + seq_id] = n * p_.page_size;
-  }
   bool can_save_prefix() const override { return pool_.on(); }
   std::shared_ptr<const kv_prefix> save_prefix(int seq_id) override {
     check_layer_seq("save_prefix", 0, seq_id);

@@ -173,27 +173,6 @@ class kv_cache_quant final : public kv_cache {
     if (!pool_.on()) kv_cache::unpin_page(page);
     pool_.unpin(page);
   }
-  // A shared body row must be what the sequence would have stored itself: every row compressed
-  // from its own position's K/V alone (no exact windows: sink / tail rows are per sequence; no
-  // KIVI: its groups and residual; no channel statistics: calibrated on the sequence's first append).
-  bool can_share_prefix() const override {
-    if (!pool_.on() || p_.sink != 0 || min_tail_ != 0 || kivi_) return false;
-    if ((p_.channel_scale || k_channel_scale_) && k_.compressed) return false;
-    if (p_.channel_scale && v_.compressed) return false;
-    return std::find(paged_.begin(), paged_.end(), false) == paged_.end();
-  }
-  void share_prefix(int seq_id, const int* pages, int n) override {
-    check_layer_seq("share_prefix", 0, seq_id);
-    if (!can_share_prefix()) kv_cache::share_prefix(seq_id, pages, n);
-    for (int il = 0; il < p_.n_layer; ++il)
-      if (st(il, seq_id).n != 0) fail_input("[kv_cache] share_prefix: seq " + std::to_string(seq_id) + " is not empty");
-    pool_.check_adopt("share_prefix", seq_id, pages, n, p_.n_ctx);
-    pool_.adopt(seq_id, pages, n);
-    for (int il = 0; il < p_.n_layer; ++il) {
-      st(il, seq_id) = {};
-      st(il, seq_id).n = st(il, seq_id).n_comp = n * p_.page_size;  // sink 0, no tail: every row is body
-    }
-  }
   bool can_save_prefix() const override { return pool_.on(); }
   std::shared_ptr<const kv_prefix> save_prefix(int seq_id) override {
     check_layer_seq("save_prefix", 0, seq_id);

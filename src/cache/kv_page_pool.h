@@ -104,19 +104,7 @@ class kv_page_pool {
     unref(old);
     return {old, pg};
   }
-  // seq (empty table) takes references to pages[0, n) as its first n pages.
-  // n pages must leave room for one more row in n_ctx.
-  void check_adopt(const char* op, int seq, const int* pages, int n, int n_ctx) const {
-    if ((int64_t)n * P_ >= n_ctx)
-      fail_input(std::string("[kv_cache] ") + op + ": " + std::to_string(n) + " pages of " + std::to_string(P_) +
-                 " rows leave no room in n_ctx " + std::to_string(n_ctx));
-    if (!table(seq).empty())
-      fail_input(std::string("[kv_cache] ") + op + ": seq " + std::to_string(seq) + " is not empty");
-    if (n < 0 || n > max_per_seq_)
-      fail_input(std::string("[kv_cache] ") + op + ": " + std::to_string(n) + " pages, a sequence holds at most " +
-                 std::to_string(max_per_seq_));
-    for (int i = 0; i < n; ++i) check_held(op, pages[i]);
-  }
+  // seq (empty table) takes references to pages[0, n) as its first n pages (adopt_rows checks).
   void adopt(int seq, const int* pages, int n) {
     auto& t = table_[(size_t)seq];
     for (int i = 0; i < n; ++i) {
