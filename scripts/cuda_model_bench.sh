@@ -5,7 +5,7 @@
 # runs the GPU model tests (tinylit from KVQ_DATA_DIR), then `kvq bench --device cuda` on the
 # Llama-3.1-8B and Qwen2.5-1.5B shapes with random f16 weights: decode steps at batch 1 / 16 and
 # depth 4K / 32K for f16 / q8 / q4 caches, and the number of 128K-token sequences each type fits
-# (Llama shape). Logs and JSON go to $OUT (or build-cuda-model/out).
+# (Llama shape), each step timed directly and as a CUDA graph. Logs and JSON go to $OUT (or build-cuda-model/out).
 #   scripts/cuda_model_bench.sh [--deps DIR] [--no-tests] [--no-bench] [-n STEPS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,14 +36,14 @@ echo "build: $(( $(date +%s) - t0 )) s"
 status=0
 if [ $tests = 1 ]; then
   build-cuda-model/tests/test_cuda --gtest_filter='*CudaModel*:*CudaRuntime*' > "$out/test.log" 2>&1
-  grep -E "^\[ (gpu|batched|beside|bench|greedy)|Failure|FAILED|PASSED|SKIPPED \]" "$out/test.log" | head -40
+  grep -E "^\[ (gpu|batched|beside|bench|greedy|graph)|Failure|FAILED|PASSED|SKIPPED \]" "$out/test.log" | head -40
   grep -q "FAILED" "$out/test.log" && status=1
 fi
 if [ $bench = 1 ]; then
   kvq=build-cuda-model/kvq
-  $kvq bench --device cuda --shape llama3.1-8b --types f16,q8,q4 --batch 1,16 --depths 4k,32k --capacity 128k \
+  $kvq bench --device cuda --shape llama3.1-8b --types f16,q8,q4 --batch 1,16 --depths 4k,32k --capacity 128k --cuda-graphs \
     -n "$steps" --no-progress 2>&1 | tee "$out/bench_llama.txt"
-  $kvq bench --device cuda --shape qwen2.5-1.5b --types f16,q8,q4 --batch 1,16 --depths 4k,32k \
+  $kvq bench --device cuda --shape qwen2.5-1.5b --types f16,q8,q4 --batch 1,16 --depths 4k,32k --cuda-graphs \
     -n "$steps" --no-progress 2>&1 | tee "$out/bench_qwen.txt"
 fi
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader | tee -a "$out/device.txt"

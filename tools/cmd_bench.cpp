@@ -34,7 +34,7 @@ struct bench_opts {
   bool weights_given = false, shape_layers_given = false;  // options of --shape only
   // --device cuda: batched decode on the GPU (bench_cuda); --batch and --capacity belong to it
   std::string device = "cpu", batches = "1", capacity = "0";
-  bool batches_given = false, capacity_given = false;
+  bool batches_given = false, capacity_given = false, graphs = false;
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -206,7 +206,8 @@ void print_cuda(const bench_opts& o, const bench_cuda_result& r) {
                            {"step_ms_max", w.step_ms_max}, {"tokens_per_s", w.tokens_per_s},
                            {"weight_bytes_read", w.weight_bytes_read}, {"kv_bytes_read", w.kv_bytes_read},
                            {"kv_bytes_allocated", w.kv_bytes_allocated}, {"bound_ms", w.bound_ms},
-                           {"x_bound", w.x_bound}, {"speedup_vs_f16", w.speedup_vs_f16}});
+                           {"x_bound", w.x_bound}, {"speedup_vs_f16", w.speedup_vs_f16},
+                           {"graph_ms_median", w.graph_ms_median}, {"graph_x_bound", w.graph_x_bound}});
     std::printf("%s\n", json_text(j).c_str());
     return;
   }
@@ -216,14 +217,18 @@ void print_cuda(const bench_opts& o, const bench_cuda_result& r) {
   std::printf("decode step = one token of every sequence, greedy ids back to the host; median of %d steps; "
               "bound = (weights read + KV attended) / copy bandwidth\n\n",
               o.p.n_decode);
-  std::printf("| %-4s | %5s | %6s | %8s | %9s | %10s | %9s | %9s | %8s | %7s | %6s |\n", "KV", "batch", "depth",
-              "step ms", "tok/s", "x f16 t/s", "weights GB", "KV GB", "bound ms", "x bound", "fill s");
-  std::printf("|------|-------|--------|----------|-----------|------------|-----------|-----------|----------|---------|--------|\n");
-  for (const auto& w : r.rows)
-    std::printf("| %-4s | %5d%s | %6d | %8.2f | %9.1f | %10.2f | %10.2f | %9.2f | %8.2f | %7.2f | %6.1f |\n",
-                w.type.c_str(), w.batch, w.capacity ? "*" : " ", w.depth, w.step_ms_median, w.tokens_per_s,
-                w.speedup_vs_f16, w.weight_bytes_read / 1e9, w.kv_bytes_read / 1e9, w.bound_ms, w.x_bound,
-                w.fill_seconds);
+  std::printf("| %-4s | %5s | %6s | %8s | %9s | %10s | %9s | %9s | %8s | %7s | %6s |%s\n", "KV", "batch", "depth",
+              "step ms", "tok/s", "x f16 t/s", "weights GB", "KV GB", "bound ms", "x bound", "fill s",
+              o.graphs ? " graph ms | x bound |" : "");
+  std::printf("|------|-------|--------|----------|-----------|------------|-----------|-----------|----------|---------|--------|%s\n",
+              o.graphs ? "----------|---------|" : "");
+  for (const auto& w : r.rows) {
+    std::printf("| %-4s | %5d%s | %6d | %8.2f | %9.1f | %10.2f | %10.2f | %9.2f | %8.2f | %7.2f | %6.1f |", w.type.c_str(),
+                w.batch, w.capacity ? "*" : " ", w.depth, w.step_ms_median, w.tokens_per_s, w.speedup_vs_f16,
+                w.weight_bytes_read / 1e9, w.kv_bytes_read / 1e9, w.bound_ms, w.x_bound, w.fill_seconds);
+    if (o.graphs) std::printf(" %8.2f | %7.2f |", w.graph_ms_median, w.graph_x_bound);
+    std::printf("\n");
+  }
   bool cap = false;
   for (const auto& w : r.rows) cap = cap || w.capacity;
   if (cap)
@@ -262,6 +267,7 @@ int run_bench_cuda(bench_opts& o) {
   p.capacity_ctx = cap[0];
   p.n_decode = o.p.n_decode;
   p.seed = o.p.seed;
+  p.graphs = o.graphs;
   std::unique_ptr<model> m;
   model_hparams hp;
   if (!o.shape.empty()) {
@@ -286,8 +292,8 @@ int run_bench_cuda(bench_opts& o) {
 
 int run_bench(bench_opts& o) {
   if (parse_compute_device(o.device) == compute_device::cuda) return run_bench_cuda(o);
-  if (o.batches_given || o.capacity_given)
-    fail_input(std::string("[bench] ") + (o.batches_given ? "--batch" : "--capacity") +
+  if (o.batches_given || o.capacity_given || o.graphs)
+    fail_input(std::string("[bench] ") + (o.batches_given ? "--batch" : o.capacity_given ? "--capacity" : "--cuda-graphs") +
                " is an option of --device cuda (batched decode on the GPU)");
   if (o.model_path.empty() == o.shape.empty())
     fail_input("[bench] give exactly one of -m MODEL or --shape NAME");
@@ -460,6 +466,8 @@ const registrar reg{{"bench", "decode/prefill speed and KV memory of KV formats 
                   "--device cuda: also find the most sequences of this context (tokens, 'k' = 1024) each type fits "
                   "(0: skip)")
       ->capture_default_str();
+  app->add_flag("--cuda-graphs", o->graphs,
+                "--device cuda: also time every step as a CUDA graph (captured per step, replayed with one launch)");
   add_report_flags(app, o->json, o->no_progress);
   add_kv_flags(app, o->kv, o->explicit_kv);
   app->get_option("--weights")->each([o](const std::string&) { o->weights_given = true; });

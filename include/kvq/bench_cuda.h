@@ -39,6 +39,9 @@ struct bench_cuda_params {
   int capacity_ctx = 0;                    // > 0: also measure how many sequences of this context fit
   size_t reserve_bytes = size_t(3) << 30;  // device memory kept free beside the cache in the capacity rows
   uint64_t seed = 1234;
+  // also time the same runner's steps as CUDA graphs (model_runner::set_cuda_graphs), right after
+  // the direct steps (n_warmup + n_decode more positions): the graph_* fields
+  bool graphs = false;
 };
 
 struct bench_cuda_row {
@@ -55,6 +58,8 @@ struct bench_cuda_row {
   double bound_ms = 0;        // (weight_bytes_read + kv_bytes_read) / copy bandwidth
   double x_bound = 0;         // step_ms_median / bound_ms
   double speedup_vs_f16 = 0;  // tokens_per_s / f16's at the same (batch, depth); 0 without an f16 row
+  double graph_ms_median = 0;  // with CUDA graphs (0: not measured)
+  double graph_x_bound = 0;    // graph_ms_median / bound_ms
 };
 
 struct bench_cuda_result {

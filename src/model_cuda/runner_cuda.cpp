@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -72,9 +73,24 @@ struct model_runner::impl {
   // host staging
   std::vector<int32_t> h_tok, h_seq, h_pos, h_indptr, h_indices, h_last, h_rows, h_argmax;
   std::vector<int64_t> h_slots;
+  // the step's tables in pinned memory (asynchronous uploads on `stream`): [pin_bytes]
+  uint8_t* pin = nullptr;
+  size_t pin_bytes = 0;
+
+  // all work of forward / decode runs on `stream`; decode steps optionally as one CUDA graph,
+  // captured per step and applied to `gexec` by cudaGraphExecUpdate (re-instantiated when the
+  // update is refused)
+  cudaStream_t stream = nullptr;
+  bool graphs = false;
+  cudaGraphExec_t gexec = nullptr;
+  int n_instantiated = 0;
+  void* blas_ws = nullptr;
 
   ~impl() {
+    if (gexec) cudaGraphExecDestroy(gexec);
     if (blas) cublasDestroy(blas);
+    if (stream) cudaStreamDestroy(stream);
+    if (pin) cudaFreeHost(pin);
     for (void* p : allocs) cudaFree(p);
   }
 
@@ -170,6 +186,12 @@ struct model_runner::impl {
     dkv = (int64_t)hp.n_kv_head * hp.head_dim;
     dqkv = dq + 2 * dkv;
     check_blas(cublasCreate(&blas), "cublasCreate");
+    check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    check_blas(cublasSetStream(blas, stream), "cublasSetStream");
+    // a fixed cuBLAS workspace, so that a captured product allocates nothing
+    constexpr size_t kBlasWs = size_t(32) << 20;
+    blas_ws = alloc<uint8_t>(kBlasWs);
+    check_blas(cublasSetWorkspace(blas, blas_ws, kBlasWs), "cublasSetWorkspace");
     const build::rope_table rope = build::make_rope(hp, hp.layers[0], {});
     n_rot = rope.n_rot;
     neox = rope.neox;
@@ -204,6 +226,9 @@ struct model_runner::impl {
     v16 = alloc<uint16_t>((size_t)B * dkv);
     act = alloc<uint16_t>((size_t)B * F);
     layers.resize(hp.n_layer);
+    // tokens, pos, rows, last [B] + indptr [B + 1] int32; slots [B] int64; indices [B * pages_per_seq]
+    pin_bytes = (size_t)(5 * B + 1) * 4 + (size_t)B * 8 + (size_t)B * pages_per_seq * 4 + 64;
+    check_cuda(cudaMallocHost(&pin, pin_bytes), "cudaMallocHost");
   }
 
   paged_kv_view layer_view(int il, int batch) const {
@@ -233,7 +258,7 @@ struct model_runner::impl {
   // Runs the validated tokens h_tok / h_seq / h_pos (token t of sequence h_seq[t] at position
   // h_pos[t], one sequence's positions consecutive and continuing its cache), with logits for the
   // tokens h_rows. Copies the logits to `out` and / or the argmax ids to `ids` (either may be null).
-  void run(float* out, int32_t* ids) {
+  void run(float* out, int32_t* ids, bool graph_step = false) {
     const int n = (int)h_tok.size();
     const int n_out = (int)h_rows.size();
     const int P = fmt.page_size;
@@ -252,8 +277,15 @@ struct model_runner::impl {
       h_indptr[t + 1] = (int32_t)h_indices.size();
       h_last[t] = len - (np - 1) * P;
     }
-    auto up = [](void* d, const void* src, size_t bytes) {
-      if (bytes) check_cuda(cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy tables");
+    // the tables through pinned memory, asynchronously on the stream (ordered before the step)
+    size_t off = 0;
+    auto up = [&](void* d, const void* src, size_t bytes) {
+      if (!bytes) return;
+      off = (off + 7) / 8 * 8;
+      KVQ_ASSERT(off + bytes <= pin_bytes);
+      std::memcpy(pin + off, src, bytes);
+      check_cuda(cudaMemcpyAsync(d, pin + off, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync tables");
+      off += bytes;
     };
     up(tokens, h_tok.data(), n * sizeof(int32_t));
     up(pos, h_pos.data(), n * sizeof(int32_t));
@@ -270,41 +302,84 @@ struct model_runner::impl {
     dp.out_elem = kv_elem::f16;
     const decode_plan plan(fmt, dp, h_indptr.data(), h_last.data(), n);
 
-    // ---- the graph (src/model/arch/llama.cpp) ----
-    const int64_t E = hp.n_embd, F = hp.n_ff;
-    mk::embed(tokens, emb, n, (int)E, x, nullptr);
-    for (int il = 0; il < hp.n_layer; ++il) {
-      const layer_w& L = layers[il];
-      mk::add_rmsnorm(x, il == 0 ? nullptr : o, L.attn_norm, nullptr, n, (int)E, hp.rms_eps, h, nullptr);
-      gemm(L.wqkv, dqkv, E, h, n, qkv);
-      mk::qkv_rope(qkv, L.bqkv, inv_freq, n_rot, neox, pos, n, hp.n_head, hp.n_kv_head, hp.head_dim, q16, k16, v16,
-                   nullptr);
-      const paged_kv_view kv = layer_view(il, n);
-      append_paged(kv, k16, v16, kv_elem::f16, slots, n, nullptr);
-      plan.run(kv, q16, attn16, nullptr, nullptr);
-      gemm(L.wo, E, dq, attn16, n, o);
-      mk::add_rmsnorm(x, o, L.ffn_norm, nullptr, n, (int)E, hp.rms_eps, h, nullptr);
-      gemm(L.wgu, 2 * F, E, h, n, gu);
-      mk::swiglu(gu, n, (int)F, act, nullptr);
-      gemm(L.wdown, E, F, act, n, o);
+    if (graph_step) {
+      cudaGraph_t g = nullptr;
+      check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+      try {
+        enqueue(plan, n, n_out, ids != nullptr);
+      } catch (...) {
+        cudaStreamEndCapture(stream, &g);
+        if (g) cudaGraphDestroy(g);
+        throw;
+      }
+      check_cuda(cudaStreamEndCapture(stream, &g), "cudaStreamEndCapture");
+      bool updated = false;
+      if (gexec) {
+        cudaGraphExecUpdateResultInfo info{};
+        updated = cudaGraphExecUpdate(gexec, g, &info) == cudaSuccess;
+        if (!updated) {
+          (void)cudaGetLastError();
+          cudaGraphExecDestroy(gexec);
+          gexec = nullptr;
+        }
+      }
+      if (!updated) {
+        const cudaError_t e = cudaGraphInstantiate(&gexec, g, 0);
+        if (e != cudaSuccess) {
+          cudaGraphDestroy(g);
+          gexec = nullptr;
+          check_cuda(e, "cudaGraphInstantiate");
+        }
+        ++n_instantiated;
+      }
+      cudaGraphDestroy(g);
+      check_cuda(cudaGraphLaunch(gexec, stream), "cudaGraphLaunch");
+    } else {
+      enqueue(plan, n, n_out, ids != nullptr);
     }
-    // x += the last FFN output and the final norm, for the output rows only
-    mk::add_rmsnorm(x, o, out_norm, rows, n_out, (int)E, hp.rms_eps, h, nullptr);
-    if (n_out > 0) gemm(w_out, hp.n_vocab, E, h, n_out, logits);
-    if (ids) mk::argmax_rows(logits, n_out, hp.n_vocab, argmax, nullptr);
     for (int t = 0; t < n; ++t) seq_pos[h_seq[t]] = std::max(seq_pos[h_seq[t]], h_pos[t] + 1);
     const size_t n_logits = (size_t)n_out * hp.n_vocab;
-    if (out) {
-      check_cuda(cudaMemcpy(out, logits, n_logits * sizeof(float), cudaMemcpyDeviceToHost), "cudaMemcpy logits");
+    if (out)
+      check_cuda(cudaMemcpyAsync(out, logits, n_logits * sizeof(float), cudaMemcpyDeviceToHost, stream),
+                 "cudaMemcpy logits");
+    int32_t* pin_ids = reinterpret_cast<int32_t*>(pin);  // the tables' uploads are done by then (stream order)
+    if (ids)
+      check_cuda(cudaMemcpyAsync(pin_ids, argmax, n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream),
+                 "cudaMemcpy argmax");
+    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    if (out)
       for (size_t i = 0; i < n_logits; ++i)
         if (!std::isfinite(out[i])) non_finite(i / hp.n_vocab);
-    }
     if (ids) {
-      check_cuda(cudaMemcpy(ids, argmax, n_out * sizeof(int32_t), cudaMemcpyDeviceToHost), "cudaMemcpy argmax");
+      std::memcpy(ids, pin_ids, n_out * sizeof(int32_t));
       for (int r = 0; r < n_out; ++r)
         if (ids[r] < 0) non_finite((size_t)r);
     }
-    if (!out && !ids) check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+
+  // The step's kernels and products on `stream` (src/model/arch/llama.cpp's graph).
+  void enqueue(const decode_plan& plan, int n, int n_out, bool want_ids) {
+    const int64_t E = hp.n_embd, F = hp.n_ff;
+    void* st = stream;
+    mk::embed(tokens, emb, n, (int)E, x, st);
+    for (int il = 0; il < hp.n_layer; ++il) {
+      const layer_w& L = layers[il];
+      mk::add_rmsnorm(x, il == 0 ? nullptr : o, L.attn_norm, nullptr, n, (int)E, hp.rms_eps, h, st);
+      gemm(L.wqkv, dqkv, E, h, n, qkv);
+      mk::qkv_rope(qkv, L.bqkv, inv_freq, n_rot, neox, pos, n, hp.n_head, hp.n_kv_head, hp.head_dim, q16, k16, v16, st);
+      const paged_kv_view kv = layer_view(il, n);
+      append_paged(kv, k16, v16, kv_elem::f16, slots, n, st);
+      plan.run(kv, q16, attn16, nullptr, st);
+      gemm(L.wo, E, dq, attn16, n, o);
+      mk::add_rmsnorm(x, o, L.ffn_norm, nullptr, n, (int)E, hp.rms_eps, h, st);
+      gemm(L.wgu, 2 * F, E, h, n, gu);
+      mk::swiglu(gu, n, (int)F, act, st);
+      gemm(L.wdown, E, F, act, n, o);
+    }
+    // x += the last FFN output and the final norm, for the output rows only
+    mk::add_rmsnorm(x, o, out_norm, rows, n_out, (int)E, hp.rms_eps, h, st);
+    if (n_out > 0) gemm(w_out, hp.n_vocab, E, h, n_out, logits);
+    if (want_ids) mk::argmax_rows(logits, n_out, hp.n_vocab, argmax, st);
   }
 
   [[noreturn]] void non_finite(size_t row) const {
@@ -456,8 +531,12 @@ void model_runner::decode(std::span<const int32_t> seq_ids, std::span<const int3
     s.h_pos[i] = s.seq_pos[seq_ids[i]];
     s.h_rows[i] = i;
   }
-  s.run(logits, argmax);
+  s.run(logits, argmax, s.graphs);
 }
+
+void model_runner::set_cuda_graphs(bool on) { p_->graphs = on; }
+bool model_runner::cuda_graphs() const { return p_->graphs; }
+int model_runner::graph_instantiations() const { return p_->n_instantiated; }
 
 void model_runner::fill_synthetic(int seq_id, int n_tokens, uint64_t seed) {
   impl& s = *p_;

@@ -15,6 +15,9 @@ int model_runner::forward(std::span<const int32_t>, int, std::span<const uint8_t
 }
 void model_runner::decode(std::span<const int32_t>, std::span<const int32_t>, float*, int32_t*) { require(); }
 void model_runner::fill_synthetic(int, int, uint64_t) { require(); }
+void model_runner::set_cuda_graphs(bool) {}
+bool model_runner::cuda_graphs() const { return false; }
+int model_runner::graph_instantiations() const { return 0; }
 void model_runner::clear() {}
 void model_runner::clear_seq(int) {}
 int model_runner::n_pos(int) const { return 0; }

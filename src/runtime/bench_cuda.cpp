@@ -44,22 +44,34 @@ void measure(cuda::model_runner& r, const model_hparams& hp, int n_seq, int dept
   for (int32_t& t : toks) t = (int32_t)(rng() % (uint32_t)hp.n_vocab);
   const int P = 16;
   row.kv_bytes_read = (size_t)n_seq * (size_t)((depth + 1 + P - 1) / P) * r.kv_bytes_per_page();
-  std::vector<double> ms;
-  for (int s = 0; s < p.n_warmup + p.n_decode; ++s) {
-    const auto t0 = clock::now();
-    r.decode(seqs, toks, nullptr, toks.data());
-    const double t = std::chrono::duration<double, std::milli>(clock::now() - t0).count();
-    if (s >= p.n_warmup) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
+  auto steps = [&] {
+    std::vector<double> ms;
+    for (int s = 0; s < p.n_warmup + p.n_decode; ++s) {
+      const auto t0 = clock::now();
+      r.decode(seqs, toks, nullptr, toks.data());
+      const double t = std::chrono::duration<double, std::milli>(clock::now() - t0).count();
+      if (s >= p.n_warmup) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms;
+  };
+  r.set_cuda_graphs(false);
+  const std::vector<double> ms = steps();
   row.step_ms_median = ms[ms.size() / 2];
   row.step_ms_min = ms.front();
   row.step_ms_max = ms.back();
   row.tokens_per_s = n_seq / (row.step_ms_median * 1e-3);
+  if (p.graphs) {
+    r.set_cuda_graphs(true);
+    const std::vector<double> mg = steps();
+    row.graph_ms_median = mg[mg.size() / 2];
+    r.set_cuda_graphs(false);
+  }
   row.weight_bytes_read = weights_read_per_step(r, hp);
   row.kv_bytes_allocated = r.kv_bytes();
   row.bound_ms = (double)(row.weight_bytes_read + row.kv_bytes_read) / copy_bw * 1e3;
   row.x_bound = row.step_ms_median / row.bound_ms;
+  row.graph_x_bound = row.graph_ms_median / row.bound_ms;
   row.describe = r.describe();
 }
 
@@ -79,7 +91,7 @@ bench_cuda_result bench_cuda(const model_hparams& hp, const model* m, const benc
   if (p.n_decode < 1) fail_input("[bench] decode steps " + std::to_string(p.n_decode) + " must be >= 1");
   if (p.n_warmup < 0) fail_input("[bench] warm-up steps " + std::to_string(p.n_warmup) + " must be >= 0");
   if (p.capacity_ctx < 0) fail_input("[bench] capacity context " + std::to_string(p.capacity_ctx) + " must be >= 0");
-  const int timed = p.n_warmup + p.n_decode;
+  const int timed = (p.n_warmup + p.n_decode) * (p.graphs ? 2 : 1);
   for (const kv_cache_params& f : p.formats) {
     kv_cache_params cp = f;
     cp.n_ctx = 1;

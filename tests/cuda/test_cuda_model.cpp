@@ -348,6 +348,27 @@ TEST_P(CudaModelBatched, StepEqualsSingleSequenceSteps) {
   }
   for (int b = 0; b < B; ++b) EXPECT_EQ(rb.n_pos(b), prompt_len[b] + n_steps);
 
+  // the same steps as CUDA graphs (captured per step, applied by cudaGraphExecUpdate): the same bits
+  {
+    cuda::model_runner rg(*m, cp, 128);
+    rg.set_cuda_graphs(true);
+    for (int b = 0; b < B; ++b)
+      ASSERT_EQ(rg.forward(std::span<const int32_t>(ids[b].data(), prompt_len[b]), 0, {}, lg.data(), b), 1);
+    size_t same = 0;
+    for (int s = 0; s < n_steps; ++s) {
+      for (int i = 0; i < B; ++i) toks[i] = ids[order[i]][prompt_len[order[i]] + s];
+      rg.decode(order, toks, step_lg.data(), am.data());
+      for (int i = 0; i < B; ++i)
+        same += std::equal(step_lg.begin() + (size_t)i * V, step_lg.begin() + (size_t)(i + 1) * V,
+                           batched[order[i]].begin() + (size_t)s * V);
+    }
+    std::printf("[ graph vs direct %s ] %zu of %d rows identical, %d instantiations for %d steps\n",
+                kv_cache_type_name(bc.type), same, B * n_steps, rg.graph_instantiations(), n_steps);
+    EXPECT_EQ(same, (size_t)(B * n_steps));
+    EXPECT_GE(rg.graph_instantiations(), 1);
+    EXPECT_LE(rg.graph_instantiations(), n_steps);
+  }
+
   // the same sequences one at a time in a one-sequence runner
   cuda::model_runner r1(*m, cache_of(*m, bc.type, 160), 128);
   double worst = 0;

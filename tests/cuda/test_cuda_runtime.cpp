@@ -180,6 +180,7 @@ TEST(CudaRuntime, BenchCudaRowsAreConsistent) {
   p.depths = {0, 100};
   p.n_decode = 3;
   p.capacity_ctx = 65536;
+  p.graphs = true;
   size_t free_b = 0, total_b = 0;
   cuda::memory_info(&free_b, &total_b);
   p.reserve_bytes = free_b - (size_t(512) << 20);  // about 512 MiB for the capacity rows' caches
@@ -198,12 +199,14 @@ TEST(CudaRuntime, BenchCudaRowsAreConsistent) {
     EXPECT_NEAR(w.x_bound, w.step_ms_median / w.bound_ms, 1e-9);
     EXPECT_LE(w.step_ms_min, w.step_ms_median);
     EXPECT_LE(w.step_ms_median, w.step_ms_max);
+    EXPECT_GT(w.graph_ms_median, 0.0);
+    EXPECT_NEAR(w.graph_x_bound, w.graph_ms_median / w.bound_ms, 1e-9);
     EXPECT_NEAR(w.tokens_per_s, w.batch / (w.step_ms_median * 1e-3), 1e-6 * w.tokens_per_s);
     if (w.type == "f16") {
       EXPECT_DOUBLE_EQ(w.speedup_vs_f16, 1.0);
     }
     if (w.capacity) {
-      // the pages of batch sequences of capacity_ctx (+ the 5 timed steps) fit in ~512 MiB, one more would not
+      // the pages of batch sequences of capacity_ctx (+ the timed steps) fit in ~512 MiB, one more would not
       const size_t per_seq = w.kv_bytes_allocated / w.batch;  // the pool: batch sequences of n_ctx positions
       EXPECT_GE(w.batch, 1);
       EXPECT_LE((size_t)w.batch * per_seq, size_t(600) << 20) << w.type;
