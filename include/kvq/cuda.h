@@ -149,6 +149,13 @@ class decode_plan {
   void run(const paged_kv_view& kv, const void* q, void* out, const exact_window_view* exact = nullptr,
            void* stream = nullptr) const;
 
+  // Keeps the plan's launch for new lengths of the same batch (the next decode step): recomputes the
+  // work items with the plan's split and copies them into its own buffers on `stream` (synchronised
+  // before returning) when their number is unchanged, so that run() launches with the same
+  // arguments (a captured CUDA graph of run() stays valid). Returns false, changing nothing, when the
+  // number of items would change, for a sliding window, or for a malformed table: make a new plan.
+  bool update(const int32_t* indptr_host, const int32_t* last_page_len_host, void* stream = nullptr);
+
   int n_items() const;       // split-KV work items (thread blocks per kv head)
   int split_tokens() const;  // tokens per item
   size_t workspace_bytes() const;

@@ -93,13 +93,16 @@ class model_runner {
   // NaN/Inf (checked on the device when only argmax is asked for).
   void decode(std::span<const int32_t> seq_ids, std::span<const int32_t> tokens, float* logits, int32_t* argmax);
 
-  // CUDA graphs for decode() (off by default): each step's ~11 launches per layer are captured into
-  // one graph and replayed with one launch. The decode plan changes with the lengths, so every step
-  // is captured anew and applied to the instantiated graph with cudaGraphExecUpdate (parameters
-  // only; instantiated again when the update is refused). Same kernels, same results as without.
+  // CUDA graphs for decode() (off by default): a step's ~11 launches per layer are captured into one
+  // graph and replayed with one launch. All its buffers are fixed and its tables are rewritten in
+  // place before each step, so the next step of the same batch size replays the graph as it is when
+  // the decode plan keeps its launch (decode_plan::update: same number of split-KV items); otherwise
+  // the step is captured anew and applied with cudaGraphExecUpdate (instantiated again when that is
+  // refused). Same kernels, same results as without.
   void set_cuda_graphs(bool on);
   bool cuda_graphs() const;
   int graph_instantiations() const;  // times a graph was instantiated (not merely updated)
+  int graph_captures() const;        // steps captured (the other graph steps were replays)
 
   // Benchmark aid: appends n_tokens rows of random K/V (uniform in [-2, 2], from seed) to every layer
   // of sequence seq_id at positions n_pos(seq_id) .. + n_tokens - 1 through the same fused append

@@ -850,6 +850,34 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
 
 decode_plan::~decode_plan() = default;
 
+bool decode_plan::update(const int32_t* indptr_host, const int32_t* last_page_len_host, void* stream) {
+  impl& s = *p_;
+  if (s.batch == 0 || s.p.spec.window > 0 || !indptr_host || !last_page_len_host) return false;
+  std::vector<int4> items;
+  std::vector<int> item_ptr(s.batch + 1, 0);
+  for (int b = 0; b < s.batch; ++b) {
+    const int32_t np = indptr_host[b + 1] - indptr_host[b];
+    if (np < 0 || (np > 0 && (last_page_len_host[b] < 1 || last_page_len_host[b] > s.f.page_size))) return false;
+    const int64_t len = np > 0 ? (int64_t)(np - 1) * s.f.page_size + last_page_len_host[b] : 0;
+    item_ptr[b] = (int)items.size();
+    if (len == 0) continue;
+    // the constructor's items with its split (no window: every item starts at token 0)
+    const int64_t n = (len + s.split - 1) / s.split;
+    const int per = round16((len + n - 1) / n);
+    for (int64_t t0 = 0; t0 < len; t0 += per)
+      items.push_back(make_int4(b, (int)t0, (int)std::min<int64_t>(len, t0 + per), indptr_host[b]));
+  }
+  item_ptr[s.batch] = (int)items.size();
+  if ((int)items.size() != s.n_items) return false;  // the launch would change: make a new plan
+  const cudaStream_t st = as_stream(stream);
+  check(cudaMemcpyAsync(s.items, items.data(), items.size() * sizeof(int4), cudaMemcpyHostToDevice, st),
+        "cudaMemcpyAsync(items)");
+  check(cudaMemcpyAsync(s.item_ptr, item_ptr.data(), (s.batch + 1) * sizeof(int), cudaMemcpyHostToDevice, st),
+        "cudaMemcpyAsync(item_ptr)");
+  check(cudaStreamSynchronize(st), "cudaStreamSynchronize");  // the host vectors go out of scope
+  return true;
+}
+
 int decode_plan::n_items() const { return p_->n_items; }
 int decode_plan::split_tokens() const { return p_->split; }
 size_t decode_plan::workspace_bytes() const { return p_->ws_bytes; }

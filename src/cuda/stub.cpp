@@ -32,6 +32,7 @@ decode_plan::decode_plan(const paged_kv_format&, const decode_params&, const int
   no_cuda();
 }
 decode_plan::~decode_plan() = default;
+bool decode_plan::update(const int32_t*, const int32_t*, void*) { no_cuda(); }
 void decode_plan::run(const paged_kv_view&, const void*, void*, const exact_window_view*, void*) const { no_cuda(); }
 int decode_plan::n_items() const { return 0; }
 int decode_plan::split_tokens() const { return 0; }

@@ -83,11 +83,15 @@ struct model_runner::impl {
   cudaStream_t stream = nullptr;
   bool graphs = false;
   cudaGraphExec_t gexec = nullptr;
-  int n_instantiated = 0;
+  std::unique_ptr<decode_plan> gplan;  // the plan whose buffers the graph reads (updated in place)
+  int g_n = 0, g_n_out = 0;
+  bool g_ids = false;
+  int n_instantiated = 0, n_captured = 0;
   void* blas_ws = nullptr;
 
   ~impl() {
     if (gexec) cudaGraphExecDestroy(gexec);
+    gplan.reset();
     if (blas) cublasDestroy(blas);
     if (stream) cudaStreamDestroy(stream);
     if (pin) cudaFreeHost(pin);
@@ -300,19 +304,26 @@ struct model_runner::impl {
     dp.spec = attn_spec{hp.attn_scale};
     dp.q_elem = kv_elem::f16;
     dp.out_elem = kv_elem::f16;
-    const decode_plan plan(fmt, dp, h_indptr.data(), h_last.data(), n);
+    const bool want_ids = ids != nullptr;
 
-    if (graph_step) {
+    if (graph_step && gexec && gplan && g_n == n && g_n_out == n_out && g_ids == want_ids &&
+        gplan->update(h_indptr.data(), h_last.data(), stream)) {
+      // the same launches as the captured step (pointers fixed, tables and work items rewritten in
+      // place): replay the graph as it is
+      check_cuda(cudaGraphLaunch(gexec, stream), "cudaGraphLaunch");
+    } else if (graph_step) {
+      auto plan = std::make_unique<decode_plan>(fmt, dp, h_indptr.data(), h_last.data(), n);
       cudaGraph_t g = nullptr;
       check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
       try {
-        enqueue(plan, n, n_out, ids != nullptr);
+        enqueue(*plan, n, n_out, want_ids);
       } catch (...) {
         cudaStreamEndCapture(stream, &g);
         if (g) cudaGraphDestroy(g);
         throw;
       }
       check_cuda(cudaStreamEndCapture(stream, &g), "cudaStreamEndCapture");
+      ++n_captured;
       bool updated = false;
       if (gexec) {
         cudaGraphExecUpdateResultInfo info{};
@@ -328,14 +339,21 @@ struct model_runner::impl {
         if (e != cudaSuccess) {
           cudaGraphDestroy(g);
           gexec = nullptr;
+          gplan.reset();
           check_cuda(e, "cudaGraphInstantiate");
         }
         ++n_instantiated;
       }
       cudaGraphDestroy(g);
+      gplan = std::move(plan);  // the graph now reads this plan's buffers
+      g_n = n;
+      g_n_out = n_out;
+      g_ids = want_ids;
       check_cuda(cudaGraphLaunch(gexec, stream), "cudaGraphLaunch");
     } else {
-      enqueue(plan, n, n_out, ids != nullptr);
+      const decode_plan plan(fmt, dp, h_indptr.data(), h_last.data(), n);
+      enqueue(plan, n, n_out, want_ids);
+      check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before the plan's buffers go
     }
     for (int t = 0; t < n; ++t) seq_pos[h_seq[t]] = std::max(seq_pos[h_seq[t]], h_pos[t] + 1);
     const size_t n_logits = (size_t)n_out * hp.n_vocab;
@@ -537,6 +555,7 @@ void model_runner::decode(std::span<const int32_t> seq_ids, std::span<const int3
 void model_runner::set_cuda_graphs(bool on) { p_->graphs = on; }
 bool model_runner::cuda_graphs() const { return p_->graphs; }
 int model_runner::graph_instantiations() const { return p_->n_instantiated; }
+int model_runner::graph_captures() const { return p_->n_captured; }
 
 void model_runner::fill_synthetic(int seq_id, int n_tokens, uint64_t seed) {
   impl& s = *p_;

@@ -18,6 +18,7 @@ void model_runner::fill_synthetic(int, int, uint64_t) { require(); }
 void model_runner::set_cuda_graphs(bool) {}
 bool model_runner::cuda_graphs() const { return false; }
 int model_runner::graph_instantiations() const { return 0; }
+int model_runner::graph_captures() const { return 0; }
 void model_runner::clear() {}
 void model_runner::clear_seq(int) {}
 int model_runner::n_pos(int) const { return 0; }
