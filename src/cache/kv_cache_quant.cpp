@@ -670,6 +670,26 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
   for (int h = 0; h < nh; ++h) {
     const size_t hi = head_index(il, seq_id, h);
     for (auto [s, x] : {std::pair{&k_, &xk_}, std::pair{&v_, &xv_}}) {
+      const float* x_new = x->data() + (size_t)h * hd;  // new row j of pend_ is x_new + (t0 + j - tail_old) * nh * hd
+      if (keep_lo == n_comp_new) {
+        // No exact copies to keep (every decode step): only the n_quant rows compressed now go through
+        // f32; the rest of the old tail moves down n_quant rows as bytes (the bits a load and a store
+        // would give: f32 / f16 / bf16 round-trip exactly) and the new rows are stored once, so a
+        // decode step no longer rewrites the whole exact window element by element.
+        const int from_tail = std::min(n_quant, tail_old);
+        for (int j = 0; j < from_tail; ++j)
+          for (int i = 0; i < hd; ++i) pend_[(size_t)j * hd + i] = load_elem(exact_row(*s, hi, p_.sink + j), s->exact_elem, i);
+        for (int j = from_tail; j < n_quant; ++j)
+          std::memcpy(&pend_[(size_t)j * hd], x_new + (size_t)(t0 + j - tail_old) * nh * hd, hd * sizeof(float));
+        if (n_quant > 0) store_body(*s, hi, q.n_comp, pend_.data(), n_quant);
+        if (n_quant > 0 && tail_old > n_quant)
+          std::memmove(exact_row(*s, hi, p_.sink), exact_row(*s, hi, p_.sink + n_quant),
+                       (size_t)(tail_old - n_quant) * hd * kv_elem_bytes(s->exact_elem));
+        for (int j = std::max(n_quant, tail_old); j < n_pend; ++j)
+          store_elems(exact_row(*s, hi, p_.sink + j - n_quant), s->exact_elem,
+                      x_new + (size_t)(t0 + j - tail_old) * nh * hd, hd);
+        continue;
+      }
       for (int j = 0; j < tail_old; ++j)
         for (int i = 0; i < hd; ++i) pend_[(size_t)j * hd + i] = load_elem(exact_row(*s, hi, p_.sink + j), s->exact_elem, i);
       for (int t = t0; t < n_tokens; ++t)
