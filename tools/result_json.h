@@ -60,6 +60,7 @@ inline nlohmann::json perplexity_json(const std::string& model_path, const perpl
                    {"ppl", r.ppl.ppl},
                    {"ppl_err", r.ppl.ppl_err},
                    {"nll_mean", r.ppl.nll_mean},
+                   {"ppl_running_per_chunk", r.chunk_ppl},  // as llama.cpp prints [1] .. [n]
                    {"seconds", r.seconds},
                    {"tokens_per_s", r.tokens_per_s}};
   if (r.has_kld) {

@@ -121,8 +121,11 @@ def test_perplexity_equals_cli(model, stories260k, tmp_path, kw, flags):
                    "--no-progress", *flags)
     assert py["n_chunk"] == 6 and py["n_scored"] == 6 * 63
     for key in ("n_ctx", "n_tokens", "n_chunk", "n_scored", "n_scored_per_chunk", "ppl", "ppl_err", "nll_mean",
-                "kv_cache", "kv_bytes_per_token", "kv_bytes_per_token_f16"):
+                "ppl_running_per_chunk", "kv_cache", "kv_bytes_per_token", "kv_bytes_per_token_f16"):
         assert py[key] == cli[key], key
+    # llama.cpp's [1] .. [n] running PPL: one per chunk, the last the final estimate
+    assert len(cli["ppl_running_per_chunk"]) == 6
+    assert cli["ppl_running_per_chunk"][-1] == pytest.approx(cli["ppl"], rel=1e-12)
     assert ("kld" in py) == ("kld" in cli) == ("compare" in kw)
     if "kld" in py:
         for key in ("mean", "mean_err", "median", "p99", "max", "same_top1_pct", "ppl_base", "dppl_pct"):
