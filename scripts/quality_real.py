@@ -98,6 +98,10 @@ FORMATS = [
     ("q4 default", "windows", ["-ctk", "q4", "-ctv", "q4"]),
     ("q8 default", "windows", ["-ctk", "q8", "-ctv", "q8"]),
     ("q3 default", "windows", ["-ctk", "q3", "-ctv", "q3"]),
+    # non-uniform levels (q4nl / q3nl / q2nl, docs/formats.md), default windows; the 3-bit target's row
+    ("q3nl default", "3-bit", ["-ctk", "q3nl", "-ctv", "q3nl"]),
+    ("q4nl / q2nl default", "3-bit", ["-ctk", "q4nl", "-ctv", "q2nl"]),
+    ("q4nl / q2nl + V channel scale", "3-bit", ["-ctk", "q4nl", "-ctv", "q2nl", "--kv-channel-scale"]),
 ]
 PER_TOKEN = {"q8", "q4", "q3", "q2", "q8a", "q4a", "q3a", "q2a"}
 
@@ -113,7 +117,7 @@ def pin_windows(flags):
     return flags + extra + ([] if "--kv-exact-recent" in flags else ["--kv-exact-recent", "0"])
 
 
-FORMATS = [(k, w, f if w == "windows" and k.endswith("default") else pin_windows(f)) for k, w, f in FORMATS]
+FORMATS = [(k, w, f if k.endswith("default") or "nl" in k else pin_windows(f)) for k, w, f in FORMATS]
 BASE = "f16"
 FLAGS = {k: f for k, _, f in FORMATS}
 

@@ -31,7 +31,7 @@ struct kv_layer_geometry {
 // The cache type of one side (-ctk / -ctv): a storage format of quant.h (same values, in the same
 // order) or `certified` (the certified cache with its default format on that side, certified.h).
 enum class kv_cache_type : uint8_t {
-  f32, f16, bf16, q8, q4, q3, q2, q8a, q4a, q3a, q2a, kivi8, kivi4, kivi2,
+  f32, f16, bf16, q8, q4, q3, q2, q8a, q4a, q3a, q2a, kivi8, kivi4, kivi2, q4nl, q3nl, q2nl,
   certified,
   count
 };

@@ -21,6 +21,16 @@
 //     than min/max), both rounded to nearest f16; the codes are stored per token row exactly like
 //     the asymmetric per-token codes. The V of a KIVI cache is per-token asymmetric (kivi_v of the
 //     traits row).
+//  non-uniform per-token (q4nl, q3nl, q2nl): value = scale * levels[code], levels an int8 codebook
+//     of 2^b entries (kv_format_traits::levels, ascending, levels[0] = -127): the Lloyd-Max
+//     quantizer (Lloyd 1982; Max 1960) of a group of G = 32 i.i.d. Gaussian coordinates divided by
+//     its least-squares scale, the distribution a random rotation gives each coordinate (TurboQuant,
+//     Zandieh et al. 2025, arXiv:2504.19874, Sec. 3.1, fits Lloyd-Max levels to it the same way).
+//     As IQ4_NL in llama.cpp, the levels are integers so the query dot stays an integer dot. One
+//     signed f16 scale per group: the element of largest magnitude starts at the levels[0] end,
+//     then the scale is refitted by least squares to the chosen codes (twice), keeping the pair of
+//     least squared error; codes are the nearest level. Gaussian data, G 32: mean squared error
+//     0.74x (3 bits), 0.39x (2 bits), 0.81x (4 bits) that of the uniform symmetric formats.
 //
 // Rounding (all tiers and devices must match to stay bit-exact): c = rint(x * (1.0f / scale))
 // (asymmetric: rint((x - zero) * (1.0f / scale))) in f32, round-half-to-even, then clamped; a
@@ -37,6 +47,7 @@ enum class kv_format : uint8_t {
   q8, q4, q3, q2,           // per-token symmetric
   q8a, q4a, q3a, q2a,       // per-token asymmetric (zero point)
   kivi8, kivi4, kivi2,      // KIVI: K per-channel over T-token groups, V per-token asymmetric
+  q4nl, q3nl, q2nl,         // per-token symmetric, non-uniform levels (a codebook; see below)
   count
 };
 
@@ -73,6 +84,8 @@ struct kv_format_traits {
   int block_bytes;         // bytes of one 32-element code block (sizeof the block struct); dense: 32 * bytes
   kv_format kivi_v;        // per-channel formats: the per-token format used for V; else == format
   bool rotate_by_default;  // "auto" rotation picks hadamard
+  const int8_t* levels = nullptr;  // non-uniform formats: value = scale * levels[code] (2^bits
+                                   // entries, ascending); nullptr: value = scale * (code - code_offset) + zero
 };
 
 const kv_format_traits& kv_traits(kv_format f);

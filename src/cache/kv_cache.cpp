@@ -179,6 +179,9 @@ void validate(const kv_cache_params& p) {
     if (hd > 1024)
       fail_unsupported(who + side + " cache type '" + type + "': head_dim " + std::to_string(hd) +
                        " > 1024 (the compressed formats support head_dim up to 1024)");
+    if (cert && t.levels)
+      fail_unsupported("[kv_cache] certified cache: " + std::string(side) + " cache type '" + type +
+                       "' (non-uniform levels) is not supported: its error bound is that of a uniform step");
     const rotation_kind rk = side_rotation(p, f, cert);
     if (rk == rotation_kind::srft && hd % 2 != 0)
       fail_unsupported("[kv_cache] rotation srft needs an even head_dim, got " + std::to_string(hd));

@@ -16,7 +16,9 @@ namespace {
 
 constexpr int kBlock = 32;  // keys per online-softmax step
 
-inline int code_int(const kv_format_traits& t, uint8_t u) { return t.bits == 8 ? (int)(int8_t)u : (int)u; }
+inline int code_int(const kv_format_traits& t, uint8_t u) {
+  return t.levels ? (int)t.levels[u] : t.bits == 8 ? (int)(int8_t)u : (int)u;
+}
 
 // Row r of a dense side as f32.
 void load_dense_row(const kv_quant_side& s, int r, int hd, float* y) {

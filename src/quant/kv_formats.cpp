@@ -11,6 +11,13 @@ namespace {
 using F = kv_format;
 using L = kv_layout;
 
+// Lloyd-Max levels (quant.h, "non-uniform per-token"), x 127 and rounded: fitted by
+// alternating nearest-level codes / least-squares scale / centroid updates on 60,000 groups of 32
+// standard Gaussian values (scripts/fit_kv_levels.py prints these tables; docs/formats.md).
+constexpr int8_t kLevels4[16] = {-127, -106, -88, -71, -55, -41, -27, -13, 0, 14, 28, 43, 58, 75, 93, 115};
+constexpr int8_t kLevels3[8] = {-127, -86, -53, -23, 4, 33, 64, 102};
+constexpr int8_t kLevels2[4] = {-127, -47, 17, 85};
+
 // clang-format off
 constexpr kv_format_traits kTable[] = {
   // format    name     layout          bits asym  offset max  min   block_bytes         kivi_v  rotate
@@ -28,6 +35,9 @@ constexpr kv_format_traits kTable[] = {
   {F::kivi8, "kivi8", L::per_channel,   8, true,  -128, 127, -128, sizeof(block_kv8),  F::q8a,   false},
   {F::kivi4, "kivi4", L::per_channel,   4, true,     0,  15,    0, sizeof(block_kv4),  F::q4a,   false},
   {F::kivi2, "kivi2", L::per_channel,   2, true,     0,   3,    0, sizeof(block_kv2),  F::q2a,   false},
+  {F::q4nl,  "q4nl",  L::per_token,     4, false,    0,  15,    0, sizeof(block_kv4),  F::q4nl,  true, kLevels4},
+  {F::q3nl,  "q3nl",  L::per_token,     3, false,    0,   7,    0, sizeof(block_kv3),  F::q3nl,  true, kLevels3},
+  {F::q2nl,  "q2nl",  L::per_token,     2, false,    0,   3,    0, sizeof(block_kv2),  F::q2nl,  true, kLevels2},
 };
 // clang-format on
 static_assert(sizeof(kTable) / sizeof(kTable[0]) == (size_t)kv_format::count);

@@ -18,9 +18,76 @@ uint16_t f16_round_up(float v) {
 
 namespace {
 
+// Index of the level nearest y (levels ascending; a tie goes to the upper level).
+inline int nearest_level(const int8_t* lv, int n_levels, float y) {
+  int c = 0;
+  while (c + 1 < n_levels && y >= 0.5f * ((float)lv[c] + (float)lv[c + 1])) ++c;
+  return c;
+}
+
+// Squared error of n values (stride floats apart) coded with scale s (an f16 value, != 0) as the
+// nearest levels; writes the codes to u when non-null.
+double levels_sse(const int8_t* lv, int n_levels, const float* x, int n, int stride, float s, uint8_t* u) {
+  const float inv = 1.0f / s;
+  double e = 0.0;
+  for (int i = 0; i < n; ++i) {
+    const float v = x[(int64_t)i * stride];
+    const int c = nearest_level(lv, n_levels, v * inv);
+    if (u) u[i] = (uint8_t)c;
+    const double d = (double)(s * (float)lv[c]) - (double)v;
+    e += d * d;
+  }
+  return e;
+}
+
+// Non-uniform formats (quant.h): one signed f16 scale, codes the nearest of the 2^b levels.
+// Start: the element of largest magnitude (the first such) at levels[0]; then two least-squares
+// refits of the scale to the current codes (s = sum x l / sum l^2, rounded to nearest f16), each
+// kept only when the squared error drops. A group whose start scale rounds to 0 gets scale 0 and
+// the codes of the level nearest 0 (value 0).
+void quantize_group_levels(const kv_format_traits& t, const float* x, int n, int stride, uint8_t* u,
+                           uint16_t* scale_out) {
+  const int8_t* lv = t.levels;
+  const int nl = 1 << t.bits;
+  float ext = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    const float v = x[(int64_t)i * stride];
+    if (std::fabs(v) > std::fabs(ext)) ext = v;
+  }
+  uint16_t sh = f32_to_f16(ext / (float)lv[0]);
+  if (f16_to_f32(sh) == 0.0f) {
+    const int c0 = nearest_level(lv, nl, 0.0f);
+    for (int i = 0; i < n; ++i) u[i] = (uint8_t)c0;
+    *scale_out = 0;
+    return;
+  }
+  double best = levels_sse(lv, nl, x, n, stride, f16_to_f32(sh), u);
+  uint8_t c[1024];
+  for (int it = 0; it < 2; ++it) {
+    double sxl = 0.0, sll = 0.0;
+    for (int i = 0; i < n; ++i) {
+      const double l = lv[u[i]];
+      sxl += (double)x[(int64_t)i * stride] * l;
+      sll += l * l;
+    }
+    if (!(sll > 0.0)) break;
+    const double s = sxl / sll;
+    if (!(std::fabs(s) <= 65504.0)) break;
+    const uint16_t h = f32_to_f16((float)s);
+    if (h == sh || f16_to_f32(h) == 0.0f) break;
+    const double e = levels_sse(lv, nl, x, n, stride, f16_to_f32(h), c);
+    if (!(e < best)) break;
+    best = e;
+    sh = h;
+    std::copy(c, c + n, u);
+  }
+  *scale_out = sh;
+}
+
 // Quantizes n values (stride `stride` floats apart) sharing one scale (and zero) into u[n].
 void quantize_group(const kv_format_traits& t, const float* x, int n, int stride, uint8_t* u,
                     uint16_t* scale_out, uint16_t* zero_out) {
+  if (t.levels) return quantize_group_levels(t, x, n, stride, u, scale_out);
   if (!t.asymmetric) {
     // Signed scale (as llama.cpp's q4_0): the element of largest magnitude maps to the negative end
     // -qneg of the code range, the other sign uses up to +qpos, so 4 bits use all 16 codes
@@ -180,7 +247,7 @@ void quantize_channel_mse(const kv_format_traits& t, const float* x, int n, int 
 }
 
 inline float code_value(const kv_format_traits& t, uint8_t u) {
-  return t.bits == 8 ? (float)(int8_t)u : (float)u;
+  return t.levels ? (float)t.levels[u] : t.bits == 8 ? (float)(int8_t)u : (float)u;
 }
 
 }  // namespace

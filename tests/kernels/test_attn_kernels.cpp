@@ -104,7 +104,7 @@ TEST_P(attn_simd_tiers, qk_integer_dots_bit_exact_with_scalar) {
   if (!tier.available) GTEST_SKIP() << "no " << tier.name << " on this CPU (or KVQ_ISA lowers it)";
   std::mt19937 rng(2);
   for (kv_format f : {kv_format::q8, kv_format::q4, kv_format::q3, kv_format::q2, kv_format::q8a, kv_format::q4a,
-                      kv_format::q3a, kv_format::q2a})
+                      kv_format::q3a, kv_format::q2a, kv_format::q4nl, kv_format::q3nl, kv_format::q2nl})
     for (int hd : {16, 32, 48, 64, 80, 96, 112, 128, 144, 176, 240, 256})
       for (int group : {32, 64, 128, hd}) {
         if (hd % group) continue;
@@ -140,7 +140,7 @@ TEST_P(attn_simd_tiers, engine_integer_scores_bit_exact_with_scalar) {
   const int n_qs[] = {7, 6, 1};
   int idx = 0, cases = 0;
   for (kv_format f : {kv_format::q8, kv_format::q4, kv_format::q3, kv_format::q2, kv_format::q8a, kv_format::q4a,
-                      kv_format::q3a, kv_format::q2a})
+                      kv_format::q3a, kv_format::q2a, kv_format::q4nl, kv_format::q3nl, kv_format::q2nl})
     for (int hd : {64, 128, 96, 256, 80, 112, 48, 176})
       for (int group : {32, 64, 128, 0}) {
         if (group == 0) group = hd;
@@ -217,9 +217,9 @@ TEST_P(attn_simd_tiers, fused_matches_reference) {
   std::mt19937 rng(3);
   const kv_format kfmts[] = {kv_format::q8,  kv_format::q4,  kv_format::q3,    kv_format::q2,    kv_format::q8a,
                              kv_format::q4a, kv_format::q2a, kv_format::kivi8, kv_format::kivi4, kv_format::kivi2,
-                             kv_format::f16, kv_format::f32, kv_format::bf16};
+                             kv_format::f16, kv_format::f32, kv_format::bf16, kv_format::q4nl, kv_format::q3nl};
   const kv_format vfmts[] = {kv_format::q4,  kv_format::q8a, kv_format::q3a, kv_format::q2,
-                             kv_format::f16, kv_format::f32, kv_format::bf16};
+                             kv_format::f16, kv_format::f32, kv_format::bf16, kv_format::q2nl};
   int idx = 0, jdx = 0;
   double worst = 0;
   std::set<std::tuple<int, int, bool>> k_met;  // (head_dim, K group, per-group query scales)

@@ -132,6 +132,9 @@ double hand_kv_bytes_per_token(const std::string& type, int n_layer, int n_kv_he
   else if (type == "q4a") side2 = 2 * per_token(4, true);
   else if (type == "q3a") side2 = 2 * per_token(3, true);
   else if (type == "q2a") side2 = 2 * per_token(2, true);
+  else if (type == "q4nl") side2 = 2 * per_token(4, false);  // non-uniform levels: same bytes as q4
+  else if (type == "q3nl") side2 = 2 * per_token(3, false);
+  else if (type == "q2nl") side2 = 2 * per_token(2, false);
   else if (type == "kivi8") side2 = kivi_k(8) + per_token(8, true);
   else if (type == "kivi4") side2 = kivi_k(4) + per_token(4, true);
   else if (type == "kivi2") side2 = kivi_k(2) + per_token(2, true);
@@ -160,7 +163,8 @@ TEST(Cli, InfoListsKvTypes) {
       {{"models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.gguf", 6, 2, 8, 64}, {3072, 1632, 864, 960}},
   };
   const std::set<std::string> all_types = {"f32", "f16", "bf16", "q8", "q4", "q3", "q2", "q8a",
-                                           "q4a", "q3a", "q2a", "kivi8", "kivi4", "kivi2", "certified"};
+                                           "q4a", "q3a", "q2a", "kivi8", "kivi4", "kivi2", "q4nl", "q3nl",
+                                           "q2nl", "certified"};
   for (const auto& [sh, w] : models) {
     KVQ_REQUIRE_DATA(model, sh.rel);
     SCOPED_TRACE(sh.rel);

@@ -162,7 +162,7 @@ TEST(CliOptions, KvWindowsDefaultToAuto) {
   };
   const auto dflt = info({}), on = info({"--kv-sink", "4", "--kv-exact-recent", "32"}),
              off = info({"--kv-sink", "0", "--kv-exact-recent", "0"});
-  for (const char* t : {"q8", "q4", "q3", "q2", "q8a", "q4a", "q3a", "q2a"}) {
+  for (const char* t : {"q8", "q4", "q3", "q2", "q8a", "q4a", "q3a", "q2a", "q4nl", "q3nl", "q2nl"}) {
     EXPECT_EQ(dflt.at(t), on.at(t)) << t;
     EXPECT_GT(dflt.at(t), off.at(t)) << t;
   }
