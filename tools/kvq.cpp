@@ -105,6 +105,9 @@ void add_kv_flags(CLI::App* app, kv_flags& f) {
   app->add_option("--kv-kivi-group", p.kivi_group, "KIVI: tokens per per-channel K group")->capture_default_str();
   app->add_option("--kv-residual", p.kivi_residual, "KIVI: exact recent tokens kept before quantizing a group")->capture_default_str();
   app->add_flag("--kv-channel-scale", p.channel_scale, "calibrate a per-channel scale on the prompt before quantizing");
+  app->add_option("--kv-channel-calib", p.channel_calib,
+                  "positions the channel scale is calibrated on (kept exact until they have all arrived)")
+      ->capture_default_str();
   app->add_option_function<std::string>(
          "--kv-k-channel-scale",
          [&p](const std::string& v) {
@@ -114,7 +117,7 @@ void add_kv_flags(CLI::App* app, kv_flags& f) {
              throw CLI::ValidationError(e.what());
            }
          },
-         "K only: centre and scale each channel by its prompt mean and RMS before quantizing: on|off|auto "
+         "K only: centre and scale each channel by its mean and RMS over the first --kv-channel-calib positions: on|off|auto "
          "(auto: on for per-token K)")
       ->default_str("auto");
   app->add_option("--kv-seed", p.seed, "seed of the random signs of srht/srft")->capture_default_str();

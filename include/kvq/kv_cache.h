@@ -83,10 +83,11 @@ struct kv_cache_params {
   int kivi_group = 32;              // KIVI: tokens per per-channel K group
   int kivi_residual = 32;           // KIVI: max exact recent tokens before a group is quantized
   // per-channel scale λ (and mean μ) calibrated per layer, sequence and kv head on the sequence's
-  // first append (its prompt); clear / truncate to 0 reset them (no sequence depends on another's)
+  // first channel_calib positions (channel_calib below); clear / truncate below them reset them (no
+  // sequence depends on another's)
   bool channel_scale = false;
   // K channel scale: channel_scale for K only (per layer, sequence, kv head and channel, the mean
-  // μ_K and the power-of-two scale λ_K of the sequence's first append, its prompt; K stored as
+  // μ_K and the power-of-two scale λ_K of the sequence's first channel_calib positions; K stored as
   // R((K - μ_K) / λ_K), queries scaled by λ_K). Exact for attention up to rounding: softmax ignores
   // the constant q·μ_K added to all of a query's scores, and the exact windows store the same
   // transformed rows. It keeps per-token K usable where a K bias puts a large constant on a few
@@ -94,6 +95,17 @@ struct kv_cache_params {
   // on for the per-token compressed K formats (q8 .. q2a), off for KIVI (its per-channel scale and
   // zero already do it) and the dense types. channel_scale = true turns it on for K and V regardless.
   std::optional<bool> k_channel_scale;
+  // Positions the channel statistics (channel_scale, k_channel_scale) are calibrated on: the first
+  // channel_calib of each (layer, sequence), a fixed count, so that μ / λ are a function of those
+  // positions only, not of how they were split into appends (-b, chunked prefill, one token at a
+  // time, a loaded prefix; issue 15 item 5). Until all of them have arrived the cache keeps them as
+  // given ("staging" rows, the sides' exact element type, counted in bytes()) and compresses
+  // nothing: queries at positions below channel_calib attend them exactly. The append that brings
+  // position channel_calib - 1 calibrates on positions [max(1, sink), channel_calib) (position 0
+  // and the exact sink left out: on real models the attention sink's K is far from the rest) and
+  // stores them like one append. Min(channel_calib, n_ctx) is used; >= 1. 256 keeps Qwen2.5 q4
+  // within issue 14's target (docs/formats.md, "Channel scale"; docs/quality.md).
+  int channel_calib = 256;
   uint64_t seed = 0x6b7671;         // seed of random signs (srht/srft)
   attn_path attn = attn_path::fused;  // of the compressed formats
   // Certified attention (include/kvq/certified.h, docs/certified.md): type "certified" on K/V, or

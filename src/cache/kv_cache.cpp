@@ -202,6 +202,9 @@ void validate(const kv_cache_params& p) {
       fail_input("[kv_cache] kivi_group must be in [1, 4096], got " + std::to_string(p.kivi_group));
     if (p.kivi_residual < 0) fail_input("[kv_cache] kivi_residual must be >= 0, got " + std::to_string(p.kivi_residual));
   }
+  if (p.channel_calib < 1)
+    fail_input("[kv_cache] channel_calib must be >= 1 (positions the channel statistics are calibrated on), got " +
+               std::to_string(p.channel_calib));
   if (p.page_size < 0 || p.n_pages < 0)
     fail_input("[kv_cache] page_size and n_pages must be >= 0 (0 = contiguous / a full pool), got page_size " +
                std::to_string(p.page_size) + ", n_pages " + std::to_string(p.n_pages));

@@ -15,6 +15,10 @@
 // A prefill batch's queries see the exact windows relative to their own positions: the rows an append
 // compresses while one of its queries still has them in its exact window are also kept exact, in one
 // scratch per sequence that the next append of that sequence reuses (fresh_rows; kv_cache.h, append).
+// Channel statistics (channel_scale, k_channel_scale) are calibrated on a sequence's first cal_n_
+// positions (kv_cache_params::channel_calib) whatever appends brought them: until they have all
+// arrived they are kept as given in per-(layer, sequence) staging rows and queries attend those
+// exactly; the append that completes them calibrates and stores them through the ordinary path.
 // Paged (page_size > 0): the body of every global layer lives in the page pool (kv_page_pool.h), per
 // layer [n_pages, n_kv_head, page_size, code_row] (scales alike, per page the scale units of its
 // rows); body row r of a sequence is on page table[r / page_size]. Attention passes the kernels the
@@ -81,10 +85,13 @@ struct side_store {
   // channel statistics (channel_scale; K: k_channel_scale), else empty; per sequence so that no
   // sequence's data changes another's results
   std::vector<float> lambda, mu;      // [n_layer, n_seq, n_kv_head, head_dim]
-  size_t planned = 0;                 // bytes of the four arrays above, set before any allocation
+  // the first positions as given until the channel statistics are calibrated (kv_cache_quant::cal_n_)
+  std::vector<uint8_t> stage;         // [n_layer, n_seq, cal_n_, n_kv_head, head_dim] stage_elem
+  size_t planned = 0;                 // bytes of the five arrays above, set before any allocation
 
   size_t bytes() const {
-    return codes.size() + scales.size() * 2 + exact.size() + (lambda.size() + mu.size()) * sizeof(float);
+    return codes.size() + scales.size() * 2 + exact.size() + (lambda.size() + mu.size()) * sizeof(float) +
+           stage.size();
   }
   size_t unit_of_row(size_t r) const { return t->layout == kv_layout::per_channel ? r / group : r; }
   size_t scale_units(size_t rows) const {
@@ -134,6 +141,14 @@ class kv_cache_quant final : public kv_cache {
     state_.assign((size_t)p.n_layer * p.n_seq, {});
     fresh_.resize(allocate_ ? p.n_seq : 0);
     lambda_set_.assign((size_t)p.n_layer * p.n_seq, 0);
+    // channel statistics wait for the first cal_n_ positions, kept as given until then
+    const bool stats = ((p.channel_scale || k_channel_scale_) && k_.compressed) || (p.channel_scale && v_.compressed);
+    cal_n_ = stats ? std::min(p.channel_calib, p.n_ctx) : 0;
+    staged_.assign((size_t)p.n_layer * p.n_seq, 0);
+    for (auto* s : {&k_, &v_}) {
+      s->planned += stage_bytes(*s);
+      if (allocate_) s->stage.assign(stage_bytes(*s), 0);
+    }
   }
 
   const kv_cache_params& params() const override { return p_; }
@@ -148,13 +163,14 @@ class kv_cache_quant final : public kv_cache {
 
   int n_pos(int seq_id) const override {
     if (seq_id < 0 || seq_id >= p_.n_seq) return 0;
-    return st(p_.n_layer - 1, seq_id).n;
+    return held(p_.n_layer - 1, seq_id);
   }
   void clear(int seq_id) override {
     check_layer_seq("clear", 0, seq_id);
     for (int il = 0; il < p_.n_layer; ++il) {
       st(il, seq_id) = {};
-      lambda_set_[(size_t)il * p_.n_seq + seq_id] = 0;  // the next append calibrates again
+      lambda_set_[(size_t)il * p_.n_seq + seq_id] = 0;  // the next appends calibrate again
+      staged_[(size_t)il * p_.n_seq + seq_id] = 0;
     }
     if (pool_.on()) pool_.shrink(seq_id, 0);
   }
@@ -217,6 +233,9 @@ class kv_cache_quant final : public kv_cache {
     for (uint8_t x : lambda_set_) n_set += x;
     for (const auto* s : {&k_, &v_})
       if (!s->lambda.empty()) b += n_set * 2 * (size_t)p_.n_kv_head * p_.head_dim * sizeof(float);
+    // staging rows held (a calibrated sequence keeps its cal_n_; truncate below them needs them)
+    for (int x : staged_)
+      for (const auto* s : {&k_, &v_}) b += (size_t)x * p_.n_kv_head * p_.head_dim * kv_elem_bytes(stage_elem(*s));
     return b;
   }
   std::string describe() const override {
@@ -229,6 +248,7 @@ class kv_cache_quant final : public kv_cache {
     if (kivi_) d += "; KIVI residual " + std::to_string(p_.kivi_residual);
     if (p_.channel_scale) d += "; channel scale";
     else if (k_channel_scale_ && k_.compressed) d += "; K channel scale";
+    if (cal_n_ > 0) d += " (first " + std::to_string(cal_n_) + " positions)";
     return d;
   }
 
@@ -280,6 +300,7 @@ class kv_cache_quant final : public kv_cache {
       }
       if ((p_.channel_scale || (s == &k_ && k_channel_scale_)) && s->compressed)
         b += 2 * heads * p_.head_dim * sizeof(float);  // μ and λ
+      b += stage_bytes(*s) / p_.n_layer;                // the staging rows
     }
     return b;
   }
@@ -337,8 +358,10 @@ class kv_cache_quant final : public kv_cache {
     for (int il = 0; il < p_.n_layer; ++il) {
       r.push_back({reinterpret_cast<uint8_t*>(&st(il, seq_id)), sizeof(seq_state)});
       r.push_back({&lambda_set_[(size_t)il * p_.n_seq + seq_id], 1});
+      r.push_back({reinterpret_cast<uint8_t*>(&staged_[(size_t)il * p_.n_seq + seq_id]), sizeof(int)});
       const size_t h0 = head_index(il, seq_id, 0);
       for (auto* s : {&k_, &v_}) {
+        if (cal_n_ > 0) r.push_back({stage_row(*s, il, seq_id, 0), stage_bytes(*s) / ((size_t)p_.n_layer * p_.n_seq)});
         if (!s->lambda.empty()) {
           r.push_back({reinterpret_cast<uint8_t*>(&s->lambda[h0 * hd]), nh * hd * sizeof(float)});
           r.push_back({reinterpret_cast<uint8_t*>(&s->mu[h0 * hd]), nh * hd * sizeof(float)});
@@ -355,6 +378,30 @@ class kv_cache_quant final : public kv_cache {
     return r;
   }
   void init_side(side_store& s, const char* name, kv_format type, bool is_v, size_t heads);
+  // Staging rows of a side: [n_layer, n_seq, cal_n_, n_kv_head, head_dim] stage_elem. A compressed
+  // side stages f32: its values are as given, before centring (f16 would round a K of 210, Qwen's
+  // bias, in steps of 0.125); a dense side its own element type, what it stores.
+  static kv_elem stage_elem(const side_store& s) { return s.compressed ? kv_elem::f32 : s.exact_elem; }
+  size_t stage_bytes(const side_store& s) const {
+    return (size_t)p_.n_layer * p_.n_seq * cal_n_ * p_.n_kv_head * p_.head_dim * kv_elem_bytes(stage_elem(s));
+  }
+  // Staging row of position pos (all kv heads) of layer il, seq.
+  uint8_t* stage_row(side_store& s, int il, int seq, int pos) {
+    return s.stage.data() +
+           (((size_t)il * p_.n_seq + seq) * cal_n_ + pos) * p_.n_kv_head * p_.head_dim * kv_elem_bytes(stage_elem(s));
+  }
+  // Positions layer il of seq holds: the staged ones until its channel statistics are calibrated,
+  // then those of the store (which then holds every position, the staged ones included).
+  int held(int il, int seq) const {
+    const size_t i = (size_t)il * p_.n_seq + seq;
+    return cal_n_ > 0 && !lambda_set_[i] ? staged_[i] : state_[i].n;
+  }
+  // The stored part of append (transform, sink, body, tail) and of truncate.
+  void append_stored(int il, int seq_id, int n_tokens, const float* k, const float* v);
+  void truncate_stored(int seq_id, int n_keep);
+  // Queries of `a`, all at positions below cal_n_: exact attention over the staging rows (the K / V
+  // and the query as given), outputs written to a.out.
+  void attend_staged(int il, const attend_seq& a, int n_head, float scale, thread_pool& pool);
   seq_state& st(int il, int seq) { return state_[(size_t)il * p_.n_seq + seq]; }
   const seq_state& st(int il, int seq) const { return state_[(size_t)il * p_.n_seq + seq]; }
   int tail_len(const seq_state& q) const { return std::max(0, q.n - p_.sink - q.n_comp); }
@@ -444,6 +491,8 @@ class kv_cache_quant final : public kv_cache {
   side_store k_, v_;
   std::vector<seq_state> state_;     // [n_layer, n_seq]
   std::vector<uint8_t> lambda_set_;  // [n_layer, n_seq] channel statistics calibrated
+  int cal_n_ = 0;                    // min(channel_calib, n_ctx) when there are channel statistics, else 0
+  std::vector<int> staged_;          // [n_layer, n_seq] positions in the staging rows (<= cal_n_)
   // [n_seq] exact copies of the rows the latest prefill append compressed (scratch: grown on demand to
   // at most (n_ubatch + U - 2) x n_kv_head rows per side, not in bytes(), like xk_ / xv_)
   std::vector<fresh_rows> fresh_;
@@ -504,7 +553,8 @@ void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, 
 }
 
 void kv_cache_quant::calibrate_channels(side_store& s, int il, int seq_id, int n_tokens, const float* x) {
-  // On the sequence's first append (its prompt), per kv head and channel c (original basis): μ_c = mean, λ_c = the power of two
+  // On the sequence's first positions (cal_n_ of them, less position 0 and the sink: append), per kv
+  // head and channel c (original basis): μ_c = mean, λ_c = the power of two
   // nearest to the RMS of x_c - μ_c, normalised so the mean log2 λ is 0 (powers of two keep
   // (x - μ) / λ and q * λ free of rounding). Stored: R ((x - μ) / λ). For K, μ only shifts every
   // score of a query by q·μ, which softmax ignores; for V, μ is added back to the output (the
@@ -560,7 +610,7 @@ void kv_cache_quant::transform_side(side_store& s, int il, int seq_id, int pos, 
                  where(i) + " (compressed caches reject NaN/Inf)");
   std::memcpy(xs, x, n * sizeof(float));
   if (!s.lambda.empty()) {
-    if (!lambda_set_[(size_t)il * p_.n_seq + seq_id]) calibrate_channels(s, il, seq_id, n_tokens, x);
+    KVQ_ASSERT(lambda_set_[(size_t)il * p_.n_seq + seq_id]);  // (append calibrates first)
     for (int t = 0; t < n_tokens; ++t)
       for (int h = 0; h < nh; ++h) {
         const float* lam = &s.lambda[head_index(il, seq_id, h) * hd];
@@ -619,11 +669,64 @@ void kv_cache_quant::load_body_rows(side_store& s, size_t hi, size_t row0, int n
 
 void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, const float* v) {
   check_layer_seq("append", il, seq_id);
-  seq_state& q = st(il, seq_id);
-  check_append_order(il, seq_id, n_tokens, p_.n_layer, p_.n_ctx, q.n, il > 0 ? st(il - 1, seq_id).n : 0,
+  check_append_order(il, seq_id, n_tokens, p_.n_layer, p_.n_ctx, held(il, seq_id), il > 0 ? held(il - 1, seq_id) : 0,
                      n_pos(seq_id));
   check_ring_append(p_, il, n_tokens);
   if (n_tokens == 0) return;
+  const size_t i = (size_t)il * p_.n_seq + seq_id;
+  if (cal_n_ == 0 || lambda_set_[i]) return append_stored(il, seq_id, n_tokens, k, v);
+  // Not calibrated yet: positions below cal_n_ go to the staging rows as given (checked as the
+  // store would check them, so that nothing is staged that the store would refuse).
+  const int hd = p_.head_dim, nh = p_.n_kv_head, done = staged_[i];
+  const size_t row = (size_t)nh * hd;
+  for (auto* s : {&k_, &v_}) {
+    if (!s->compressed) continue;
+    const float* x = s == &k_ ? k : v;
+    for (size_t e = 0; e < (size_t)n_tokens * row; ++e) {
+      if (std::fabs(x[e]) <= kF16Max) continue;
+      const std::string at = " at layer " + std::to_string(il) + ", seq " + std::to_string(seq_id) + ", position " +
+                             std::to_string(done + e / row) + ", kv head " + std::to_string(e / hd % nh) +
+                             ", channel " + std::to_string(e % hd);
+      if (!std::isfinite(x[e]))
+        fail_input(std::string("[kv_cache] append: non-finite ") + s->name + " value " + std::to_string(x[e]) + at +
+                   " (compressed caches reject NaN/Inf)");
+      fail_input(std::string("[kv_cache] append: ") + s->name + " value " + std::to_string(x[e]) + at +
+                 " exceeds the f16 range (65504)");
+    }
+  }
+  const int m = std::min(n_tokens, cal_n_ - done);
+  for (auto* s : {&k_, &v_}) store_elems(stage_row(*s, il, seq_id, done), stage_elem(*s), s == &k_ ? k : v, m * (int)row);
+  if (done + m < cal_n_) {
+    staged_[i] = done + m;
+    return;
+  }
+  // All cal_n_ positions are here: calibrate on them (as staged), then store them and the rest of
+  // this append through the ordinary path, as one append (its codes do not depend on how tokens
+  // arrive). Position 0 and the exact sink are left out of the statistics: on real models position
+  // 0 is the attention sink, whose K is far from the other positions' (docs/formats.md).
+  const int skip = std::min(std::max(1, p_.sink), cal_n_ - 1);
+  const int n_all = cal_n_ + n_tokens - m;
+  std::vector<float> ak((size_t)n_all * row), av((size_t)n_all * row);
+  for (auto [s, a] : {std::pair{&k_, &ak}, std::pair{&v_, &av}})
+    for (size_t e = 0; e < (size_t)cal_n_ * row; ++e) (*a)[e] = load_elem(stage_row(*s, il, seq_id, 0), stage_elem(*s), (int)e);
+  for (side_store* s : {&k_, &v_})
+    if (!s->lambda.empty())
+      calibrate_channels(*s, il, seq_id, cal_n_ - skip, (s == &k_ ? ak : av).data() + (size_t)skip * row);
+  std::memcpy(ak.data() + (size_t)cal_n_ * row, k + (size_t)m * row, (size_t)(n_tokens - m) * row * sizeof(float));
+  std::memcpy(av.data() + (size_t)cal_n_ * row, v + (size_t)m * row, (size_t)(n_tokens - m) * row * sizeof(float));
+  lambda_set_[i] = 1;
+  try {
+    append_stored(il, seq_id, n_all, ak.data(), av.data());
+  } catch (...) {
+    lambda_set_[i] = 0;  // (e.g. a value beyond f16 once scaled): nothing stored, staging as before
+    staged_[i] = done;
+    throw;
+  }
+  staged_[i] = cal_n_;
+}
+
+void kv_cache_quant::append_stored(int il, int seq_id, int n_tokens, const float* k, const float* v) {
+  seq_state& q = st(il, seq_id);
   const int hd = p_.head_dim, nh = p_.n_kv_head;
   const size_t n = (size_t)n_tokens * nh * hd;
   const int body_rows = std::max(q.n_comp, comp_rule(q.n + n_tokens));
@@ -633,7 +736,6 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
   // 1. validate and transform (nothing is modified before this succeeds, except λ calibration)
   transform_side(k_, il, seq_id, q.n, n_tokens, k, xk_.data());
   transform_side(v_, il, seq_id, q.n, n_tokens, v, xv_.data());
-  lambda_set_[(size_t)il * p_.n_seq + seq_id] = 1;
   if (paged_[il]) pool_.grow(seq_id, body_rows);
   // 2. sink rows
   const int n_new = q.n + n_tokens;
@@ -714,6 +816,18 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
 void kv_cache_quant::truncate(int seq_id, int n_keep) {
   check_layer_seq("truncate", 0, seq_id);
   if (n_keep < 0) fail_input("[kv_cache] truncate: n_pos must be >= 0, got " + std::to_string(n_keep));
+  if (cal_n_ > 0 && n_keep < cal_n_) {  // back into the calibration positions: calibrate again later
+    truncate_stored(seq_id, 0);
+    for (int il = 0; il < p_.n_layer; ++il) {
+      int& s = staged_[(size_t)il * p_.n_seq + seq_id];
+      s = std::min(s, n_keep);
+    }
+    return;
+  }
+  truncate_stored(seq_id, n_keep);
+}
+
+void kv_cache_quant::truncate_stored(int seq_id, int n_keep) {
   const int hd = p_.head_dim;
   // a sliding-window layer must still hold the rows of a partial unit that go back to the exact tail
   for (int il = 0; il < p_.n_layer; ++il) {
@@ -794,9 +908,69 @@ void kv_cache_quant::attend_batch(int il, const attend_seq* seqs, int n_seqs, in
   attend_seqs("attend_batch", il, seqs, n_seqs, n_head, scale, pool);
 }
 
+void kv_cache_quant::attend_staged(int il, const attend_seq& a, int n_head, float scale, thread_pool& pool) {
+  const int hd = p_.head_dim, nh = p_.n_kv_head, ng = n_head / nh;
+  const int n_st = staged_[(size_t)il * p_.n_seq + a.seq_id];
+  // one work item per (kv head, query): the same kernel call for a query whatever batch it is in
+  pool.parallel_for((int64_t)nh * a.n_tokens, (int64_t)a.n_tokens * n_head * std::min(n_st, a.pos0 + a.n_tokens) * hd * 4,
+                    [&](int64_t w, int) {
+    const int h = (int)(w / a.n_tokens), t = (int)(w % a.n_tokens);
+    thread_local std::vector<float> o;
+    thread_local std::vector<attn_state> sts;
+    o.resize((size_t)ng * hd);
+    sts.resize(ng);
+    kv_dense_view dv;
+    dv.k = stage_row(k_, il, a.seq_id, 0) + (size_t)h * hd * kv_elem_bytes(stage_elem(k_));
+    dv.v = stage_row(v_, il, a.seq_id, 0) + (size_t)h * hd * kv_elem_bytes(stage_elem(v_));
+    dv.type_k = stage_elem(k_);
+    dv.type_v = stage_elem(v_);
+    dv.row_stride = (int64_t)nh * hd;
+    dv.pos_begin = 0;
+    dv.n_pos = std::min(n_st, a.pos0 + t + 1);
+    dv.head_dim = hd;
+    attn_query_view qv;
+    qv.q = a.q + ((size_t)t * n_head + (size_t)h * ng) * hd;
+    qv.stride_t = (int64_t)n_head * hd;
+    qv.n_tokens = 1;
+    qv.n_group = ng;
+    qv.head_dim = hd;
+    qv.pos0 = a.pos0 + t;
+    qv.spec = kv_layer_spec(p_, il, scale);
+    for (int g = 0; g < ng; ++g) sts[g] = attn_state::empty(&o[(size_t)g * hd], hd);
+    attn_dense(dv, qv, sts.data());
+    for (int g = 0; g < ng; ++g) sts[g].finalize(a.out + ((size_t)t * n_head + h * ng + g) * hd);
+  });
+}
+
 void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs, int n_seqs, int n_head, float scale,
                                  thread_pool& pool) {
-  check_attend_seqs(p_, op, il, seqs, n_seqs, n_head, [&](int seq) { return st(il, seq).n; });
+  check_attend_seqs(p_, op, il, seqs, n_seqs, n_head, [&](int seq) { return held(il, seq); });
+  if (cal_n_ > 0) {
+    // Queries below the calibration positions see the staging rows alone (what every split of the
+    // appends gives them); the rest go through the store, calibrated by then.
+    std::vector<attend_seq> rest;
+    bool any = false;
+    for (int b = 0; b < n_seqs; ++b) {
+      attend_seq a = seqs[b];
+      const int n_st = std::clamp(cal_n_ - a.pos0, 0, a.n_tokens);
+      if (n_st > 0) {
+        attend_seq s = a;
+        s.n_tokens = n_st;
+        attend_staged(il, s, n_head, scale, pool);
+        any = true;
+      }
+      if (n_st == a.n_tokens) continue;
+      a.pos0 += n_st;
+      a.q += (size_t)n_st * n_head * p_.head_dim;
+      a.out += (size_t)n_st * n_head * p_.head_dim;
+      a.n_tokens -= n_st;
+      rest.push_back(a);
+    }
+    if (any) {
+      if (!rest.empty()) attend_seqs(op, il, rest.data(), (int)rest.size(), n_head, scale, pool);
+      return;
+    }
+  }
   for (int b = 0; b < n_seqs; ++b) {
     // the body rows the first query needs (later queries need later rows) must still be in the ring
     const seq_state& sq = st(il, seqs[b].seq_id);

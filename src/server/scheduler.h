@@ -13,8 +13,8 @@
 // token by token), so a greedy request returns the same tokens alone or among others
 // (tests/server/test_scheduler.cpp).
 // The compressed caches' channel statistics (the default K channel scale μ_K, λ_K) are kept per
-// sequence and reset when a slot is cleared, so a request calibrates on its own first prompt
-// chunk, never on another request's data.
+// sequence and reset when a slot is cleared, so a request calibrates on its own first positions
+// (kv_cache_params::channel_calib, however the chunks bring them), never on another request's data.
 //
 // Paged cache (kv_page > 0): the slots share one pool of pages (--kv-budget bytes). A request is
 // admitted when a slot is free and the pool can give it the pages of its longest possible run

@@ -203,6 +203,7 @@ TEST(kv_cache_paged, pages_are_taken_on_demand_and_returned) {
   auto pq = params("q4", "q4", 512, 1, 16);
   pq.sink = 4;
   pq.exact_recent = 8;
+  pq.channel_calib = 16;  // (the K channel scale's positions are kept exact until they have arrived)
   auto q = make_kv_cache(pq);
   for (int il = 0; il < 2; ++il) q->append(il, 0, 40, s.kp(0), s.vp(0));
   EXPECT_EQ(q->seq_pages(0).size(), 2u);  // 28 body rows
@@ -232,6 +233,7 @@ TEST(kv_cache_paged, a_loaded_prefix_continues_as_the_saved_sequence) {
     auto p = params(cf.k, cf.v, 300, 3, cf.page);
     p.sink = cf.sink;
     p.exact_recent = cf.exact_recent;
+    p.channel_calib = 8;  // (q8 / q4 K channel scale: calibrated, with body pages, before the truncate to page - 3)
     if (cf.windowed) p.layers = {{0, 0, 0}, {40, 0, 0}};
     auto c = make_kv_cache(p);
     ASSERT_TRUE(c->can_save_prefix());

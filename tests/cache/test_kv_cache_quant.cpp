@@ -232,6 +232,7 @@ TEST(kv_cache_quant, windows_are_exact) {
     SCOPED_TRACE(t);
     const bool kivi = std::string(t).rfind("kivi", 0) == 0;
     auto p = base_params(t, t, hd, nh, 400);
+    p.k_channel_scale = false;  // (its first 256 positions would be exact: they are the windows here)
     p.sink = 4;
     p.exact_recent = 16;
     p.kivi_group = 16;
@@ -281,14 +282,15 @@ TEST(kv_cache_quant, windows_are_exact) {
   }
 }
 
-// The per-channel scale λ (and μ) is calibrated once, on the first append of a layer (the
-// prompt), then frozen: how the later tokens arrive does not change any stored byte, even when
-// they are scaled 10x (a recalibration would re-derive λ from them).
+// The per-channel scale λ (and μ) is calibrated once, on the first channel_calib positions of a
+// layer (here 64, the prompt), then frozen: how the later tokens arrive does not change any stored
+// byte, even when they are scaled 10x (a recalibration would re-derive λ from them).
 TEST(kv_cache_quant, channel_scale_is_frozen_after_the_prompt) {
   for (const char* t : {"q4", "kivi4"}) {
     SCOPED_TRACE(t);
     auto p = base_params(t, t, 64, 2, 256);
     p.channel_scale = true;
+    p.channel_calib = 64;
     p.kivi_group = 16;
     auto a = fill(p, {64}, 12, 0.0f, 200);
     for (size_t i = (size_t)64 * 2 * 64; i < a.k.size(); ++i) a.k[i] *= 10.0f, a.v[i] *= 10.0f;
@@ -564,16 +566,22 @@ TEST(kv_cache_quant, bytes_are_exact) {
   p.n_seq = 3;
   auto c = make_kv_cache(p);
   // K channel scale (on by default for per-token K): μ_K and λ_K, f32 per layer, sequence, kv head
-  // and channel
+  // and channel, and the staging rows of the first min(channel_calib, n_ctx) positions (f32 K and V)
   auto centring = [](const kv_cache_params& q) {
-    return (size_t)2 * q.n_layer * q.n_seq * q.n_kv_head * q.head_dim * 4;
+    return (size_t)2 * q.n_layer * q.n_seq * q.n_kv_head * q.head_dim * 4 +
+           (size_t)2 * q.n_layer * q.n_seq * std::min(q.channel_calib, q.n_ctx) * q.n_kv_head * q.head_dim * 4;
   };
   // q4, g32, head_dim 128: 64 code bytes + 4 f16 scales = 72 bytes per token per kv head per side
   EXPECT_EQ(c->bytes(), (size_t)2 * 3 * 8 * 1024 * 72 * 2 + centring(p));
   EXPECT_DOUBLE_EQ(kv_bytes_per_token(p), 2.0 * 8 * 72 * 2);
-  std::vector<float> k(100 * 8 * 128, 0.3f);
-  c->append(0, 1, 100, k.data(), k.data());
-  EXPECT_EQ(c->bytes_used(), (size_t)100 * 8 * 72 * 2 + (size_t)2 * 8 * 128 * 4);  // μ_K, λ_K of (layer 0, seq 1)
+  // before the 256 calibration positions: their staging rows only (f32 K and V), per layer
+  std::vector<float> k(300 * 8 * 128, 0.3f);
+  for (int il = 0; il < 2; ++il) c->append(il, 1, 100, k.data(), k.data());
+  EXPECT_EQ(c->bytes_used(), (size_t)2 * 100 * 8 * 128 * 4 * 2);
+  // then per layer the stored rows, μ_K, λ_K of seq 1 and its 256 staging rows
+  for (int il = 0; il < 2; ++il) c->append(il, 1, 200, k.data(), k.data());
+  EXPECT_EQ(c->bytes_used(),
+            (size_t)2 * (300 * 8 * 72 * 2 + (size_t)2 * 8 * 128 * 4 + (size_t)256 * 8 * 128 * 4 * 2));
   // KIVI-4: K 64 codes + 2*2*128/32 per token; V q4a g32 64 + 8 * 2
   auto pk = base_params("kivi4", "kivi4", 128, 8, 1024);
   EXPECT_DOUBLE_EQ(kv_bytes_per_token(pk), 8.0 * (80 + 80));

@@ -119,6 +119,7 @@ TEST(KvCacheWindow, WindowedLayerBytesDoNotGrowWithContext) {
     kv_layer_kind_bytes prev;
     for (int n_ctx : {4096, 32768}) {
       kv_cache_params p = window_params(type, 512, n_ctx, 512);
+      p.k_channel_scale = false;  // (its staging rows: a fixed 256 positions per layer, whatever n_ctx)
       const kv_layer_kind_bytes b = kv_bytes_by_layer_kind(p);
       EXPECT_EQ(b.n_global, 1);
       EXPECT_EQ(b.n_windowed, 1);
@@ -238,6 +239,7 @@ TEST(KvCacheWindow, RefusalsNameTheField) {
   std::mt19937 rng(24);
   for (const char* type : {"f16", "q4", "kivi4"}) {
     kv_cache_params pw = window_params(type, 16, 256, 8);
+    pw.channel_calib = 8;  // (q4's K channel scale: else its first 256 positions are all kept exact)
     auto c = make_kv_cache(pw);
     const auto k = gauss(rng, (size_t)200 * kKv * kHd, 1.0f), v = gauss(rng, (size_t)200 * kKv * kHd, 1.0f);
     const std::string big = error_of([&] { c->append(0, 0, 9, k.data(), v.data()); });

@@ -223,6 +223,10 @@ TEST(Scheduler, PrefixReuseReturnsTheColdResult) {
     sp.cache.k_channel_scale = c.k_channel_scale;
     sp.cache.sink = c.sink;
     sp.cache.exact_recent = c.exact_recent;
+    // the channel statistics' positions end inside the 2nd chunk: a prefix saved at 24 holds staged
+    // rows, one at 48 calibrated statistics and body pages (at the default 256 every position of
+    // these 128-token sequences would stay in the staging rows)
+    sp.cache.channel_calib = 32;
     std::vector<seq_update> cold, warm;
     {
       sp.prefix_reuse = false;

@@ -423,8 +423,11 @@ def main():
     log = ""
     # f16 and q4 caches, 4 slots, an API key; q4 with no queue (503), f16 with a queue (load run)
     for kv in ("f16", "q4"):
+        # q4: the K channel scale calibrated on 32 positions (at its default 256 = -c every position
+        # would stay in the exact staging rows, and prefix reuse would share no page)
         srv = Server("-c", "256", "--parallel", "4", "-b", "64", "--queue", "16" if kv == "f16" else "0",
-                     "--api-key", "secret", "-ctk", kv, "-ctv", kv)
+                     "--api-key", "secret", "-ctk", kv, "-ctv", kv,
+                     *([] if kv == "f16" else ["--kv-channel-calib", "32"]))
         try:
             if kv == "f16":
                 test_f16(srv)

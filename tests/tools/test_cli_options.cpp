@@ -88,7 +88,9 @@ TEST(CliOptions, InfoRefusesBadKvOptionsAndNamesItself) {
       if (r["type"] == "q4") {
         seen = true;
         // + K's per-channel μ and λ (f32, per layer, kv head and channel: on by default for per-token K)
-        const int64_t total = (int64_t)2 * 6 * 2 * (892 * (32 + 4) + 132 * 128) + (int64_t)2 * 6 * 2 * 64 * 4;
+        // and the staging rows of its 256 calibration positions (f32 K and V, per layer and kv head)
+        const int64_t total = (int64_t)2 * 6 * 2 * (892 * (32 + 4) + 132 * 128) + (int64_t)2 * 6 * 2 * 64 * 4 +
+                              (int64_t)2 * 6 * 2 * 256 * 64 * 4;
         EXPECT_EQ(r["bytes_at_n_ctx"].get<int64_t>(), total) << flag << " " << r.dump();
         EXPECT_EQ(r["bytes_global_layers"].get<int64_t>(), total) << r.dump();
         EXPECT_EQ(r["bytes_window_layers"].get<int64_t>(), 0) << r.dump();
@@ -106,7 +108,8 @@ TEST(CliOptions, BenchTypesTakeKvPairsAndSink) {
   const int depth = 32;
   const auto r = run_cmd({test::kvq_bin(), "bench", "-m", model, "--types",
                           "f16,kivi4/q4a+sink4,q4+sink0+recent0,q4+sink4+recent0,q4,q4+recent8", "--depths",
-                          std::to_string(depth), "-n", "1", "-p", "0", "-t", "1", "--no-progress", "--json"});
+                          std::to_string(depth), "-n", "1", "-p", "0", "-t", "1", "--no-progress", "--json",
+                          "--kv-channel-calib", "8"});  // (at 256 a depth of 32 stays in the exact staging rows)
   ASSERT_EQ(r.rc, 0) << r.err;
   const auto rows = nlohmann::json::parse(r.out)["rows"];
   ASSERT_EQ(rows.size(), 6u) << r.out;
