@@ -11,8 +11,8 @@
 Cache options are keyword arguments spelled as the CLI's KV flags: ``type_k="q4"`` (-ctk),
 ``type_v`` (-ctv), ``rotation`` (--kv-rot), ``group_size`` (--kv-group), ``sink`` (--kv-sink),
 ``recent`` (--kv-exact-recent), ``kivi_group``, ``kivi_residual``, ``channel_scale``,
-``k_channel_scale``, ``kv_seed``, ``certify``, ``certify_tol``, ``host_dir``, ``certify_measure``,
-``certify_adapt``. kvq's errors raise ``ValueError`` (bad input, unsupported) or ``OSError``
+``k_channel_scale``, ``channel_calib`` (--kv-channel-calib), ``kv_seed``, ``certify``, ``certify_tol``,
+``certify_budget`` (--kv-cert-budget), ``host_dir``, ``certify_measure``, ``certify_adapt``. kvq's errors raise ``ValueError`` (bad input, unsupported) or ``OSError``
 (files), with kvq's message.
 """
 import codecs

@@ -170,7 +170,7 @@ class KVQCache(Cache):
     n_threads: kvq's attention threads; default torch.get_num_threads().
     Cache options, spelled as the CLI's KV flags (kvq.KVCache): type_k ("f32", "f16", "q8", "q4",
     "kivi4", ...; default f16), type_v, rotation, group_size, sink, recent, kivi_group, kivi_residual,
-    channel_scale, k_channel_scale, kv_seed. ValueError (kvq's message) for a bad option value,
+    channel_scale, k_channel_scale, channel_calib, kv_seed. ValueError (kvq's message) for a bad option value,
     TypeError for an unknown option name or a value of the wrong type: both at construction.
     """
 

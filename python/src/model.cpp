@@ -155,8 +155,8 @@ void bind_model(nb::module_& m) {
            "the dict of `kvq generate --json` (ids, text, stop_reason, speeds, KV bytes). Cache options as "
            "keyword arguments spelled as the CLI's flags: type_k='q4' (-ctk), type_v (-ctv), rotation (--kv-rot), "
            "group_size (--kv-group), sink (--kv-sink), recent (--kv-exact-recent), kivi_group, kivi_residual, "
-           "channel_scale, k_channel_scale, kv_seed, certify, certify_tol, host_dir, certify_measure, "
-           "certify_adapt. on_token(piece: bytes) is called for each generated token. Errors: ValueError "
+           "channel_scale, k_channel_scale, channel_calib, kv_seed, certify, certify_tol, certify_budget, host_dir, "
+           "certify_measure, certify_adapt. on_token(piece: bytes) is called for each generated token. Errors: ValueError "
            "(kvq's message) for bad values, TypeError for unknown options.")
       .def("perplexity", &run_perplexity, "text"_a, "n_ctx"_a = pp.n_ctx, "chunks"_a = pp.n_chunks,
            "n_batch"_a = pp.n_batch, "n_threads"_a = pp.n_threads, "compare"_a = nb::none(),

@@ -21,8 +21,8 @@ namespace {
 
 const char* const option_names[] = {"type_k", "type_v", "rotation", "group_size", "sink", "recent",
                                     "kivi_group", "kivi_residual", "channel_scale", "k_channel_scale",
-                                    "kv_seed", "certify", "certify_tol", "host_dir", "certify_measure",
-                                    "certify_adapt"};
+                                    "channel_calib", "kv_seed", "certify", "certify_tol", "certify_budget",
+                                    "host_dir", "certify_measure", "certify_adapt"};
 
 std::string py_type_name(nb::handle v) { return nb::cast<std::string>(nb::str(v.type().attr("__name__"))); }
 
@@ -61,6 +61,7 @@ kv_cache_params cache_options(const nb::kwargs& kw, const char* op, bool auto_wi
     else if (key == "kivi_group") p.kivi_group = as_int(op, key, v);
     else if (key == "kivi_residual") p.kivi_residual = as_int(op, key, v);
     else if (key == "channel_scale") p.channel_scale = as_bool(op, key, v);
+    else if (key == "channel_calib") p.channel_calib = as_int(op, key, v);
     else if (key == "k_channel_scale") {
       if (v.is_none()) p.k_channel_scale.reset();
       else if (nb::isinstance<nb::bool_>(v)) p.k_channel_scale = nb::cast<bool>(v);
@@ -73,6 +74,10 @@ kv_cache_params cache_options(const nb::kwargs& kw, const char* op, bool auto_wi
       if (!nb::isinstance<nb::float_>(v) && !(nb::isinstance<nb::int_>(v) && !nb::isinstance<nb::bool_>(v)))
         fail_type(op, key, "a float", v);
       p.certify_tol = nb::cast<double>(v);
+    } else if (key == "certify_budget") {
+      if (!nb::isinstance<nb::float_>(v) && !(nb::isinstance<nb::int_>(v) && !nb::isinstance<nb::bool_>(v)))
+        fail_type(op, key, "a float", v);
+      p.certify_budget = nb::cast<double>(v);
     } else if (key == "host_dir") p.host_dir = as_str(op, key, v);
     else if (key == "certify_measure") p.certify_measure = as_bool(op, key, v);
     else if (key == "certify_adapt") p.certify_adapt = as_bool(op, key, v);

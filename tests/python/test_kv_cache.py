@@ -288,3 +288,32 @@ def test_kvq_errors_raise_value_error_with_kvq_message(cache):
     big = np.zeros((6, 2, 16), np.float32)
     with pytest.raises(ValueError, match=r"^\[kv_cache\]"):
         cache.append(0, big, big)  # 3 + 6 positions > n_ctx 8
+
+
+def test_channel_calib_positions_are_attended_exactly_until_calibrated():
+    # docs/formats.md: with the K channel scale on, a sequence's first channel_calib positions are
+    # kept as given until the append that completes them; queries before that attend them exactly.
+    rng = np.random.default_rng(7)
+    k, v = kv_data(rng, 40, 2, 64)
+    q = rng.normal(size=(3, 4, 64)).astype(np.float32)
+    staged = kvq.KVCache(1, 2, 64, 64, type_k="q4", type_v="q4", k_channel_scale=True, channel_calib=48)
+    early = kvq.KVCache(1, 2, 64, 64, type_k="q4", type_v="q4", k_channel_scale=True, channel_calib=8)
+    for c in (staged, early):
+        fill(c, k, v, [37])
+    ref = attend_f64(k[:40], v[:40], q, 34, 0.125)
+    assert rel_err(staged.attend(0, q, 34, 0.125), ref) < 1e-6
+    assert rel_err(early.attend(0, q, 34, 0.125), ref) > 1e-3  # compressed: q4's error, not rounding
+    with pytest.raises(ValueError, match=r"channel_calib must be >= 1.*got 0"):
+        kvq.KVCache(1, 2, 64, 64, type_k="q4", type_v="q4", k_channel_scale=True, channel_calib=0)
+    with pytest.raises(TypeError, match=r"channel_calib must be an int"):
+        kvq.KVCache(1, 2, 64, 64, channel_calib="256")
+
+
+def test_certify_budget_is_checked():
+    # f16 holds 2 x 2 x 64 x 2 = 512 bytes per token here, q8 K and V with their certified error norms 284
+    opts = dict(type_k="q8", type_v="q8", k_channel_scale=False, certify=True)
+    kvq.KVCache(1, 2, 64, 64, certify_budget=0.6, **opts)
+    with pytest.raises(ValueError, match=r"certify_budget .*0\.5.* below the 284.* bytes/token"):
+        kvq.KVCache(1, 2, 64, 64, certify_budget=0.5, **opts)
+    with pytest.raises(ValueError, match=r"certify_budget .*got -1"):
+        kvq.KVCache(1, 2, 64, 64, certify_budget=-1.0, **opts)
