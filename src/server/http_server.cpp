@@ -86,6 +86,7 @@ http_server::http_server(const server_params& p) : p_(p) {
   sp.n_ctx = resolve_n_ctx(*model_, p_.n_ctx, "server");
   sp.n_parallel = p_.n_parallel;
   sp.n_batch = p_.n_batch;
+  sp.n_batch_tokens = p_.n_batch_tokens;
   sp.n_queue = p_.n_queue;
   sp.n_threads = p_.n_threads;
   sp.cache = p_.cache;
@@ -110,8 +111,8 @@ http_server::http_server(const server_params& p) : p_(p) {
       fail(errc::io, "[server] cannot bind " + p_.host + ":" + std::to_string(p_.port) + " (in use, or not a local address?)");
     port_ = p_.port;
   }
-  std::fprintf(stderr, "[server] model %s (%s), n_ctx %d per slot, %d slots, prefill chunk %d, KV cache %s\n",
-               model_id_.c_str(), model_->hparams().arch.c_str(), sp.n_ctx, sp.n_parallel, sp.n_batch,
+  std::fprintf(stderr, "[server] model %s (%s), n_ctx %d per slot, %d slots, prefill chunk %d, %d tokens per step, KV cache %s\n",
+               model_id_.c_str(), model_->hparams().arch.c_str(), sp.n_ctx, sp.n_parallel, sp.n_batch, sp.n_batch_tokens,
                sched_->cache_describe().c_str());
   const scheduler_metrics m0 = sched_->metrics();
   if (m0.page_size > 0)
@@ -411,6 +412,7 @@ std::string http_server::metrics_text() const {
   metric("tokens_generated_total", "counter", "tokens generated", (double)m.generated_tokens);
   metric("steps_total", "counter", "scheduler steps (one forward each)", (double)m.steps);
   metric("batch_tokens_total", "counter", "tokens run through the model", (double)m.batch_tokens);
+  metric("batch_tokens_max", "gauge", "most tokens one step has run (--batch-tokens bounds its prompt pieces)", (double)m.batch_tokens_max);
   metric("sequences_active", "gauge", "requests holding a sequence slot", (double)m.active);
   metric("sequences_queued", "gauge", "requests waiting for a slot", (double)m.queued);
   metric("kv_cache_bytes_used", "gauge", "KV cache bytes holding stored positions", (double)m.kv_bytes_used);

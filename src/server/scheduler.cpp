@@ -48,11 +48,13 @@ scheduler::scheduler(model& m, const tokenizer& tok, const scheduler_params& p)
     : m_(m), tok_(tok), p_(p), pool_(p.n_threads) {
   if (p_.n_parallel < 1) fail_input("[server] --parallel " + std::to_string(p_.n_parallel) + " must be >= 1");
   if (p_.n_batch < 1) fail_input("[server] --batch-size " + std::to_string(p_.n_batch) + " must be >= 1");
+  if (p_.n_batch_tokens < 1) fail_input("[server] --batch-tokens " + std::to_string(p_.n_batch_tokens) + " must be >= 1");
   if (p_.n_queue < 0) fail_input("[server] --queue " + std::to_string(p_.n_queue) + " must be >= 0");
   if (p_.kv_page < 0) fail_input("[server] --kv-page " + std::to_string(p_.kv_page) + " must be >= 0 (0: contiguous slots)");
   if (p_.kv_budget_bytes > 0 && p_.kv_page == 0) fail_input("[server] --kv-budget needs a paged cache (--kv-page > 0)");
   kv_cache_params cp = m_.cache_params(p_.n_ctx, p_.cache, p_.n_parallel);
   cp.n_ubatch = std::max(cp.n_ubatch, p_.n_batch);  // sliding-window rings hold one prefill chunk
+  split_free_ = std::none_of(cp.layers.begin(), cp.layers.end(), [](const kv_layer_geometry& g) { return g.window > 0; });
   // the certified cache has no paged layout: contiguous slots unless a budget asks for pages
   cp.page_size = is_certified(cp) && p_.kv_budget_bytes == 0 ? 0 : p_.kv_page;
   auto gib = [](double b) {
@@ -200,6 +202,7 @@ scheduler_metrics scheduler::metrics() const {
   s.generated_tokens = n_generated_tokens_;
   s.steps = n_steps_;
   s.batch_tokens = n_batch_tokens_;
+  s.batch_tokens_max = batch_tokens_max_;
   s.active = n_active_;
   {
     std::lock_guard lk(mu_);
@@ -304,7 +307,8 @@ void scheduler::loop() {
     for (int i = 0; i < p_.n_parallel; ++i)
       if (slots_[i]->active() && slots_[i]->job->cancelled()) finish(i, "cancelled");
 
-    // The batch: every decoding slot's next token, then whole prefill chunks, oldest first.
+    // The batch: every decoding slot's next token, then prompt pieces, oldest first, up to the
+    // step's token budget (scheduler.h).
     tokens.clear(), pos.clear(), seq.clear(), out.clear(), out_slot.clear();
     std::vector<int> chunk_len(p_.n_parallel, 0);
     for (int i = 0; i < p_.n_parallel; ++i) {
@@ -317,14 +321,18 @@ void scheduler::loop() {
     for (int i = 0; i < p_.n_parallel; ++i)
       if (slots_[i]->active() && slots_[i]->prefilling()) pre.push_back(i);
     std::sort(pre.begin(), pre.end(), [&](int a, int b) { return slots_[a]->order < slots_[b]->order; });
-    int budget = p_.n_batch;
+    int budget = std::max(p_.n_batch_tokens - (int)tokens.size(), (p_.n_batch_tokens + 3) / 4);
+    bool any_piece = false;
     for (int i : pre) {
+      if (budget <= 0) break;
       slot& s = *slots_[i];
       const int n_prompt = (int)s.req.prompt.size();
-      const int end = std::min(n_prompt, (s.n_past / p_.n_batch + 1) * p_.n_batch);
+      int end = std::min(n_prompt, (s.n_past / p_.n_batch + 1) * p_.n_batch);  // the chunk's end
+      if (split_free_) end = std::min(end, s.n_past + budget);  // a piece: results do not depend on it
+      else if (end - s.n_past > budget && any_piece) break;  // whole chunks, in order; the oldest always
       const int n = end - s.n_past;
-      if (n > budget) break;  // whole chunks only, in order (a chunk never shrinks for the others)
       budget -= n;
+      any_piece = true;
       for (int t = s.n_past; t < end; ++t) {
         tokens.push_back(s.req.prompt[t]), pos.push_back(t), seq.push_back(i);
         out.push_back(t == n_prompt - 1);
@@ -348,6 +356,7 @@ void scheduler::loop() {
     }
     ++n_steps_;
     n_batch_tokens_ += tokens.size();
+    batch_tokens_max_ = std::max(batch_tokens_max_.load(), (int)tokens.size());
     for (int i = 0; i < p_.n_parallel; ++i) slots_[i]->n_past += chunk_len[i];
     // a prompt prefilled to a chunk boundary: its state goes to the prefix cache
     if (prefix_) {

@@ -1,9 +1,19 @@
 // Continuous batching over one KV cache of n_parallel sequence slots (Orca's iteration-level
 // scheduling, Yu et al. 2022, OSDI '22, §3): one thread runs steps; each step is ONE
 // model::forward over a batch that holds one decode token of every generating sequence and
-// prefill chunks of new prompts. A prompt is cut into chunks of n_batch tokens at fixed offsets
-// (0, n_batch, 2 n_batch, ...), at most n_batch prefill tokens per step (whole chunks, oldest
-// request first), so a long prompt never stalls the decoding sequences for more than one chunk.
+// prefill pieces of new prompts. A step holds at most n_batch_tokens tokens (the per-step token
+// budget of vLLM's chunked prefill, max_num_batched_tokens; Agrawal et al. 2024, "Taming
+// throughput-latency tradeoff in LLM inference with Sarathi-Serve", OSDI '24, §4.2): the decode
+// tokens first, then prompt pieces, oldest request first, up to what the budget leaves (at least
+// n_batch_tokens / 4 while any prompt waits, so prompts progress however many sequences decode).
+// A step's cost grows with its tokens, so the budget bounds the inter-token gap of the decoding
+// sequences while prompts are prefilled beside them. Pieces never cross a multiple of n_batch (the
+// prefix cache's blocks and the sliding-window rings' one-append bound). Where the cache's results
+// do not depend on how a prompt is split into appends (every cache without sliding-window layers:
+// attend_plan.h's canonical merge order, the channel calibration's fixed positions, the weight
+// products' per-token bits) a piece is cut wherever the budget ends; with sliding-window layers
+// (Gemma 3), whose ring wraps where the appends put it, pieces are the whole n_batch chunks at
+// fixed offsets and the oldest one runs even over the budget.
 // Requests wait in a FIFO queue for a free slot and join between steps; a slot is cleared when its
 // request ends (finished, cancelled or failed).
 //
@@ -52,7 +62,8 @@ class prefix_cache;
 struct scheduler_params {
   int n_ctx = 0;          // positions per slot (resolved, > 0)
   int n_parallel = 4;     // slots
-  int n_batch = 128;      // prefill chunk (tokens) and most prefill tokens per step
+  int n_batch = 128;      // prefill chunk grid (tokens): the prefix cache's block, the most one piece holds
+  int n_batch_tokens = 64;  // tokens per step (decode tokens first, then prompt pieces; see above)
   int n_queue = 64;       // waiting requests before submit() refuses
   int n_threads = 0;      // compute threads (0: all)
   bool record_logits = false;  // tests: seq_update::logits_hash of every sampled row
@@ -106,6 +117,7 @@ struct scheduler_metrics {
   uint64_t requests = 0, finished = 0, cancelled = 0, failed = 0;
   uint64_t prompt_tokens = 0, generated_tokens = 0;
   uint64_t steps = 0, batch_tokens = 0;
+  int batch_tokens_max = 0;  // most tokens in one step
   int active = 0, queued = 0;
   size_t kv_bytes_used = 0, kv_bytes = 0;
   // page pool (paged caches; zeros otherwise): pages held by a sequence, pinned only by the prefix
@@ -120,7 +132,7 @@ struct scheduler_metrics {
 class scheduler {
  public:
   // Creates the cache (n_seq = n_parallel) and starts the thread. Throws invalid_input for
-  // n_parallel < 1, n_batch < 1, n_queue < 0, kv_page < 0, a budget without pages or smaller than
+  // n_parallel < 1, n_batch < 1, n_batch_tokens < 1, n_queue < 0, kv_page < 0, a budget without pages or smaller than
   // one sequence at n_ctx, and what make_kv_cache throws.
   scheduler(model& m, const tokenizer& tok, const scheduler_params& p);
   ~scheduler();  // stops the thread; unfinished requests end with finish_reason "cancelled"
@@ -160,12 +172,13 @@ class scheduler {
 
   std::atomic<uint64_t> n_requests_{0}, n_finished_{0}, n_cancelled_{0}, n_failed_{0};
   std::atomic<uint64_t> n_prompt_tokens_{0}, n_generated_tokens_{0}, n_steps_{0}, n_batch_tokens_{0};
-  std::atomic<int> n_active_{0};
+  std::atomic<int> n_active_{0}, batch_tokens_max_{0};
   std::atomic<size_t> kv_bytes_used_{0}, kv_bytes_{0};
   std::atomic<int> pages_in_use_{0}, pages_cached_{0};
   std::atomic<uint64_t> prefix_hits_{0}, prefix_hit_tokens_{0};
   std::atomic<size_t> prefix_bytes_{0};
   kv_page_info pages_;  // the pool's shape (constant)
+  bool split_free_ = true;  // prefill results do not depend on the pieces (no sliding-window layer)
 };
 
 }  // namespace kvq::server_detail

@@ -48,7 +48,9 @@ std::vector<std::string> prompts16() {
   return p;
 }
 
-void check_batch_invariance(const char* type) {
+// batch_tokens: the step's token budget; small ones cut prompts into pieces of whatever the budget
+// leaves beside the decode tokens (inside the n_batch chunks), differently alone and together.
+void check_batch_invariance(const char* type, int batch_tokens = 64) {
   KVQ_REQUIRE_MODEL(path, kQwen);
   auto m = model::load(path);
   auto tok = tokenizer::from_gguf(m->gguf());
@@ -56,6 +58,7 @@ void check_batch_invariance(const char* type) {
   sp.n_ctx = 128;
   sp.n_parallel = 16;
   sp.n_batch = 16;
+  sp.n_batch_tokens = batch_tokens;
   sp.n_threads = 2;
   sp.cache.type_k = sp.cache.type_v = parse_kv_cache_type(type);
   sp.record_logits = true;
@@ -91,10 +94,15 @@ void check_batch_invariance(const char* type) {
   EXPECT_EQ(mt.active, 0);
   EXPECT_EQ(mt.finished, 48u);
   EXPECT_GT(mt.batch_tokens, mt.steps * 4);  // the batched passes really were batched
+  // the budget holds: decode tokens (at most 16) and at least a quarter of the budget for prompts
+  EXPECT_LE(mt.batch_tokens_max, std::max(batch_tokens, 16 + (batch_tokens + 3) / 4));
 }
 
 TEST(Scheduler, GreedyTokensDoNotDependOnTheBatchF16) { check_batch_invariance("f16"); }
 TEST(Scheduler, GreedyTokensDoNotDependOnTheBatchQ4) { check_batch_invariance("q4"); }
+// 11 tokens per step: a lone prompt runs in pieces of 11 and 5 per 16-token chunk, together in
+// pieces of 3 beside 16 decode tokens or of what the earlier prompts left.
+TEST(Scheduler, GreedyTokensDoNotDependOnThePiecesQ4) { check_batch_invariance("q4", 11); }
 
 TEST(Scheduler, EndsAndCancels) {
   KVQ_REQUIRE_MODEL(path, kQwen);
