@@ -337,6 +337,24 @@ TEST(kv_cache_reliability, q8a_decode_equals_prefill_on_qwen_like_offsets) {
   }
 }
 
+// Outputs [n_layer][len][n_head * head_dim] of sequence 0 of `c`, whose K / V rows (len x n_kv_head x
+// head_dim) are appended in chunks of `n`, each chunk appended then attended layer by layer, as a model does.
+std::vector<float> outputs_in_chunks(kv_cache& c, const std::vector<float>& k, const std::vector<float>& v,
+                                     const std::vector<float>& q, int n_head, float scale, int n, thread_pool& pool) {
+  const kv_cache_params& p = c.params();
+  const size_t row = (size_t)p.n_kv_head * p.head_dim, qrow = (size_t)n_head * p.head_dim;
+  const int len = (int)(k.size() / row), n_layer = p.n_layer;
+  std::vector<float> out((size_t)n_layer * len * qrow);
+  for (int t0 = 0; t0 < len; t0 += n) {
+    const int m = std::min(n, len - t0);
+    for (int il = 0; il < n_layer; ++il) {
+      c.append(il, 0, m, k.data() + t0 * row, v.data() + t0 * row);
+      c.attend(il, 0, t0, m, n_head, q.data() + t0 * qrow, scale, out.data() + (il * len + t0) * qrow, pool);
+    }
+  }
+  return out;
+}
+
 // Issue 15 item 5: with exact windows (and KIVI's residual), a prefill batch compressed positions
 // that its own earlier queries still had inside their recent window, so outputs depended on how the
 // prompt was split into appends (stories260K, 45 tokens, q4 --kv-recent 16: logits ~1e-2 apart
@@ -378,20 +396,7 @@ TEST(kv_cache_reliability, prefill_outputs_do_not_depend_on_the_split) {
     const auto k = channel_data(rng, len, nh, hd, true), v = channel_data(rng, len, nh, hd, false);
     const std::vector<float> q = randn(rng, (size_t)len * n_head * hd);
     const float scale = 0.125f;
-    const size_t row = (size_t)nh * hd, qrow = (size_t)n_head * hd;
-    // outputs of every position of every layer, the prompt appended in chunks of `n`
-    auto run = [&](int n) {
-      std::vector<float> out((size_t)n_layer * len * qrow);
-      auto c = make_kv_cache(p);
-      for (int t0 = 0; t0 < len; t0 += n) {
-        const int m = std::min(n, len - t0);
-        for (int il = 0; il < n_layer; ++il) {
-          c->append(il, 0, m, k.data() + t0 * row, v.data() + t0 * row);
-          c->attend(il, 0, t0, m, n_head, q.data() + t0 * qrow, scale, out.data() + (il * len + t0) * qrow, pool);
-        }
-      }
-      return out;
-    };
+    auto run = [&](int n) { return outputs_in_chunks(*make_kv_cache(p), k, v, q, n_head, scale, n, pool); };
     const auto decode = run(1);
     double worst = 0;
     for (int n : {3, 4, 7, 16, len}) {
@@ -451,18 +456,11 @@ TEST(kv_cache_reliability, channel_scale_calibration_does_not_depend_on_the_spli
       if (i % hd >= 60) k[i] += 70.0f + 35.0f * (float)(i % hd - 60);
     const std::vector<float> q = randn(rng, (size_t)len * n_head * hd);
     const float scale = 0.125f;
-    const size_t row = (size_t)nh * hd, qrow = (size_t)n_head * hd;
+    const size_t qrow = (size_t)n_head * hd;
     std::vector<std::vector<uint8_t>> stored;
     auto run = [&](int n) {
-      std::vector<float> out((size_t)n_layer * len * qrow);
       auto c = make_kv_cache(p);
-      for (int t0 = 0; t0 < len; t0 += n) {
-        const int m = std::min(n, len - t0);
-        for (int il = 0; il < n_layer; ++il) {
-          c->append(il, 0, m, k.data() + t0 * row, v.data() + t0 * row);
-          c->attend(il, 0, t0, m, n_head, q.data() + t0 * qrow, scale, out.data() + (il * len + t0) * qrow, pool);
-        }
-      }
+      auto out = outputs_in_chunks(*c, k, v, q, n_head, scale, n, pool);
       EXPECT_EQ(c->n_pos(0), len);
       stored.push_back(kv_cache_stored_bytes(*c, n_layer - 1, 0));
       return out;

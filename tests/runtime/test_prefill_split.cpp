@@ -39,6 +39,22 @@ std::vector<float> logits_in_chunks(model& m, const std::vector<int32_t>& tokens
   return out;
 }
 
+// One batch against chunks of 1 / 3 / 7 / 16 tokens: every logit the same bits.
+void expect_split_invariant(model& m, const std::vector<int32_t>& tokens, const kv_cache_params& p,
+                            thread_pool& pool) {
+  const auto one = logits_in_chunks(m, tokens, p, 0, pool);
+  for (int chunk : {1, 3, 7, 16}) {
+    const auto got = logits_in_chunks(m, tokens, p, chunk, pool);
+    ASSERT_EQ(got.size(), one.size());
+    size_t first = got.size();
+    for (size_t i = 0; i < got.size() && first == got.size(); ++i)
+      if (std::memcmp(&got[i], &one[i], sizeof(float)) != 0) first = i;
+    EXPECT_EQ(first, got.size()) << "chunks of " << chunk << ": first differing logit at position "
+                                 << first / m.hparams().n_vocab << ", " << got[first % got.size()] << " vs "
+                                 << one[first % got.size()];
+  }
+}
+
 TEST(PrefillSplit, LogitsAreBitIdenticalForEveryCacheTypeAndSplit) {
   KVQ_REQUIRE_DATA(mp, kStories);
   KVQ_REQUIRE_DATA(tp, kTinyStories);
@@ -60,17 +76,7 @@ TEST(PrefillSplit, LogitsAreBitIdenticalForEveryCacheTypeAndSplit) {
       cp.exact_recent = o.recent;
       const kv_cache_params p = l.m->cache_params(512, cp);
       SCOPED_TRACE(t + " sink " + std::to_string(o.sink) + " recent " + std::to_string(o.recent));
-      const auto one = logits_in_chunks(*l.m, tokens, p, 0, pool);
-      for (int chunk : {1, 3, 7, 16}) {
-        const auto got = logits_in_chunks(*l.m, tokens, p, chunk, pool);
-        ASSERT_EQ(got.size(), one.size());
-        size_t first = got.size();
-        for (size_t i = 0; i < got.size() && first == got.size(); ++i)
-          if (std::memcmp(&got[i], &one[i], sizeof(float)) != 0) first = i;
-        EXPECT_EQ(first, got.size()) << "chunks of " << chunk << ": first differing logit at position "
-                                     << first / l.m->hparams().n_vocab << ", " << got[first % got.size()]
-                                     << " vs " << one[first % got.size()];
-      }
+      expect_split_invariant(*l.m, tokens, p, pool);
       ++n_checked;
     }
   }
@@ -104,17 +110,7 @@ TEST(PrefillSplit, LogitsAreBitIdenticalWithDefaultOptionsAndChannelScale) {
       const kv_cache_params p = l.m->cache_params(512, cp);
       SCOPED_TRACE(t + (both ? " channel_scale, 100 positions" : " defaults") + ", sink " + std::to_string(cp.sink) +
                    " recent " + std::to_string(cp.exact_recent));
-      const auto one = logits_in_chunks(*l.m, tokens, p, 0, pool);
-      for (int chunk : {1, 3, 7, 16}) {
-        const auto got = logits_in_chunks(*l.m, tokens, p, chunk, pool);
-        ASSERT_EQ(got.size(), one.size());
-        size_t first = got.size();
-        for (size_t i = 0; i < got.size() && first == got.size(); ++i)
-          if (std::memcmp(&got[i], &one[i], sizeof(float)) != 0) first = i;
-        EXPECT_EQ(first, got.size()) << "chunks of " << chunk << ": first differing logit at position "
-                                     << first / l.m->hparams().n_vocab << ", " << got[first % got.size()]
-                                     << " vs " << one[first % got.size()];
-      }
+      expect_split_invariant(*l.m, tokens, p, pool);
       ++n_checked;
     }
   }
