@@ -254,7 +254,7 @@ class kv_cache {
 // Checks every field of p before anything is allocated: shapes (>= 1), enum values in range, sink /
 // recent >= 0, KIVI group and residual, group_size (32, 64, 128 or head_dim, dividing head_dim),
 // head_dim for the formats (compressed: divisible by 8 and <= 1024; srft: even), an 8-bit
-// per-token K group of at most kmax_q8_k_group elements (the int32 dot bound, quant.h), certified
+// per-token K group of at most kq8_k_group_max elements (the int32 dot bound, quant.h), certified
 // options (certify_tol >= 0, certify_budget >= 0; no windows, channel_scale or k_channel_scale on). Throws invalid_input (or
 // unsupported for a valid value the format cannot serve) with "[kv_cache] <field> <value> ...".
 void validate(const kv_cache_params& p);

@@ -190,11 +190,20 @@ void validate(const kv_cache_params& p) {
       if (g < 1 || hd % g != 0 || !(g == 32 || g == 64 || g == 128 || g == hd))
         fail_input("[kv_cache] group_size " + std::to_string(p.group_size) +
                    " must be 32, 64, 128 or head_dim and divide head_dim " + std::to_string(hd));
-      if (!is_v && !cert && t.bits == 8 && g > kq8_k_group_max)
+      if (!is_v && !cert && t.bits == 8 && g > kq8_k_group_max) {
+        // the hint names only the groups that divide head_dim (576: 32 or 64; 264: none)
+        std::vector<std::string> fit;
+        for (int c : {32, 64, 128})
+          if (hd % c == 0) fit.push_back(std::to_string(c));
+        std::string hint = "use group_size ";
+        for (size_t i = 0; i < fit.size(); ++i) hint += (i == 0 ? "" : i + 1 == fit.size() ? " or " : ", ") + fit[i];
+        if (fit.empty())
+          hint = "no 8-bit per-token K group of 32, 64 or 128 divides head_dim " + std::to_string(hd) +
+                 ": use kivi8 (per-channel) or a 4-bit type for K";
         fail_unsupported("[kv_cache] group_size " + std::to_string(g) + " (head_dim " + std::to_string(hd) + ") of " +
                          side + " cache type '" + type + "' exceeds " + std::to_string(kq8_k_group_max) +
-                         ", the largest 8-bit K group whose integer dot fits in int32; use group_size 32, 64 "
-                         "or 128");
+                         ", the largest 8-bit K group whose integer dot fits in int32; " + hint);
+      }
     }
   }
   if (kivi) {

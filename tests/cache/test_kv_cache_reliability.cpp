@@ -133,6 +133,10 @@ TEST(kv_cache_reliability, eight_bit_k_dot_fits_int32_at_the_largest_accepted_gr
           << name << ": " << m;
       EXPECT_NE(m.find("exceeds 256"), std::string::npos) << m;
       EXPECT_EQ(code, errc::unsupported);
+      // the hint names only group sizes that divide head_dim (128 does not divide 576; none divides 264)
+      const char* hint = hd2 == 512 ? "use group_size 32, 64 or 128" : hd2 == 576 ? "use group_size 32 or 64"
+                                                                                 : "no 8-bit per-token K group of 32, 64 or 128 divides head_dim 264";
+      EXPECT_NE(m.find(hint), std::string::npos) << m;
     }
     // the kernels themselves refuse such a view (public API, no cache in between): at group 512
     // with keys of +1 and an int16 query of +1 the i32 dot 32258 * 127 * 512 would wrap
