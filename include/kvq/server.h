@@ -24,7 +24,7 @@ struct server_params {
   int n_ctx = 0;                    // positions per sequence slot; 0: min(training context, 4096)
   int n_parallel = 4;               // sequence slots decoded together
   int n_batch = 128;                // prompt tokens per prefill chunk (the prefix cache's block; the most one piece holds)
-  int n_batch_tokens = 64;          // tokens per step: decode tokens first, then prompt pieces (docs/server.md)
+  int n_batch_tokens = 32;          // tokens per step: decode tokens first, then prompt pieces (docs/server.md)
   int n_queue = 64;                 // requests waiting for a slot before 503 + Retry-After
   int n_threads = 0;                // compute threads (0: all)
   int n_http_threads = 0;           // HTTP worker threads (0: n_parallel + n_queue + 4)

@@ -63,7 +63,7 @@ struct scheduler_params {
   int n_ctx = 0;          // positions per slot (resolved, > 0)
   int n_parallel = 4;     // slots
   int n_batch = 128;      // prefill chunk grid (tokens): the prefix cache's block, the most one piece holds
-  int n_batch_tokens = 64;  // tokens per step (decode tokens first, then prompt pieces; see above)
+  int n_batch_tokens = 32;  // tokens per step (decode tokens first, then prompt pieces; see above)
   int n_queue = 64;       // waiting requests before submit() refuses
   int n_threads = 0;      // compute threads (0: all)
   bool record_logits = false;  // tests: seq_update::logits_hash of every sampled row
