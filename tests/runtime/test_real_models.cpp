@@ -4,8 +4,8 @@
 // KVQ_MODEL_DIR (default <source dir>/models); each test skips, naming the file, without them.
 //
 // CI budget (2 cores): the generation tests run all 3 prompts x 64 tokens; the Qwen perplexity
-// test checks the first 4 of the golden's 40 chunks (each within 1 % of llama.cpp's, and the
-// running PPL after 4 chunks within 0.2 %); KVQ_LONG_TESTS=1 runs all 40 chunks and Gemma's 20
+// test checks the first 4 of the golden's 40 chunks (each chunk's PPL and the running PPL after it
+// within 1 % of llama.cpp's, the running PPL after 4 chunks within 0.2 %); KVQ_LONG_TESTS=1 runs all 40 chunks and Gemma's 20
 // (whose golden has only the 20-chunk PPL).
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -173,9 +173,12 @@ ppl_run run_ppl(const std::string& model_path, const std::string& golden_path, i
   return out;
 }
 
-// Qwen2.5: the golden has llama.cpp's running PPL after each of its 40 chunks (4 decimals). Each
-// chunk's own PPL (from consecutive running values, as the golden derives it) within 1 %, and the
-// running PPL after the last chunk run within 0.2 %.
+// Qwen2.5: the golden has llama.cpp's running PPL after each of its 40 chunks (4 decimals). After
+// each chunk the running PPL within 1 % and that chunk's own PPL (from consecutive running values,
+// as the golden derives it) within 1 %; the running PPL after the last chunk run within 0.2 %.
+// Measured over all 40 chunks (docs/quality.md, "Qwen2.5's f16 PPL against llama.cpp, chunk by
+// chunk"): running PPL at most 0.29 % from llama.cpp's (after chunk 6), a chunk's own PPL at most
+// 0.90 % (chunk 34), final -0.14 %.
 TEST(RealModels, Qwen25PerplexityMatchesLlamaCpp) {
   KVQ_REQUIRE_MODEL(model_path, kQwenFile);
   KVQ_REQUIRE_DATA(golden_path, "golden/qwen2.5-coder-0.5b-instruct-q4_k_m/perplexity.json");
@@ -191,17 +194,21 @@ TEST(RealModels, Qwen25PerplexityMatchesLlamaCpp) {
   auto chunk_ppl = [](const std::vector<double>& run_ppl, int i) {  // chunk i's own PPL
     return i == 0 ? run_ppl[0] : std::exp((i + 1) * std::log(run_ppl[i]) - i * std::log(run_ppl[i - 1]));
   };
-  double worst = 0;
+  double worst = 0, worst_running = 0;
   for (int i = 0; i < n_chunks; ++i) {
     const double kvq = chunk_ppl(run.r.chunk_ppl, i), ref = chunk_ppl(running, i);
     worst = std::max(worst, std::fabs(kvq / ref - 1));
     EXPECT_NEAR(kvq / ref, 1.0, 0.01) << "chunk " << i << ": kvq " << kvq << " llama.cpp " << ref;
+    worst_running = std::max(worst_running, std::fabs(run.r.chunk_ppl[i] / running[i] - 1));
+    EXPECT_NEAR(run.r.chunk_ppl[i] / running[i], 1.0, 0.01)
+        << "running PPL after chunk " << i << ": kvq " << run.r.chunk_ppl[i] << " llama.cpp " << running[i];
   }
   const double ref = running[n_chunks - 1];
   EXPECT_NEAR(run.r.ppl.ppl / ref, 1.0, 0.002) << "after " << n_chunks << " chunks: kvq " << run.r.ppl.ppl
                                                << " llama.cpp " << ref;
-  std::printf("[golden ppl] %s: %d chunks kvq %.4f llama.cpp %.4f (%+.3f %%), worst chunk %.3f %%\n", kQwenFile,
-              n_chunks, run.r.ppl.ppl, ref, 100 * (run.r.ppl.ppl / ref - 1), 100 * worst);
+  std::printf("[golden ppl] %s: %d chunks kvq %.4f llama.cpp %.4f (%+.3f %%), worst chunk %.3f %%, worst running "
+              "%.3f %%\n", kQwenFile, n_chunks, run.r.ppl.ppl, ref, 100 * (run.r.ppl.ppl / ref - 1), 100 * worst,
+              100 * worst_running);
 }
 
 // No compressed format of 4 bits or more turns Qwen2.5 into garbage (issue 14: its K bias put
