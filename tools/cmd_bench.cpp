@@ -35,6 +35,10 @@ struct bench_opts {
   // --device cuda: batched decode on the GPU (bench_cuda); --batch and --capacity belong to it
   std::string device = "cpu", batches = "1", capacity = "0";
   bool batches_given = false, capacity_given = false, graphs = false;
+  // --device cuda: prefill of prompts of these lengths, tiled kernel beside the per-token path
+  std::string prefill, prefill_per_token_max;
+  int prefill_chunk = 512;
+  bool depths_given = false, prefill_given = false;
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -208,6 +212,13 @@ void print_cuda(const bench_opts& o, const bench_cuda_result& r) {
                            {"kv_bytes_allocated", w.kv_bytes_allocated}, {"bound_ms", w.bound_ms},
                            {"x_bound", w.x_bound}, {"speedup_vs_f16", w.speedup_vs_f16},
                            {"graph_ms_median", w.graph_ms_median}, {"graph_x_bound", w.graph_x_bound}});
+    j["prefill"] = nlohmann::json::array();
+    for (const auto& w : r.prefill)
+      j["prefill"].push_back({{"type", w.type}, {"describe", w.describe}, {"prompt", w.prompt}, {"chunk", w.chunk},
+                              {"tiled_seconds", w.tiled_seconds}, {"tiled_tokens_per_s", w.tiled_tokens_per_s},
+                              {"per_token_seconds", w.per_token_seconds},
+                              {"per_token_tokens_per_s", w.per_token_tokens_per_s}, {"speedup", w.speedup},
+                              {"logits_rel_rms", w.logits_rel_rms}});
     std::printf("%s\n", json_text(j).c_str());
     return;
   }
@@ -228,6 +239,23 @@ void print_cuda(const bench_opts& o, const bench_cuda_result& r) {
                 w.weight_bytes_read / 1e9, w.kv_bytes_read / 1e9, w.bound_ms, w.x_bound, w.fill_seconds);
     if (o.graphs) std::printf(" %8.2f | %7.2f |", w.graph_ms_median, w.graph_x_bound);
     std::printf("\n");
+  }
+  if (!r.prefill.empty()) {
+    std::printf("\nprefill = the prompt as forward() calls of CHUNK tokens (last logits copied back), one timing; "
+                "tiled = the prefill kernel, per-token = the decode kernel with one sequence per token; "
+                "logits rel = last logits, tiled vs per-token\n\n");
+    std::printf("| %-4s | %6s | %5s | %9s | %11s | %12s | %14s | %8s | %10s |\n", "KV", "prompt", "chunk", "tiled s",
+                "tiled tok/s", "per-token s", "per-token t/s", "speedup", "logits rel");
+    std::printf("|------|--------|-------|-----------|-------------|--------------|----------------|----------|------------|\n");
+    for (const auto& w : r.prefill) {
+      std::printf("| %-4s | %6d | %5d | %9.3f | %11.0f |", w.type.c_str(), w.prompt, w.chunk, w.tiled_seconds,
+                  w.tiled_tokens_per_s);
+      if (w.per_token_seconds > 0)
+        std::printf(" %12.3f | %14.0f | %7.2fx | %10.2e |\n", w.per_token_seconds, w.per_token_tokens_per_s, w.speedup,
+                    w.logits_rel_rms);
+      else
+        std::printf(" %12s | %14s | %8s | %10s |\n", "-", "-", "-", "-");
+    }
   }
   bool cap = false;
   for (const auto& w : r.rows) cap = cap || w.capacity;
@@ -261,7 +289,15 @@ int run_bench_cuda(bench_opts& o) {
     }
   }
   p.batches = parse_count_list(o.batches, "bench", "--batch");
-  p.depths = parse_count_list(o.depths, "bench", "--depths");
+  // --prefill alone times prompts only; with --depths or --batch the decode rows too
+  if (!o.prefill_given || o.depths_given || o.batches_given) p.depths = parse_count_list(o.depths, "bench", "--depths");
+  if (o.prefill_given) p.prefill_depths = parse_count_list(o.prefill, "bench", "--prefill");
+  p.prefill_chunk = o.prefill_chunk;
+  if (!o.prefill_per_token_max.empty()) {
+    const std::vector<int> mx = parse_count_list(o.prefill_per_token_max, "bench", "--prefill-per-token-max");
+    if (mx.size() != 1) fail_input("[bench] --prefill-per-token-max takes one length");
+    p.prefill_per_token_max = mx[0];
+  }
   const std::vector<int> cap = parse_count_list(o.capacity, "bench", "--capacity");
   if (cap.size() != 1) fail_input("[bench] --capacity takes one context length");
   p.capacity_ctx = cap[0];
@@ -292,8 +328,9 @@ int run_bench_cuda(bench_opts& o) {
 
 int run_bench(bench_opts& o) {
   if (parse_compute_device(o.device) == compute_device::cuda) return run_bench_cuda(o);
-  if (o.batches_given || o.capacity_given || o.graphs)
-    fail_input(std::string("[bench] ") + (o.batches_given ? "--batch" : o.capacity_given ? "--capacity" : "--cuda-graphs") +
+  if (o.batches_given || o.capacity_given || o.graphs || o.prefill_given)
+    fail_input(std::string("[bench] ") +
+               (o.batches_given ? "--batch" : o.capacity_given ? "--capacity" : o.graphs ? "--cuda-graphs" : "--prefill") +
                " is an option of --device cuda (batched decode on the GPU)");
   if (o.model_path.empty() == o.shape.empty())
     fail_input("[bench] give exactly one of -m MODEL or --shape NAME");
@@ -466,6 +503,13 @@ const registrar reg{{"bench", "decode/prefill speed and KV memory of KV formats 
                   "--device cuda: also find the most sequences of this context (tokens, 'k' = 1024) each type fits "
                   "(0: skip)")
       ->capture_default_str();
+  app->add_option("--prefill", o->prefill,
+                  "--device cuda: comma-separated prompt lengths ('k' = 1024) whose prefill is timed with the tiled "
+                  "prefill kernel and with the per-token decode path (alone: no decode rows unless --depths / --batch)");
+  app->add_option("--prefill-chunk", o->prefill_chunk, "--device cuda: tokens per forward() of a timed prompt")
+      ->capture_default_str();
+  app->add_option("--prefill-per-token-max", o->prefill_per_token_max,
+                  "--device cuda: time the per-token baseline only for prompts up to this length (default: all)");
   app->add_flag("--cuda-graphs", o->graphs,
                 "--device cuda: also time every step as a CUDA graph (captured per step, replayed with one launch)");
   add_report_flags(app, o->json, o->no_progress);
@@ -474,6 +518,8 @@ const registrar reg{{"bench", "decode/prefill speed and KV memory of KV formats 
   app->get_option("--shape-layers")->each([o](const std::string&) { o->shape_layers_given = true; });
   app->get_option("--batch")->each([o](const std::string&) { o->batches_given = true; });
   app->get_option("--capacity")->each([o](const std::string&) { o->capacity_given = true; });
+  app->get_option("--depths")->each([o](const std::string&) { o->depths_given = true; });
+  app->get_option("--prefill")->each([o](const std::string&) { o->prefill_given = true; });
   return [o] { return run_bench(*o); };
 }}};
 

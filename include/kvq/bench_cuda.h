@@ -19,6 +19,14 @@
 // positions (+ the timed steps) fit in the device memory left after the weights and a reserve of
 // activations and workspaces; a runner of N such sequences is allocated, filled and decoded at
 // batch N (the row with capacity = true proves that they fit and run).
+// Prefill (prefill_depths), per (prompt length P, format): one runner of one sequence of P
+// positions; one untimed forward of a chunk, then the prompt of P random tokens as forward() calls
+// of prefill_chunk tokens (logits of the last token only, copied back), timed on the host clock
+// from the first call to the return of the last, first with the tiled prefill kernel
+// (model_runner::set_tiled_prefill(true)), then, for P <= prefill_per_token_max, the same runner
+// cleared and the same prompt through the decode kernel with one "sequence" per token (the former
+// path); tok/s = P / seconds. The two paths' last logits are compared (rel RMS) as a check that
+// both ran the same model.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -42,6 +50,18 @@ struct bench_cuda_params {
   // also time the same runner's steps as CUDA graphs (model_runner::set_cuda_graphs), right after
   // the direct steps (n_warmup + n_decode more positions): the graph_* fields
   bool graphs = false;
+  std::vector<int> prefill_depths;     // prompt lengths whose prefill is timed (empty: none)
+  int prefill_chunk = 512;             // tokens per forward() of a prompt
+  int prefill_per_token_max = 1 << 30; // the per-token baseline only for prompts up to this length
+};
+
+struct bench_cuda_prefill_row {
+  std::string type, describe;
+  int prompt = 0, chunk = 0;
+  double tiled_seconds = 0, tiled_tokens_per_s = 0;
+  double per_token_seconds = 0, per_token_tokens_per_s = 0;  // 0: not measured
+  double speedup = 0;           // tiled_tokens_per_s / per_token_tokens_per_s (0: not measured)
+  double logits_rel_rms = -1;   // last logits, tiled vs per-token: RMS(diff) / RMS(per-token) (-1: not measured)
 };
 
 struct bench_cuda_row {
@@ -68,11 +88,13 @@ struct bench_cuda_result {
   double copy_bandwidth = 0;  // bytes/s (read + write)
   size_t mem_total = 0, mem_free_start = 0;
   std::vector<bench_cuda_row> rows;  // (batch, depth)-major, format-minor; capacity rows last
+  std::vector<bench_cuda_prefill_row> prefill;  // prompt-major, format-minor
 };
 
 // Runs the protocol above on the model of hyper-parameters hp: m's weights when m is set (hp =
 // m->hparams()), else random weights (a published shape: shape_hparams, kvq/bench.h). Errors:
-// invalid_input "[bench] ..." for empty formats / batches / depths, a batch < 1, a depth < 0,
+// invalid_input "[bench] ..." for empty formats, empty batches / depths without prefill_depths, a
+// prefill depth < 1, prefill_chunk < 1, a batch < 1, a depth < 0,
 // n_decode < 1, n_warmup < 0, capacity_ctx < 0; cuda::check_supported's errors per format (before
 // any work); unsupported "[cuda] ..." without a GPU; the runner's errors (out of device memory).
 bench_cuda_result bench_cuda(const model_hparams& hp, const model* m, const bench_cuda_params& p,

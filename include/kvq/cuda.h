@@ -165,4 +165,51 @@ class decode_plan {
   std::unique_ptr<impl> p_;
 };
 
+struct prefill_params {
+  int n_head = 0;                   // query heads, a multiple of n_kv_head (any GQA ratio)
+  // Logits = spec.logit(spec.scale * q·k) with full causal attention: spec.window must be 0
+  // (sliding windows are refused), spec.softcap is applied.
+  attn_spec spec{0.0f};
+  kv_elem q_elem = kv_elem::f16;    // f16 or bf16 queries [n_q][n_head][head_dim]
+  kv_elem out_elem = kv_elem::f32;  // f32 or f16 output  [n_q][n_head][head_dim]
+};
+
+// Causal prefill attention over the paged cache (FlashAttention-2, Dao 2023, Sec. 3.1-3.2, on the
+// decode kernel's integer-domain arithmetic; docs/cuda.md "Prefill kernel"), FlashInfer-style
+// plan/run. Sequence b has q_len[b] = qo_indptr[b+1] - qo_indptr[b] queries, rows qo_indptr[b] ..
+// of q and out; they are the last q_len[b] positions of its pages (appended before run(), as
+// FlashInfer's append prefill): query i sits at position kv_len[b] - q_len[b] + i and sees the
+// positions up to its own, the history and the chunk's earlier tokens alike, read from the codes
+// (never a dequantized copy). The queries of a kv head's GQA group share a tile: one block per
+// (64 query rows = tokens x group heads, kv head), key tiles past a block's last position never
+// loaded. q8 / q4 queries are rotated and quantized per K scale group exactly as decode_plan (and
+// kv_cache_quant) does, so a query's output equals decode_plan's for the same query over the
+// positions it sees, up to float summation order.
+// Errors (constructor; run() only checks the view against the plan): unsupported for a format /
+// head_dim / page size / rotation paged_kv_geometry_of refuses, n_head not a multiple of
+// n_kv_head, a sliding window, f32 queries, bf16 output; invalid_input for a malformed table
+// (indptr or qo_indptr decreasing, qo_indptr[0] != 0, last_page_len outside [1, page_size]) or a
+// sequence with more queries than positions. All messages start with "[cuda attn_prefill]".
+class prefill_plan {
+ public:
+  // qo_indptr_host [batch + 1], indptr_host [batch + 1], last_page_len_host [batch]: host copies.
+  prefill_plan(const paged_kv_format& f, const prefill_params& p, const int32_t* qo_indptr_host,
+               const int32_t* indptr_host, const int32_t* last_page_len_host, int batch);
+  ~prefill_plan();
+  prefill_plan(const prefill_plan&) = delete;
+  prefill_plan& operator=(const prefill_plan&) = delete;
+
+  // q device [qo_indptr[batch]][n_head][head_dim] (q_elem); out device, same shape (out_elem).
+  // kv: the plan's format and batch, the page table the plan was made from. One launch, no
+  // allocation (capturable in a CUDA graph).
+  void run(const paged_kv_view& kv, const void* q, void* out, void* stream = nullptr) const;
+
+  int n_tiles() const;            // query tiles (thread blocks per kv head)
+  size_t workspace_bytes() const;
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> p_;
+};
+
 }  // namespace kvq::cuda

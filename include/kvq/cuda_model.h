@@ -6,11 +6,14 @@
 //  - kvq's own kernels do the rest (src/model_cuda/model_kernels.cu): embedding lookup, residual
 //    add fused with RMSNorm, bias + RoPE (NORM or NEOX pairs, the CPU engine's inverse frequencies),
 //    SwiGLU; activations between products are f16, the residual stream f32.
-//  - Attention: the fused rotate-quantize-append kernel and the split-KV decode kernel of
-//    kvq/cuda.h over f16, q8 or q4 pages (page size 16). Prefill runs the decode kernel with one
-//    "sequence" per prompt token: query t attends the pages up to its own position (no tiled
-//    prefill kernel yet). q8 / q4 queries see every position through its codes, its own batch's
-//    too, as the CPU cache does without an exact window (sink 0, exact_recent 0).
+//  - Attention: the fused rotate-quantize-append kernel, the split-KV decode kernel and the tiled
+//    causal prefill kernel of kvq/cuda.h over f16, q8 or q4 pages (page size 16). A forward() of
+//    >= 64 tokens (a prompt chunk) appends its K/V, then attends through prefill_plan (the chunk's
+//    queries against the history and the chunk itself, on the codes); shorter ones, decode steps
+//    and every forward with set_tiled_prefill(false) run the decode kernel with one "sequence"
+//    per token: query t attends the pages up to its own position. q8 / q4 queries see every
+//    position through its codes, its own batch's too, as the CPU cache does without an exact
+//    window (sink 0, exact_recent 0).
 // Sequences: the runner holds cp.n_seq sequences of up to cp.n_ctx positions each, their pages
 // (16 positions of every kv head of one layer) drawn from one pool of n_seq * ceil(n_ctx / 16)
 // pages per layer through a free list, so sequences of different lengths share it and a cleared
@@ -101,6 +104,14 @@ class model_runner {
   // refused). Same kernels, same results as without.
   void set_cuda_graphs(bool on);
   bool cuda_graphs() const;
+
+  // Prompt attention (on by default): a forward() of >= 64 tokens attends through the tiled prefill
+  // kernel (cuda::prefill_plan); off, through the decode kernel with one "sequence" per token (the
+  // former path, kept as the benchmark's baseline). Same positions, same codes; the outputs differ
+  // by float summation order only.
+  void set_tiled_prefill(bool on);
+  bool tiled_prefill() const;
+  int tiled_prefills() const;  // forward() calls that ran the tiled prefill kernel
   int graph_instantiations() const;  // times a graph was instantiated (not merely updated)
   int graph_captures() const;        // steps captured (the other graph steps were replays)
 

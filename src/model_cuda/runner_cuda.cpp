@@ -88,6 +88,11 @@ struct model_runner::impl {
   bool g_ids = false;
   int n_instantiated = 0, n_captured = 0;
   void* blas_ws = nullptr;
+  // prompts of >= kTiledMin tokens attend through prefill_plan (set_tiled_prefill); shorter ones, and
+  // every token when it is off, through decode_plan with one "sequence" per token
+  static constexpr int kTiledMin = 64;
+  bool tiled_prefill = true;
+  int n_tiled = 0;
 
   ~impl() {
     if (gexec) cudaGraphExecDestroy(gexec);
@@ -268,10 +273,23 @@ struct model_runner::impl {
     const int P = fmt.page_size;
     h_slots.resize(n);
     for (int t = 0; t < n; ++t) h_slots[t] = (int64_t)page_for(h_seq[t], h_pos[t]) * P + h_pos[t] % P;
-    h_indptr.assign(n + 1, 0);
-    h_last.assign(n, 0);
+    // a prompt chunk of one sequence (forward) through the tiled prefill kernel: one sequence whose
+    // pages hold positions [0, last + 1), the chunk being their last n positions (appended first)
+    bool tiled = !graph_step && tiled_prefill && n >= kTiledMin;
+    for (int t = 1; tiled && t < n; ++t) tiled = h_seq[t] == h_seq[0] && h_pos[t] == h_pos[0] + t;
+    const int n_tab = tiled ? 1 : n;  // page-table entries (sequences of the attention)
+    h_indptr.assign(n_tab + 1, 0);
+    h_last.assign(n_tab, 0);
     h_indices.clear();
-    for (int t = 0; t < n; ++t) {
+    if (tiled) {
+      const int len = h_pos[n - 1] + 1;
+      const int np = (len + P - 1) / P;
+      const std::vector<int32_t>& pg = seq_pages[h_seq[0]];
+      h_indices.assign(pg.begin(), pg.begin() + np);
+      h_indptr[1] = np;
+      h_last[0] = len - (np - 1) * P;
+    }
+    for (int t = 0; !tiled && t < n; ++t) {
       // query t attends positions [0, pos_t] of its sequence through its pages (all of them compressed,
       // as the CPU cache without an exact tail: kv_cache_quant's comp_rule with min_tail 0)
       const int len = h_pos[t] + 1;
@@ -294,9 +312,9 @@ struct model_runner::impl {
     up(tokens, h_tok.data(), n * sizeof(int32_t));
     up(pos, h_pos.data(), n * sizeof(int32_t));
     up(rows, h_rows.data(), n_out * sizeof(int32_t));
-    up(indptr, h_indptr.data(), (n + 1) * sizeof(int32_t));
+    up(indptr, h_indptr.data(), (n_tab + 1) * sizeof(int32_t));
     up(indices, h_indices.data(), h_indices.size() * sizeof(int32_t));
-    up(last, h_last.data(), n * sizeof(int32_t));
+    up(last, h_last.data(), n_tab * sizeof(int32_t));
     up(slots, h_slots.data(), n * sizeof(int64_t));
 
     decode_params dp;
@@ -306,7 +324,18 @@ struct model_runner::impl {
     dp.out_elem = kv_elem::f16;
     const bool want_ids = ids != nullptr;
 
-    if (graph_step && gexec && gplan && g_n == n && g_n_out == n_out && g_ids == want_ids &&
+    if (tiled) {
+      prefill_params pp;
+      pp.n_head = hp.n_head;
+      pp.spec = attn_spec{hp.attn_scale};
+      pp.q_elem = kv_elem::f16;
+      pp.out_elem = kv_elem::f16;
+      const int32_t qo[2] = {0, n};
+      const prefill_plan plan(fmt, pp, qo, h_indptr.data(), h_last.data(), 1);
+      enqueue(nullptr, &plan, n, n_out, want_ids);
+      check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before the plan's buffers go
+      ++n_tiled;
+    } else if (graph_step && gexec && gplan && g_n == n && g_n_out == n_out && g_ids == want_ids &&
         gplan->update(h_indptr.data(), h_last.data(), stream)) {
       // the same launches as the captured step (pointers fixed, tables and work items rewritten in
       // place): replay the graph as it is
@@ -316,7 +345,7 @@ struct model_runner::impl {
       cudaGraph_t g = nullptr;
       check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
       try {
-        enqueue(*plan, n, n_out, want_ids);
+        enqueue(plan.get(), nullptr, n, n_out, want_ids);
       } catch (...) {
         cudaStreamEndCapture(stream, &g);
         if (g) cudaGraphDestroy(g);
@@ -352,7 +381,7 @@ struct model_runner::impl {
       check_cuda(cudaGraphLaunch(gexec, stream), "cudaGraphLaunch");
     } else {
       const decode_plan plan(fmt, dp, h_indptr.data(), h_last.data(), n);
-      enqueue(plan, n, n_out, want_ids);
+      enqueue(&plan, nullptr, n, n_out, want_ids);
       check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before the plan's buffers go
     }
     for (int t = 0; t < n; ++t) seq_pos[h_seq[t]] = std::max(seq_pos[h_seq[t]], h_pos[t] + 1);
@@ -375,8 +404,9 @@ struct model_runner::impl {
     }
   }
 
-  // The step's kernels and products on `stream` (src/model/arch/llama.cpp's graph).
-  void enqueue(const decode_plan& plan, int n, int n_out, bool want_ids) {
+  // The step's kernels and products on `stream` (src/model/arch/llama.cpp's graph); attention through
+  // dplan (one page-table entry per token) or pplan (one entry: the tokens are a prompt chunk).
+  void enqueue(const decode_plan* dplan, const prefill_plan* pplan, int n, int n_out, bool want_ids) {
     const int64_t E = hp.n_embd, F = hp.n_ff;
     void* st = stream;
     mk::embed(tokens, emb, n, (int)E, x, st);
@@ -385,9 +415,10 @@ struct model_runner::impl {
       mk::add_rmsnorm(x, il == 0 ? nullptr : o, L.attn_norm, nullptr, n, (int)E, hp.rms_eps, h, st);
       gemm(L.wqkv, dqkv, E, h, n, qkv);
       mk::qkv_rope(qkv, L.bqkv, inv_freq, n_rot, neox, pos, n, hp.n_head, hp.n_kv_head, hp.head_dim, q16, k16, v16, st);
-      const paged_kv_view kv = layer_view(il, n);
+      const paged_kv_view kv = layer_view(il, pplan ? 1 : n);
       append_paged(kv, k16, v16, kv_elem::f16, slots, n, st);
-      plan.run(kv, q16, attn16, nullptr, st);
+      if (pplan) pplan->run(kv, q16, attn16, st);
+      else dplan->run(kv, q16, attn16, nullptr, st);
       gemm(L.wo, E, dq, attn16, n, o);
       mk::add_rmsnorm(x, o, L.ffn_norm, nullptr, n, (int)E, hp.rms_eps, h, st);
       gemm(L.wgu, 2 * F, E, h, n, gu);
@@ -553,6 +584,9 @@ void model_runner::decode(std::span<const int32_t> seq_ids, std::span<const int3
 }
 
 void model_runner::set_cuda_graphs(bool on) { p_->graphs = on; }
+void model_runner::set_tiled_prefill(bool on) { p_->tiled_prefill = on; }
+bool model_runner::tiled_prefill() const { return p_->tiled_prefill; }
+int model_runner::tiled_prefills() const { return p_->n_tiled; }
 bool model_runner::cuda_graphs() const { return p_->graphs; }
 int model_runner::graph_instantiations() const { return p_->n_instantiated; }
 int model_runner::graph_captures() const { return p_->n_captured; }

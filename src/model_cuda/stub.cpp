@@ -19,6 +19,9 @@ void model_runner::set_cuda_graphs(bool) {}
 bool model_runner::cuda_graphs() const { return false; }
 int model_runner::graph_instantiations() const { return 0; }
 int model_runner::graph_captures() const { return 0; }
+void model_runner::set_tiled_prefill(bool) {}
+bool model_runner::tiled_prefill() const { return false; }
+int model_runner::tiled_prefills() const { return 0; }
 void model_runner::clear() {}
 void model_runner::clear_seq(int) {}
 int model_runner::n_pos(int) const { return 0; }

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <span>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -16,14 +18,15 @@ namespace kvq {
 namespace {
 
 std::unique_ptr<cuda::model_runner> make_runner(const model_hparams& hp, const model* m, kv_cache_params cp, int n_seq,
-                                                int n_ctx, uint64_t seed) {
+                                                int n_ctx, uint64_t seed, int max_batch = 0) {
   cp.n_seq = n_seq;
   cp.n_ctx = n_ctx;
   cp.n_layer = hp.n_layer;
   cp.n_kv_head = hp.n_kv_head;
   cp.head_dim = hp.head_dim;
-  if (m) return std::make_unique<cuda::model_runner>(*m, cp, n_seq);
-  return std::make_unique<cuda::model_runner>(hp, cp, n_seq, seed);
+  const int mb = max_batch > 0 ? max_batch : n_seq;
+  if (m) return std::make_unique<cuda::model_runner>(*m, cp, mb);
+  return std::make_unique<cuda::model_runner>(hp, cp, mb, seed);
 }
 
 size_t weights_read_per_step(const cuda::model_runner& r, const model_hparams& hp) {
@@ -75,6 +78,52 @@ void measure(cuda::model_runner& r, const model_hparams& hp, int n_seq, int dept
   row.describe = r.describe();
 }
 
+// One prompt of p.prefill_depths through forward() in chunks, tiled then per token (bench_cuda.h).
+bench_cuda_prefill_row measure_prefill(const model_hparams& hp, const model* m, const kv_cache_params& f, int P,
+                                       const bench_cuda_params& p) {
+  using clock = std::chrono::steady_clock;
+  bench_cuda_prefill_row row;
+  row.type = kv_cache_type_name(f.type_k);
+  row.prompt = P;
+  row.chunk = std::min(p.prefill_chunk, P);
+  auto r = make_runner(hp, m, f, 1, P, p.seed, row.chunk);
+  row.describe = r->describe();
+  std::mt19937 rng((uint32_t)p.seed + (uint32_t)P);
+  std::vector<int32_t> toks(P);
+  for (int32_t& t : toks) t = (int32_t)(rng() % (uint32_t)hp.n_vocab);
+  std::vector<float> lg_tiled(hp.n_vocab), lg_tok(hp.n_vocab);
+  auto prompt = [&](float* lg) {
+    r->clear();
+    const auto t0 = clock::now();
+    for (int c0 = 0; c0 < P; c0 += row.chunk) {
+      const int c = std::min(row.chunk, P - c0);
+      r->forward(std::span<const int32_t>(toks.data() + c0, c), c0, {}, lg);
+    }
+    return std::chrono::duration<double>(clock::now() - t0).count();
+  };
+  r->set_tiled_prefill(true);
+  r->clear();
+  r->forward(std::span<const int32_t>(toks.data(), row.chunk), 0, {}, lg_tiled.data());  // warm-up (cuBLAS, clocks)
+  const int before = r->tiled_prefills();
+  row.tiled_seconds = prompt(lg_tiled.data());
+  row.tiled_tokens_per_s = P / row.tiled_seconds;
+  if (row.chunk >= 64 && r->tiled_prefills() == before)
+    fail(errc::internal, "[bench] the tiled prefill kernel did not run");
+  if (P <= p.prefill_per_token_max) {
+    r->set_tiled_prefill(false);
+    row.per_token_seconds = prompt(lg_tok.data());
+    row.per_token_tokens_per_s = P / row.per_token_seconds;
+    row.speedup = row.tiled_tokens_per_s / row.per_token_tokens_per_s;
+    double num = 0, den = 0;
+    for (int i = 0; i < hp.n_vocab; ++i) {
+      num += ((double)lg_tiled[i] - lg_tok[i]) * ((double)lg_tiled[i] - lg_tok[i]);
+      den += (double)lg_tok[i] * lg_tok[i];
+    }
+    row.logits_rel_rms = std::sqrt(num / std::max(den, 1e-300));
+  }
+  return row;
+}
+
 }  // namespace
 
 bench_cuda_result bench_cuda(const model_hparams& hp, const model* m, const bench_cuda_params& p,
@@ -83,7 +132,11 @@ bench_cuda_result bench_cuda(const model_hparams& hp, const model* m, const benc
     if (progress) progress(s);
   };
   if (p.formats.empty()) fail_input("[bench] no KV formats");
-  if (p.batches.empty() || p.depths.empty()) fail_input("[bench] no batches or no depths");
+  if ((p.batches.empty() || p.depths.empty()) && p.prefill_depths.empty())
+    fail_input("[bench] no batches or no depths (and no prefill lengths)");
+  for (int d : p.prefill_depths)
+    if (d < 1) fail_input("[bench] prefill length " + std::to_string(d) + " must be >= 1");
+  if (p.prefill_chunk < 1) fail_input("[bench] prefill chunk " + std::to_string(p.prefill_chunk) + " must be >= 1");
   for (int b : p.batches)
     if (b < 1) fail_input("[bench] batch " + std::to_string(b) + " must be >= 1");
   for (int d : p.depths)
@@ -130,6 +183,12 @@ bench_cuda_result bench_cuda(const model_hparams& hp, const model* m, const benc
         for (size_t j = first; j < res.rows.size(); ++j)
           if (res.rows[j].type == "f16")
             res.rows[i].speedup_vs_f16 = res.rows[i].tokens_per_s / res.rows[j].tokens_per_s;
+    }
+
+  for (int P : p.prefill_depths)
+    for (const kv_cache_params& f : p.formats) {
+      say(std::string(kv_cache_type_name(f.type_k)) + " prefill " + std::to_string(P));
+      res.prefill.push_back(measure_prefill(hp, m, f, P, p));
     }
 
   if (p.capacity_ctx > 0) {

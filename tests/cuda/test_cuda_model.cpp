@@ -233,6 +233,51 @@ INSTANTIATE_TEST_SUITE_P(Types, CudaModelLogits,
                                            tol_case{kv_cache_type::q4, 6e-2, 3.0, 93}),
                          [](const auto& i) { return std::string(kv_cache_type_name(i.param.type)); });
 
+// The tiled prefill kernel (a forward of >= 64 tokens) against the former per-token path (the decode
+// kernel with one "sequence" per prompt token), same runner, same prompt: 200 tokens from position 0,
+// then a chunk of 77 from position 200 (a history to attend, pages crossed), logits of every
+// position. Both attend the same codes; they differ by float summation order and the f16 rounding
+// of P, which with q8 / q4 can move a later layer's K/V code across a rounding boundary. Bounds as
+// CudaModelBatched (f16 1e-3, q8 5e-3, q4 6e-2 rel RMS); the tiled logits must also stay as close to
+// the CPU engine as CudaModelLogits asks.
+class CudaModelPrefill : public ::testing::TestWithParam<tol_case> {};
+
+TEST_P(CudaModelPrefill, TiledEqualsPerTokenPath) {
+  KVQ_REQUIRE_GPU();
+  KVQ_REQUIRE_DATA(mp, kTinylit);
+  const tol_case tc = GetParam();
+  auto m = model::load(mp);
+  const int V = m->hparams().n_vocab, n0 = 200, n1 = 77, n = n0 + n1;
+  const std::vector<int32_t> ids = sample_tokens(*m, n, 23);
+  const kv_cache_params cp = cache_of(*m, tc.type, 512);
+  cuda::model_runner r(*m, cp, 256);
+  auto run = [&](bool tiled) {
+    r.set_tiled_prefill(tiled);
+    r.clear();
+    std::vector<float> out((size_t)n * V);
+    const int before = r.tiled_prefills();
+    EXPECT_EQ(r.forward(std::span<const int32_t>(ids.data(), n0), 0, std::vector<uint8_t>(n0, 1), out.data()), n0);
+    EXPECT_EQ(r.forward(std::span<const int32_t>(ids.data() + n0, n1), n0, std::vector<uint8_t>(n1, 1),
+                        &out[(size_t)n0 * V]),
+              n1);
+    EXPECT_EQ(r.tiled_prefills() - before, tiled ? 2 : 0);
+    return out;
+  };
+  const std::vector<float> tiled = run(true), per_token = run(false);
+  const diff d = compare(tiled, per_token, V);
+  const diff dc = compare(tiled, cpu_logits(*m, cp, ids, n0), V);  // the CPU runs 200 + 77 one at a time: as a prefill
+  std::printf("[ tiled vs per-token %s ] max |dlogit| %.3e, rel rms %.3e, argmax same %d/%d; vs cpu rel rms %.3e\n",
+              kv_cache_type_name(tc.type), d.max_abs, d.rms / d.ref_rms, d.argmax_same, d.rows, dc.rms / dc.ref_rms);
+  EXPECT_LE(d.rms / d.ref_rms, tc.max_rel_rms);
+  EXPECT_LE(dc.rms / dc.ref_rms, tc.max_abs);  // max_abs holds the vs-CPU bound here
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, CudaModelPrefill,
+                         ::testing::Values(tol_case{kv_cache_type::f16, 1e-3, 1e-3, 0},
+                                           tol_case{kv_cache_type::q8, 5e-3, 5e-3, 0},
+                                           tol_case{kv_cache_type::q4, 6e-2, 6e-2, 0}),
+                         [](const auto& i) { return std::string(kv_cache_type_name(i.param.type)); });
+
 TEST(CudaModel, GreedyF16MatchesCpu) {
   KVQ_REQUIRE_GPU();
   KVQ_REQUIRE_DATA(mp, kTinylit);
