@@ -182,7 +182,9 @@ struct prefill_params {
 // positions up to its own, the history and the chunk's earlier tokens alike, read from the codes
 // (never a dequantized copy). The queries of a kv head's GQA group share a tile: one block per
 // (64 query rows = tokens x group heads, kv head), key tiles past a block's last position never
-// loaded. q8 / q4 queries are rotated and quantized per K scale group exactly as decode_plan (and
+// loaded; when the tiles alone would leave block slots idle (a short chunk after a long history),
+// long tiles are split over the keys into parts whose states a second kernel merges (split-KV).
+// q8 / q4 queries are rotated and quantized per K scale group exactly as decode_plan (and
 // kv_cache_quant) does, so a query's output equals decode_plan's for the same query over the
 // positions it sees, up to float summation order.
 // Errors (constructor; run() only checks the view against the plan): unsupported for a format /
@@ -201,10 +203,11 @@ class prefill_plan {
 
   // q device [qo_indptr[batch]][n_head][head_dim] (q_elem); out device, same shape (out_elem).
   // kv: the plan's format and batch, the page table the plan was made from. One launch, no
-  // allocation (capturable in a CUDA graph).
+  // allocation (capturable in a CUDA graph): one launch, two with split tiles.
   void run(const paged_kv_view& kv, const void* q, void* out, void* stream = nullptr) const;
 
-  int n_tiles() const;            // query tiles (thread blocks per kv head)
+  int n_tiles() const;            // query tiles of 64 rows (per kv head)
+  int n_items() const;            // work items (thread blocks per kv head): tiles, or parts of split tiles
   size_t workspace_bytes() const;
 
  private:

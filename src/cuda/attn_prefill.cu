@@ -40,13 +40,20 @@ constexpr int kBias = 0x4B400000;   // float 1.5 * 2^23 as int: bias of the int3
 constexpr float kBiasF = 12582912.0f;
 constexpr unsigned kFull = 0xffffffffu;
 
-// One block's rows: rows [row0, row0 + 64) of sequence seq (row = token * ng + head of the group).
+// One block's work: rows [row0, row0 + 64) of sequence seq (row = token * ng + head of the group)
+// against keys [k_begin, k_end) (the whole visible range, or one part of it: split-KV).
 struct tile_desc {
   int seq, row0;
   int qo0;    // first query row of the sequence in q / out (qo_indptr[seq])
   int pg0;    // first page-table entry of the sequence (indptr[seq])
   int pos0;   // position of the sequence's first query (kv_len - q_len)
   int q_len;  // queries of the sequence
+  int k_begin, k_end;  // key range (k_begin a multiple of 64; k_end <= the rows' last position + 1)
+  int ws;     // -1: store the output; else this part's slot in the workspace (unnormalised o, m, d)
+};
+// A split tile: its parts are workspace slots [ws0, ws0 + n_parts).
+struct merge_desc {
+  int row0, qo0, q_len, ws0, n_parts;
 };
 
 struct prefill_args {
@@ -54,6 +61,8 @@ struct prefill_args {
   dev_geom geo;
   const int32_t* indices;
   const tile_desc* tiles;
+  float* ws_o;    // [slots][n_kv_head][64][HD] unnormalised outputs of split parts (rotated basis)
+  float2* ws_md;  // [slots][n_kv_head][64] {m (log2 units), d}
   const void* q;  // [n_q][n_head][HD]
   void* out;      // [n_q][n_head][HD]
   int q_bf16, out_f16;
@@ -137,8 +146,9 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(prefill_args a) {
   const int h = blockIdx.x % a.n_kv_head, ng = a.ng;
   const int n_rows = td.q_len * ng;
   const int rows_here = min(kRows, n_rows - td.row0);
-  const int kv_end = td.pos0 + (td.row0 + rows_here - 1) / ng + 1;  // keys any row of the block sees
-  const int n_kt = (kv_end + kKeys - 1) / kKeys;
+  const int kv_end = td.k_end;  // keys past it are zero-filled (and masked: past every row's position)
+  const int j0 = td.k_begin / kKeys;
+  const int n_kt = (kv_end + kKeys - 1) / kKeys - j0;
   const uint8_t* head_base = a.pool + (int64_t)h * a.geo.head_bytes;
   const int32_t* pages = a.indices + td.pg0;
   auto q_index = [&](int r) {  // element offset of block row r in q / out
@@ -216,7 +226,7 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(prefill_args a) {
   auto issue = [&](int j) {
     if (j < n_kt) {
       uint8_t* dst = smem + (j % C::STAGES) * C::STAGE;
-      const int tok0 = j * kKeys;
+      const int tok0 = (j0 + j) * kKeys;
       for (int p = threadIdx.x; p < kKeys * C::PPR; p += kThreads) {
         const int r = p / C::PPR, piece = p % C::PPR;
         const int tok = tok0 + r;
@@ -306,7 +316,7 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(prefill_args a) {
     const uint8_t* stage = smem + (j % C::STAGES) * C::STAGE;
 #pragma unroll 1
     for (int sub = 0; sub < kKeys / kSub; ++sub) {
-      const int tok = j * kKeys + sub * kSub;
+      const int tok = (j0 + j) * kKeys + sub * kSub;
       if (tok > w_hi) break;  // causal: no row of this warp sees these keys (warp-uniform)
       const uint8_t* kc = stage + sub * kSub * C::SR;
       const uint8_t* vc = stage + (kKeys + sub * kSub) * C::SR;
@@ -543,7 +553,14 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(prefill_args a) {
   d_a += __shfl_xor_sync(kFull, d_a, 2);
   d_b += __shfl_xor_sync(kFull, d_b, 1);
   d_b += __shfl_xor_sync(kFull, d_b, 2);
-  const float inv_a = d_a > 0.0f ? 1.0f / d_a : 0.0f, inv_b = d_b > 0.0f ? 1.0f / d_b : 0.0f;
+  const bool part = td.ws >= 0;  // a split part: unnormalised o, and m, d, to the workspace
+  const float inv_a = part ? 1.0f : d_a > 0.0f ? 1.0f / d_a : 0.0f;
+  const float inv_b = part ? 1.0f : d_b > 0.0f ? 1.0f / d_b : 0.0f;
+  const int64_t slot = part ? (int64_t)td.ws * a.n_kv_head + h : 0;
+  if (part && t == 0) {
+    a.ws_md[slot * kRows + ra] = make_float2(m_a, d_a);
+    a.ws_md[slot * kRows + rb] = make_float2(m_b, d_b);
+  }
   float inv[2][2];
   inv[0][0] = __shfl_sync(kFull, inv_a, 8 * t);  // rows 2t, 2t + 1 of each half
   inv[0][1] = __shfl_sync(kFull, inv_a, 8 * t + 4);
@@ -586,11 +603,64 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(prefill_args a) {
       }
     }
   }
+  if (part) {  // the merge kernel normalises and rotates
+    __syncthreads();
+    float* wo = a.ws_o + slot * kRows * HD;
+    for (int i = threadIdx.x; i < kRows * HD / 4; i += kThreads)
+      reinterpret_cast<float4*>(wo)[i] = reinterpret_cast<const float4*>(of)[i];
+    return;
+  }
   if (a.rot_block > 1) fwht_rows_block(of, kRows, HD, a.rot_block, a.rot_scale);  // Hadamard: its own inverse
   else __syncthreads();
   for (int i = threadIdx.x; i < rows_here * HD; i += kThreads) {
     const int r = i / HD, c = i % HD;
     const int64_t oi = q_index(r) + c;
+    if (a.out_f16) reinterpret_cast<__half*>(a.out)[oi] = __float2half_rn(of[i]);
+    else reinterpret_cast<float*>(a.out)[oi] = of[i];
+  }
+}
+
+struct merge_args {
+  const merge_desc* merges;
+  const float* ws_o;
+  const float2* ws_md;
+  void* out;
+  int out_f16;
+  int n_head, n_kv_head, ng;
+  int rot_block;
+  float rot_scale;
+};
+
+// One block per (split tile, kv head): attn_state::merge of its parts per row (log2 units),
+// normalisation, inverse rotation, store.
+template <int HD>
+__global__ void __launch_bounds__(kThreads) prefill_merge_kernel(merge_args a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  float* of = reinterpret_cast<float*>(smem);  // [64][HD]
+  const merge_desc md = a.merges[blockIdx.x / a.n_kv_head];
+  const int h = blockIdx.x % a.n_kv_head, ng = a.ng;
+  const int rows_here = min(kRows, md.q_len * ng - md.row0);
+  for (int i = threadIdx.x; i < kRows * HD; i += kThreads) {
+    const int r = i / HD;
+    float M = -INFINITY;
+    for (int pp = 0; pp < md.n_parts; ++pp)
+      M = fmaxf(M, a.ws_md[((int64_t)(md.ws0 + pp) * a.n_kv_head + h) * kRows + r].x);
+    float o = 0.0f, d = 0.0f;
+    for (int pp = 0; pp < md.n_parts; ++pp) {
+      const int64_t slot = (int64_t)(md.ws0 + pp) * a.n_kv_head + h;
+      const float2 st = a.ws_md[slot * kRows + r];
+      if (st.x == -INFINITY) continue;
+      const float e = ex2(st.x - M);
+      o = fmaf(e, a.ws_o[slot * kRows * HD + i], o);
+      d = fmaf(e, st.y, d);
+    }
+    of[i] = d > 0.0f ? o / d : 0.0f;
+  }
+  if (a.rot_block > 1) fwht_rows_block(of, kRows, HD, a.rot_block, a.rot_scale);
+  else __syncthreads();
+  for (int i = threadIdx.x; i < rows_here * HD; i += kThreads) {
+    const int r = i / HD, c = i % HD, R = md.row0 + r;
+    const int64_t oi = ((int64_t)(md.qo0 + R / ng) * a.n_head + (int64_t)h * ng + R % ng) * HD + c;
     if (a.out_f16) reinterpret_cast<__half*>(a.out)[oi] = __float2half_rn(of[i]);
     else reinterpret_cast<float*>(a.out)[oi] = of[i];
   }
@@ -602,10 +672,19 @@ struct prefill_plan::impl {
   paged_kv_format f;
   paged_kv_geometry geo;
   prefill_params p;
-  int batch = 0, ng = 0, n_tiles = 0, smem = 0, n_q = 0;
-  tile_desc* tiles = nullptr;
+  int batch = 0, ng = 0, n_tiles = 0, n_items = 0, n_merges = 0, n_slots = 0, smem = 0, n_q = 0;
+  tile_desc* tiles = nullptr;  // [n_items] work items (tiles or parts of tiles), longest first
+  merge_desc* merges = nullptr;
+  float* ws_o = nullptr;
+  float2* ws_md = nullptr;
+  size_t ws_bytes = 0;
 
-  ~impl() { cudaFree(tiles); }
+  ~impl() {
+    cudaFree(tiles);
+    cudaFree(merges);
+    cudaFree(ws_o);
+    cudaFree(ws_md);
+  }
 };
 
 prefill_plan::prefill_plan(const paged_kv_format& f, const prefill_params& p, const int32_t* qo_indptr_host,
@@ -663,41 +742,94 @@ prefill_plan::prefill_plan(const paged_kv_format& f, const prefill_params& p, co
       d.pg0 = indptr_host[b];
       d.pos0 = (int)(len - nq);
       d.q_len = nq;
+      d.k_begin = 0;
+      d.k_end = d.pos0 + (int)((std::min<int64_t>(r0 + kRows, rows) - 1) / s.ng) + 1;  // keys its rows see
+      d.ws = -1;
       tiles.push_back(d);
-      cost.push_back(d.pos0 + (std::min<int64_t>(r0 + kRows, rows) - 1) / s.ng + 1);
+      cost.push_back(d.k_end);
     }
   }
   s.n_q = batch > 0 ? qo_indptr_host[batch] : 0;
-  // longest key ranges first (the tail of the grid is then the short tiles)
-  std::vector<size_t> order(tiles.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) { return cost[x] > cost[y]; });
-  std::vector<tile_desc> sorted(tiles.size());
-  for (size_t i = 0; i < order.size(); ++i) sorted[i] = tiles[order[i]];
-  if ((int64_t)sorted.size() * f.n_kv_head > INT32_MAX) fail_unsupported(op + "too many query tiles");
-  s.n_tiles = (int)sorted.size();
+  if ((int64_t)tiles.size() * f.n_kv_head > INT32_MAX / 64) fail_unsupported(op + "too many query tiles");
+  s.n_tiles = (int)tiles.size();
   if (s.n_tiles == 0) return;
+  int occ = 0, sms = 1, dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
   dispatch_format_hd(to_dfmt(f.format), f.head_dim, [&](auto fc, auto hc) {
     constexpr dfmt F = decltype(fc)::value;
     constexpr int HD = decltype(hc)::value;
     s.smem = pcfg<F, HD>::SMEM;
     check(cudaFuncSetAttribute(prefill_kernel<F, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, s.smem),
           "cudaFuncSetAttribute(prefill)");
-    int occ = 0;
+    check(cudaFuncSetAttribute(prefill_merge_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kRows * HD * 4),
+          "cudaFuncSetAttribute(prefill merge)");
     check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, prefill_kernel<F, HD>, kThreads, s.smem),
           "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    if (occ < 1)
-      fail_unsupported(op + "the prefill kernel does not fit on this GPU (shared memory " + std::to_string(s.smem) +
-                       " bytes)");
   });
+  if (occ < 1)
+    fail_unsupported(op + "the prefill kernel does not fit on this GPU (shared memory " + std::to_string(s.smem) +
+                     " bytes)");
+  // Split-KV (Flash-Decoding's idea applied to prefill tiles): when the tiles alone would leave
+  // resident block slots idle (a short chunk, few kv heads, a long history), long tiles are cut into
+  // parts of about T keys (T a multiple of 64, >= 1024), T chosen so that the parts fill the slots;
+  // the parts' states merge in a second kernel.
+  const int64_t slots = (int64_t)sms * occ;
+  int64_t total = 0;
+  for (int64_t c : cost) total += c;
+  total *= f.n_kv_head;
+  int64_t T = INT64_MAX;
+  if ((int64_t)tiles.size() * f.n_kv_head < slots) T = std::max<int64_t>(1024, (total / slots + 63) / 64 * 64);
+  std::vector<tile_desc> items;
+  std::vector<int64_t> item_cost;
+  std::vector<merge_desc> merges;
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    const tile_desc& d = tiles[i];
+    const int64_t np = T == INT64_MAX ? 1 : std::max<int64_t>(1, (d.k_end + T - 1) / T);
+    if (np == 1) {
+      items.push_back(d);
+      item_cost.push_back(d.k_end);
+      continue;
+    }
+    const int per = (int)(((d.k_end + np - 1) / np + 63) / 64 * 64);
+    merge_desc m{d.row0, d.qo0, d.q_len, s.n_slots, 0};
+    for (int k0 = 0; k0 < d.k_end; k0 += per) {
+      tile_desc pd = d;
+      pd.k_begin = k0;
+      pd.k_end = std::min(d.k_end, k0 + per);
+      pd.ws = s.n_slots++;
+      items.push_back(pd);
+      item_cost.push_back(pd.k_end - pd.k_begin);
+      ++m.n_parts;
+    }
+    merges.push_back(m);
+  }
+  // longest key ranges first (the tail of the grid is then the short items)
+  std::vector<size_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) { return item_cost[x] > item_cost[y]; });
+  std::vector<tile_desc> sorted(items.size());
+  for (size_t i = 0; i < order.size(); ++i) sorted[i] = items[order[i]];
+  s.n_items = (int)sorted.size();
+  s.n_merges = (int)merges.size();
   check(cudaMalloc(&s.tiles, sorted.size() * sizeof(tile_desc)), "cudaMalloc(prefill tiles)");
   copy_to_device(s.tiles, sorted.data(), sorted.size() * sizeof(tile_desc));
+  s.ws_bytes = sorted.size() * sizeof(tile_desc);
+  if (s.n_merges > 0) {
+    const size_t n = (size_t)s.n_slots * f.n_kv_head * kRows;
+    check(cudaMalloc(&s.merges, merges.size() * sizeof(merge_desc)), "cudaMalloc(prefill merges)");
+    check(cudaMalloc(&s.ws_o, n * f.head_dim * sizeof(float)), "cudaMalloc(prefill workspace)");
+    check(cudaMalloc(&s.ws_md, n * sizeof(float2)), "cudaMalloc(prefill workspace)");
+    copy_to_device(s.merges, merges.data(), merges.size() * sizeof(merge_desc));
+    s.ws_bytes += merges.size() * sizeof(merge_desc) + n * (f.head_dim * sizeof(float) + sizeof(float2));
+  }
 }
 
 prefill_plan::~prefill_plan() = default;
 
 int prefill_plan::n_tiles() const { return p_->n_tiles; }
-size_t prefill_plan::workspace_bytes() const { return (size_t)p_->n_tiles * sizeof(tile_desc); }
+int prefill_plan::n_items() const { return p_->n_items; }
+size_t prefill_plan::workspace_bytes() const { return p_->ws_bytes; }
 
 void prefill_plan::run(const paged_kv_view& kv, const void* q, void* out, void* stream) const {
   const impl& s = *p_;
@@ -717,6 +849,8 @@ void prefill_plan::run(const paged_kv_view& kv, const void* q, void* out, void* 
     a.geo = to_dev(s.geo, f.page_size);
     a.indices = kv.indices;
     a.tiles = s.tiles;
+    a.ws_o = s.ws_o;
+    a.ws_md = s.ws_md;
     a.q = q;
     a.out = out;
     a.q_bf16 = s.p.q_elem == kv_elem::bf16;
@@ -728,9 +862,25 @@ void prefill_plan::run(const paged_kv_view& kv, const void* q, void* out, void* 
     a.softcap_log2 = s.p.spec.softcap * l2e;
     a.rot_block = s.geo.rot_block;
     a.rot_scale = s.geo.rot_scale;
-    const unsigned grid = (unsigned)s.n_tiles * (unsigned)f.n_kv_head;
+    const unsigned grid = (unsigned)s.n_items * (unsigned)f.n_kv_head;
     prefill_kernel<F, HD><<<grid, kThreads, s.smem, as_stream(stream)>>>(a);
     check_launch("attn_prefill (prefill_kernel)");
+    if (s.n_merges > 0) {
+      merge_args m;
+      m.merges = s.merges;
+      m.ws_o = s.ws_o;
+      m.ws_md = s.ws_md;
+      m.out = out;
+      m.out_f16 = a.out_f16;
+      m.n_head = a.n_head;
+      m.n_kv_head = a.n_kv_head;
+      m.ng = a.ng;
+      m.rot_block = a.rot_block;
+      m.rot_scale = a.rot_scale;
+      prefill_merge_kernel<HD><<<(unsigned)s.n_merges * (unsigned)f.n_kv_head, kThreads, kRows * HD * 4,
+                                 as_stream(stream)>>>(m);
+      check_launch("attn_prefill (prefill_merge_kernel)");
+    }
   });
 }
 

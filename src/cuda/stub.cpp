@@ -46,6 +46,7 @@ prefill_plan::prefill_plan(const paged_kv_format&, const prefill_params&, const 
 prefill_plan::~prefill_plan() = default;
 void prefill_plan::run(const paged_kv_view&, const void*, void*, void*) const { no_cuda(); }
 int prefill_plan::n_tiles() const { return 0; }
+int prefill_plan::n_items() const { return 0; }
 size_t prefill_plan::workspace_bytes() const { return 0; }
 
 }  // namespace kvq::cuda

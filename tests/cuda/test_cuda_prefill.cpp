@@ -201,7 +201,7 @@ TEST_P(CudaPrefill, MatchesCpuReferenceAndDecodePath) {
   }
   // f16 output: its own rounding (2^-11 relative) on top
   const double bound = p.oe == kv_elem::f16 ? 1.5e-3 : 1e-3;
-  EXPECT_LE(err, bound) << "tiles " << plan.n_tiles();
+  EXPECT_LE(err, bound) << "tiles " << plan.n_tiles() << ", items " << plan.n_items();
   const std::vector<float> dec = per_token_decode(c, q, p.qe, n_head, spec, p.q_len);
   const double err_dec = rel_err(got, dec), err_dec_ref = rel_err(dec, ref);
   EXPECT_LE(err_dec, bound) << "vs the decode kernel, one sequence per token";
@@ -214,8 +214,9 @@ TEST_P(CudaPrefill, MatchesCpuReferenceAndDecodePath) {
     worst_row = std::max(worst_row, rel_err(gr, rr));
   }
   EXPECT_LE(worst_row, 10 * bound) << "worst query row";
-  std::printf("[ prefill  ] rel err %.3g vs cpu, %.3g vs decode path (decode vs cpu %.3g), worst row %.3g, %d tiles\n",
-              err, err_dec, err_dec_ref, worst_row, plan.n_tiles());
+  std::printf("[ prefill  ] rel err %.3g vs cpu, %.3g vs decode path (decode vs cpu %.3g), worst row %.3g, %d tiles, "
+              "%d items\n",
+              err, err_dec, err_dec_ref, worst_row, plan.n_tiles(), plan.n_items());
 }
 
 std::string prefill_name(const ::testing::TestParamInfo<prefill_case>& i) {
@@ -249,7 +250,11 @@ INSTANTIATE_TEST_SUITE_P(
         prefill_case{kv_format::f16, 64, 1, 2, 64, V{129}, V{127}},
         prefill_case{kv_format::f16, 80, 7, 1, 16, V{81}, V{19}},
         prefill_case{kv_format::f16, 96, 4, 2, 64, V{257}, V{100}, kv_elem::f16, kv_elem::f32, 1.5f},
-        prefill_case{kv_format::f16, 256, 4, 1, 16, V{300}, V{150}, kv_elem::bf16, kv_elem::f16}),
+        prefill_case{kv_format::f16, 256, 4, 1, 16, V{300}, V{150}, kv_elem::bf16, kv_elem::f16},
+        // long histories behind short chunks: the tiles are split over the keys (split-KV + merge)
+        prefill_case{kv_format::f16, 128, 4, 2, 16, V{3000, 20}, V{100, 20}},
+        prefill_case{kv_format::q4, 80, 8, 1, 64, V{5000}, V{9}},
+        prefill_case{kv_format::q8, 128, 1, 1, 16, V{2500}, V{64}, kv_elem::f16, kv_elem::f16}),
     prefill_name);
 
 TEST(CudaPrefillErrors, PlanValidates) {
