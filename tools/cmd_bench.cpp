@@ -291,6 +291,7 @@ int run_bench_cuda(bench_opts& o) {
   p.batches = parse_count_list(o.batches, "bench", "--batch");
   // --prefill alone times prompts only; with --depths or --batch the decode rows too
   if (!o.prefill_given || o.depths_given || o.batches_given) p.depths = parse_count_list(o.depths, "bench", "--depths");
+  else p.depths.clear();  // bench_cuda_params defaults to one decode depth
   if (o.prefill_given) p.prefill_depths = parse_count_list(o.prefill, "bench", "--prefill");
   p.prefill_chunk = o.prefill_chunk;
   if (!o.prefill_per_token_max.empty()) {
