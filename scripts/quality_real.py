@@ -102,6 +102,9 @@ FORMATS = [
     ("q3nl default", "3-bit", ["-ctk", "q3nl", "-ctv", "q3nl"]),
     ("q4nl / q2nl default", "3-bit", ["-ctk", "q4nl", "-ctv", "q2nl"]),
     ("q4nl / q2nl + V channel scale", "3-bit", ["-ctk", "q4nl", "-ctv", "q2nl", "--kv-channel-scale"]),
+    # per-channel 4-bit K (T 64) beside q2nl V: 3.5 bits/elem, the 3-bit target's row since 4829e15
+    ("kivi4 g64 / q2nl + V channel scale", "3-bit", ["-ctk", "kivi4", "--kv-kivi-group", "64", "-ctv", "q2nl",
+                                                     "--kv-channel-scale", "--kv-sink", "4", "--kv-exact-recent", "32"]),
 ]
 PER_TOKEN = {"q8", "q4", "q3", "q2", "q8a", "q4a", "q3a", "q2a"}
 
