@@ -57,7 +57,10 @@ std::vector<std::string> split(const std::string& s) {
 // every entry.
 kv_cache_params types_entry(const std::string& t, const kv_flags& kv, bool gpu = false) {
   kv_cache_params c = kv.p;
-  if (gpu) {  // the GPU runner keeps no exact windows and no K channel scale (unless asked: then refused)
+  // The GPU bench keeps no exact windows (unless asked: then refused) and, unless asked, no K channel
+  // scale: its decode cost is one multiply per query element, and prompts with it do not take the
+  // tiled prefill kernel yet (docs/cuda.md)
+  if (gpu) {
     c.sink = std::max(c.sink, 0);
     c.exact_recent = std::max(c.exact_recent, 0);
     if (!c.k_channel_scale) c.k_channel_scale = false;

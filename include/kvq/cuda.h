@@ -93,16 +93,33 @@ struct paged_kv_view {
   const int32_t* indices = nullptr;        // device [indptr[batch]] page ids < n_pages
   const int32_t* last_page_len = nullptr;  // device [batch], in [1, page_size]
   int batch = 0;
+  // K channel scale (kv_cache_params::k_channel_scale; docs/formats.md "Rotation and channel scale"),
+  // or all nullptr: K stored as R((k - mu) / lambda), queries rotated as R(q * lambda), per row r of
+  // k_mu / k_lambda [n_rows][n_kv_head][head_dim] f32 (device; lambda powers of two, from
+  // channel_stats). stat_row (device) gives the row: append_paged [n_tokens], one per input token;
+  // decode_plan::run [batch], one per sequence. V is unchanged.
+  const float* k_mu = nullptr;
+  const float* k_lambda = nullptr;
+  const int32_t* stat_row = nullptr;
 };
 
-// Fused append: k, v device [n_tokens][n_kv_head][head_dim] f16 or bf16; token i goes to slot
-// slots[i] = page * page_size + row (device int64). Per (token, kv head, side) one warp: rotate (FWHT
-// in shared memory), round to f16, per-group min/max -> signed f16 scale rounded up (quant.h) ->
-// codes -> pack; f16 format stores the rotated, f16-rounded row. Codes and scales equal
-// quantize_row_ref on the same input (|rotated x| <= 65504 assumed; the CPU cache checks this, the
-// kernel does not). One launch.
+// Fused append: k, v device [n_tokens][n_kv_head][head_dim] f16, bf16 or f32; token i goes to slot
+// slots[i] = page * page_size + row (device int64; a negative slot skips the token). Per (token, kv
+// head, side) one warp: with the view's K channel scale (k_mu, k_lambda, stat_row[i]) K becomes
+// (k - mu) / lambda (f32, as kv_cache_quant::transform_side), then rotate (FWHT), round to f16,
+// per-group min/max -> signed f16 scale rounded up (quant.h) -> codes -> pack; f16 format stores
+// the rotated, f16-rounded row. Codes and scales equal quantize_row_ref on the same input, and a
+// kv_cache_quant's stored codes for the same f32 rows, mu and lambda (|transformed x| <= 65504
+// assumed; the CPU cache checks this, the kernel does not). One launch.
 void append_paged(const paged_kv_view& kv, const void* k, const void* v, kv_elem elem, const int64_t* slots,
                   int n_tokens, void* stream = nullptr);
+
+// The channel statistics of kv_channel_stats_ref (include/kvq/kv_cache.h) on the device, equal to
+// it bit for bit: x device [n_tokens][n_kv_head][head_dim] f32, mu and lambda device
+// [n_kv_head][head_dim] f32. One block per kv head, one thread per channel (sums in double in token
+// order). invalid_input for n_tokens < 1; head_dim as paged_kv_format. One launch.
+void channel_stats(const float* x, int n_tokens, int n_kv_head, int head_dim, float* mu, float* lambda,
+                   void* stream = nullptr);
 
 // Baseline only: dequantizes the pages src.indices[0, n_entries) (n_entries = indptr[batch], from the
 // host copy) into the f16 pool of dst: same page ids, head_dim, n_kv_head and page_size; values
@@ -145,7 +162,10 @@ class decode_plan {
   decode_plan& operator=(const decode_plan&) = delete;
 
   // q device [batch][n_head][head_dim] (q_elem); out device [batch][n_head][head_dim] (out_elem).
-  // kv must have the plan's format and batch; exact may be nullptr.
+  // kv must have the plan's format and batch; exact may be nullptr. With kv's K channel scale
+  // (k_lambda, stat_row[b]; q8 / q4 only) query b is multiplied by lambda in f32 before its rotation,
+  // as kv_cache_quant's attend (K's mu shifts every score of a query alike, which softmax ignores);
+  // exact-window rows must then be stored as the pages are.
   void run(const paged_kv_view& kv, const void* q, void* out, const exact_window_view* exact = nullptr,
            void* stream = nullptr) const;
 

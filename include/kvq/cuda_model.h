@@ -6,14 +6,20 @@
 //  - kvq's own kernels do the rest (src/model_cuda/model_kernels.cu): embedding lookup, residual
 //    add fused with RMSNorm, bias + RoPE (NORM or NEOX pairs, the CPU engine's inverse frequencies),
 //    SwiGLU; activations between products are f16, the residual stream f32.
+//  - K channel scale (q8 / q4, on unless cp.k_channel_scale is false): as kv_cache_quant, a
+//    sequence's first C = min(channel_calib, n_ctx) positions are kept in f32 staging rows and
+//    queries at positions below C attend them exactly; the forward that brings position C - 1
+//    calibrates mu / lambda per layer on positions [1, C) (cuda::channel_stats, bit-equal to the
+//    CPU's) and stores the staged rows; K is then stored as R((k - mu) / lambda) from f32 rows.
 //  - Attention: the fused rotate-quantize-append kernel, the split-KV decode kernel and the tiled
 //    causal prefill kernel of kvq/cuda.h over f16, q8 or q4 pages (page size 16). A forward() of
 //    >= 64 tokens (a prompt chunk) appends its K/V, then attends through prefill_plan (the chunk's
-//    queries against the history and the chunk itself, on the codes); shorter ones, decode steps
-//    and every forward with set_tiled_prefill(false) run the decode kernel with one "sequence"
-//    per token: query t attends the pages up to its own position. q8 / q4 queries see every
-//    position through its codes, its own batch's too, as the CPU cache does without an exact
-//    window (sink 0, exact_recent 0).
+//    queries against the history and the chunk itself, on the codes); shorter ones, decode steps,
+//    every forward with the K channel scale (prefill_plan does not take it yet) and every forward
+//    with set_tiled_prefill(false) run the decode kernel with one "sequence" per token: query t
+//    attends the pages up to its own position. q8 / q4 queries see every position through its
+//    codes, its own batch's too, as the CPU cache does without an exact window (sink 0,
+//    exact_recent 0).
 // Sequences: the runner holds cp.n_seq sequences of up to cp.n_ctx positions each, their pages
 // (16 positions of every kv head of one layer) drawn from one pool of n_seq * ceil(n_ctx / 16)
 // pages per layer through a free list, so sequences of different lengths share it and a cleared
@@ -53,8 +59,8 @@ namespace cuda {
 //  - architectures other than llama, mistral, qwen2; sliding-window layers, logit soft-caps;
 //  - cache types other than f16, q8, q4 (K and V the same type), rotations other than none /
 //    hadamard (f16: none), a group size other than the default, exact sink / recent windows,
-//    channel scales (K's is on by default for q8 / q4 on the CPU: pass --kv-k-channel-scale off),
-//    certified attention, the dequantize attention path, n_seq != 1;
+//    the V channel scale (--kv-channel-scale; the K channel scale, on by default for q8 / q4 as on
+//    the CPU, runs, with channel_calib <= 8192), certified attention, the dequantize attention path;
 //  - head_dim, n_kv_head or GQA ratios the kernels do not take (kvq/cuda.h).
 // invalid_input for max_batch < 1, cp.n_ctx < 1 or cp.n_seq < 1.
 void check_supported(const model& m, const kv_cache_params& cp, int max_batch);
@@ -129,7 +135,8 @@ class model_runner {
   int n_seq() const;
   int max_batch() const;
   std::string describe() const;  // e.g. "q4/q4 (hadamard, g32), 16-token pages, on NVIDIA H200 ..."
-  size_t kv_bytes() const;       // bytes of the device page pool (all layers)
+  size_t kv_bytes() const;       // bytes of the device page pool (all layers) and, with the K channel
+                                 // scale, the staging rows and mu / lambda of every sequence
   size_t kv_bytes_used() const;  // bytes of the pages in use by all sequences (all layers)
   size_t kv_bytes_per_page() const;  // one page of every layer (16 positions of every kv head)
   size_t weight_bytes() const;   // bytes of the uploaded weights

@@ -304,6 +304,17 @@ struct kv_layer_kind_bytes {
 };
 kv_layer_kind_bytes kv_bytes_by_layer_kind(const kv_cache_params& p);
 
+// The channel statistics of kv_cache_params::channel_scale / k_channel_scale (docs/formats.md,
+// "Rotation and channel scale"), as a cache calibrates them on its staged positions: for each kv
+// head and channel c of x [n_tokens][n_kv_head][head_dim] f32, mu = the channel mean rounded to f16
+// and lambda = 2^e, e the nearest integer to log2 of the RMS of x_c - mean (the RMS floored at 1e-3
+// of the head's largest), less the rounded mean e of the head, clamped to [-20, 20]; a head whose
+// RMS are all 0 gets lambda 1. mu, lambda: [n_kv_head][head_dim]. Means and RMS are summed in
+// double in token order, so cuda::channel_stats reproduces them bit for bit. Per-channel λ after
+// the SRFT paper (arXiv:2605.05699); centring K as SageAttention (arXiv:2410.02367, §3.2).
+// n_tokens >= 1.
+void kv_channel_stats_ref(const float* x, int n_tokens, int n_kv_head, int head_dim, float* mu, float* lambda);
+
 // Bytes that make_kv_cache(p) allocates (its bytes() before any append), computed without
 // allocating: every layer, sequence and kv head at p.n_ctx positions, K and V, including what
 // kv_bytes_per_token leaves out: the exact f16 rows of the sink and recent windows and of the

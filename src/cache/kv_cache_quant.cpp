@@ -553,42 +553,11 @@ void kv_cache_quant::init_side(side_store& s, const char* name, kv_format type, 
 }
 
 void kv_cache_quant::calibrate_channels(side_store& s, int il, int seq_id, int n_tokens, const float* x) {
-  // On the sequence's first positions (cal_n_ of them, less position 0 and the sink: append), per kv
-  // head and channel c (original basis): μ_c = mean, λ_c = the power of two
-  // nearest to the RMS of x_c - μ_c, normalised so the mean log2 λ is 0 (powers of two keep
-  // (x - μ) / λ and q * λ free of rounding). Stored: R ((x - μ) / λ). For K, μ only shifts every
-  // score of a query by q·μ, which softmax ignores; for V, μ is added back to the output (the
-  // weights sum to 1). Per-channel λ after the SRFT paper (arXiv:2605.05699); centering K as
-  // SageAttention's smoothing of K (Zhang et al. 2024, arXiv:2410.02367, §3.2).
-  const int hd = p_.head_dim, nh = p_.n_kv_head;
-  for (int h = 0; h < nh; ++h) {
-    std::vector<double> mean(hd, 0.0), rms(hd, 0.0);
-    for (int t = 0; t < n_tokens; ++t)
-      for (int c = 0; c < hd; ++c) mean[c] += x[((size_t)t * nh + h) * hd + c];
-    for (auto& m : mean) m /= n_tokens;
-    for (int t = 0; t < n_tokens; ++t)
-      for (int c = 0; c < hd; ++c) {
-        const double d = x[((size_t)t * nh + h) * hd + c] - mean[c];
-        rms[c] += d * d;
-      }
-    double mx = 0.0;
-    for (auto& r : rms) mx = std::max(mx, r = std::sqrt(r / n_tokens));
-    float* lam = &s.lambda[head_index(il, seq_id, h) * hd];
-    float* mu = &s.mu[head_index(il, seq_id, h) * hd];
-    for (int c = 0; c < hd; ++c) mu[c] = f16_to_f32(f32_to_f16((float)mean[c]));
-    if (!(mx > 0.0)) {
-      std::fill(lam, lam + hd, 1.0f);
-      continue;
-    }
-    std::vector<int> e(hd);
-    double mean_e = 0.0;
-    for (int c = 0; c < hd; ++c) {
-      e[c] = (int)std::lround(std::log2(std::max(rms[c], mx * 1e-3)));
-      mean_e += e[c];
-    }
-    const int shift = (int)std::lround(mean_e / hd);
-    for (int c = 0; c < hd; ++c) lam[c] = std::ldexp(1.0f, std::clamp(e[c] - shift, -20, 20));
-  }
+  // On the sequence's first positions (cal_n_ of them, less position 0 and the sink: append); x is
+  // stored as R ((x - μ) / λ). For K, μ only shifts every score of a query by q·μ, which softmax
+  // ignores; for V, μ is added back to the output (the weights sum to 1).
+  const size_t h0 = head_index(il, seq_id, 0) * p_.head_dim;
+  kv_channel_stats_ref(x, n_tokens, p_.n_kv_head, p_.head_dim, &s.mu[h0], &s.lambda[h0]);
 }
 
 void kv_cache_quant::transform_side(side_store& s, int il, int seq_id, int pos, int n_tokens, const float* x,
@@ -1195,5 +1164,38 @@ size_t kv_layer_bytes_quant(const kv_cache_params& p, int il) { return kv_cache_
 size_t kv_bytes_at_ctx_quant(const kv_cache_params& p) { return kv_cache_quant(p, false).planned_bytes(); }
 
 size_t kv_page_bytes_quant(const kv_cache_params& p) { return kv_cache_quant(p, false).page_bytes(); }
+
+void kv_channel_stats_ref(const float* x, int n_tokens, int n_kv_head, int head_dim, float* mu, float* lambda) {
+  const int hd = head_dim, nh = n_kv_head;
+  KVQ_ASSERT(n_tokens >= 1);
+  for (int h = 0; h < nh; ++h) {
+    std::vector<double> mean(hd, 0.0), rms(hd, 0.0);
+    for (int t = 0; t < n_tokens; ++t)
+      for (int c = 0; c < hd; ++c) mean[c] += x[((size_t)t * nh + h) * hd + c];
+    for (auto& m : mean) m /= n_tokens;
+    for (int t = 0; t < n_tokens; ++t)
+      for (int c = 0; c < hd; ++c) {
+        const double d = x[((size_t)t * nh + h) * hd + c] - mean[c];
+        rms[c] += d * d;
+      }
+    double mx = 0.0;
+    for (auto& r : rms) mx = std::max(mx, r = std::sqrt(r / n_tokens));
+    float* lam = lambda + (size_t)h * hd;
+    float* mu_h = mu + (size_t)h * hd;
+    for (int c = 0; c < hd; ++c) mu_h[c] = f16_to_f32(f32_to_f16((float)mean[c]));
+    if (!(mx > 0.0)) {
+      std::fill(lam, lam + hd, 1.0f);
+      continue;
+    }
+    std::vector<int> e(hd);
+    double mean_e = 0.0;
+    for (int c = 0; c < hd; ++c) {
+      e[c] = (int)std::lround(std::log2(std::max(rms[c], mx * 1e-3)));
+      mean_e += e[c];
+    }
+    const int shift = (int)std::lround(mean_e / hd);
+    for (int c = 0; c < hd; ++c) lam[c] = std::ldexp(1.0f, std::clamp(e[c] - shift, -20, 20));
+  }
+}
 
 }  // namespace kvq

@@ -51,6 +51,8 @@ struct decode_args {
   const int* seq_lo;    // [batch] first visible token (attn_spec::key_range of the query), or nullptr
   int rot_block;
   float rot_scale;
+  const float* k_lambda;    // K channel scale [rows][n_kv_head][HD] (q becomes q * lambda), or nullptr
+  const int32_t* stat_row;  // [batch] row of k_lambda
 };
 
 // attn_spec::softcap in the kernels' log2 units: c log2(e) tanh(x / (c log2(e))) for x = scaled
@@ -213,7 +215,9 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
   int* qsum = reinterpret_cast<int*>(qscale + kMaxGroup * C::NQS);  // [8][NB] (q4)
   for (int i = threadIdx.x; i < kMaxGroup * HD; i += kThreads) {
     const int hh = i / HD, c = i % HD;
-    qf[i] = hh < a.ng ? load_elem(a.q, ((int64_t)seq * a.n_head + (int64_t)h * a.ng + hh) * HD + c, a.q_bf16 != 0) : 0.0f;
+    float x = hh < a.ng ? load_elem(a.q, ((int64_t)seq * a.n_head + (int64_t)h * a.ng + hh) * HD + c, a.q_bf16 != 0) : 0.0f;
+    if (a.k_lambda) x = __fmul_rn(x, a.k_lambda[((int64_t)a.stat_row[seq] * a.n_kv_head + h) * HD + c]);
+    qf[i] = x;
   }
   if (a.rot_block > 1) fwht_rows_block(qf, a.ng, HD, a.rot_block, a.rot_scale);
   else __syncthreads();
@@ -583,6 +587,8 @@ struct merge_args {
   float softcap_log2;  // as decode_args
   int rot_block;
   float rot_scale;
+  const float* k_lambda;  // as decode_args
+  const int32_t* stat_row;
 };
 
 template <int HD>
@@ -616,7 +622,10 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(merge_args a) {
   const int64_t qrow = (int64_t)seq * a.n_head + (int64_t)h * a.ng + hh;
   float m_e = -INFINITY, d_e = 0.0f;
   if (ne > 0) {
-    for (int c = threadIdx.x; c < HD; c += kThreads) qf[c] = load_elem(a.q, qrow * HD + c, a.q_bf16 != 0);
+    for (int c = threadIdx.x; c < HD; c += kThreads) {
+      const float x = load_elem(a.q, qrow * HD + c, a.q_bf16 != 0);
+      qf[c] = a.k_lambda ? __fmul_rn(x, a.k_lambda[((int64_t)a.stat_row[seq] * a.n_kv_head + h) * HD + c]) : x;
+    }
     if (a.rot_block > 1) fwht_rows_block(qf, 1, HD, a.rot_block, a.rot_scale);
     else __syncthreads();
     const int64_t eb = ((int64_t)seq * a.n_kv_head + h) * a.ecap * HD;
@@ -892,6 +901,8 @@ void decode_plan::run(const paged_kv_view& kv, const void* q, void* out, const e
   if (s.batch == 0) return;
   if (!kv.pool || !kv.indptr || !kv.indices || !q || !out)
     fail_input("[cuda attn_decode] pool, indptr, indices, q and out must be device pointers");
+  if (kv.k_lambda && (!kv.stat_row || f.format == kv_format::f16))
+    fail_input("[cuda attn_decode] K channel scale: k_lambda needs stat_row and a q8 / q4 cache");
   if (exact && exact->len && (!exact->k || !exact->v || exact->cap > s.exact_cap || exact->cap < 1))
     fail_input("[cuda attn_decode] exact window: k, v required and cap in [1, plan's exact_cap " +
                std::to_string(s.exact_cap) + "]");
@@ -920,6 +931,8 @@ void decode_plan::run(const paged_kv_view& kv, const void* q, void* out, const e
       a.seq_lo = s.seq_lo;
       a.rot_block = s.geo.rot_block;
       a.rot_scale = s.geo.rot_scale;
+      a.k_lambda = kv.k_lambda;
+      a.stat_row = kv.stat_row;
       decode_kernel<F, HD><<<(unsigned)s.grid, kThreads, s.dec_smem, st>>>(a);
       check_launch("attn_decode (decode_kernel)");
     }
@@ -943,6 +956,8 @@ void decode_plan::run(const paged_kv_view& kv, const void* q, void* out, const e
     m.softcap_log2 = s.p.spec.softcap * l2e;
     m.rot_block = s.geo.rot_block;
     m.rot_scale = s.geo.rot_scale;
+    m.k_lambda = kv.k_lambda;
+    m.stat_row = kv.stat_row;
     const int msmem = merge_smem_bytes<HD>(m.ecap);
     merge_kernel<HD><<<dim3((unsigned)s.batch, (unsigned)f.n_kv_head, (unsigned)s.ng), kThreads, msmem, st>>>(m);
     check_launch("attn_decode (merge_kernel)");

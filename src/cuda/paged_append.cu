@@ -20,13 +20,20 @@ struct append_args {
   const int64_t* slots;  // [n_tokens]
   int64_t n_items;       // n_tokens * n_kv_head * 2
   int n_kv_head;
-  int bf16;
+  int elem;              // 0 f16, 1 bf16, 2 f32
+  const float* k_mu;     // K channel scale [rows][n_kv_head][HD], or nullptr
+  const float* k_lambda;
+  const int32_t* stat_row;  // [n_tokens]
   int rot_block;
   float rot_scale;
 };
 
+__device__ __forceinline__ float load_any(const void* p, int64_t i, int elem) {
+  return elem == 2 ? static_cast<const float*>(p)[i] : load_elem(p, i, elem == 1);
+}
+
 // One warp per (token, kv head, side). Mirrors kv_cache_quant::transform_side + quantize_row_ref:
-// x -> FWHT blocks -> f16 rounding -> per group absmax / qmax rounded up to f16 -> rint(x * (1/s))
+// x -> (x - mu) / lambda (K with a channel scale) -> FWHT blocks -> f16 rounding -> per group absmax / qmax rounded up to f16 -> rint(x * (1/s))
 // clamped -> code + offset -> pack (docs/formats.md).
 template <dfmt F, int HD>
 __global__ void __launch_bounds__(32 * kAppendWarps) append_kernel(append_args a) {
@@ -43,13 +50,26 @@ __global__ void __launch_bounds__(32 * kAppendWarps) append_kernel(append_args a
   const void* src = side ? a.v : a.k;
   const int64_t base = (tok * a.n_kv_head + h) * HD;
   const int64_t slot0 = a.slots[tok];
+  if (slot0 < 0) return;  // warp-uniform: a token the caller keeps elsewhere (staged rows)
+  // K channel scale: element c of the row becomes (x - mu_c) / lambda_c (lambda a power of two)
+  const float* cmu = nullptr;
+  const float* clam = nullptr;
+  if (side == 0 && a.k_lambda) {
+    const int64_t so = ((int64_t)a.stat_row[tok] * a.n_kv_head + h) * HD;
+    cmu = a.k_mu + so;
+    clam = a.k_lambda + so;
+  }
+  auto load_x = [&](int c) {
+    const float x = load_any(src, base + c, a.elem);
+    return clam ? __fdiv_rn(__fsub_rn(x, cmu[c]), clam[c]) : x;
+  };
   if constexpr (HD % 32 == 0) {
     // Registers only: element k * 32 + lane in x[k]; FWHT stages h < 32 through shuffles, h >= 32 across
     // k; one 32-element group per k (group 32 when head_dim % 32 == 0).
     constexpr int EPL = HD / 32;
     float x[EPL];
 #pragma unroll
-    for (int k = 0; k < EPL; ++k) x[k] = load_elem(src, base + k * 32 + lane, a.bf16 != 0);
+    for (int k = 0; k < EPL; ++k) x[k] = load_x(k * 32 + lane);
     if (a.rot_block > 1) {
       for (int hs = 1; hs < 32 && hs < a.rot_block; hs *= 2) {
         const bool upper = lane & hs;
@@ -118,7 +138,7 @@ __global__ void __launch_bounds__(32 * kAppendWarps) append_kernel(append_args a
     return;
   }
   float* x = xs[warp];
-  for (int i = lane; i < HD; i += 32) x[i] = load_elem(src, base + i, a.bf16 != 0);
+  for (int i = lane; i < HD; i += 32) x[i] = load_x(i);
   if (a.rot_block > 1) fwht_row_warp(x, HD, a.rot_block, a.rot_scale, lane);
   __syncwarp();
   const int64_t page = slot0 / a.geo.page_size;
@@ -175,6 +195,54 @@ __global__ void __launch_bounds__(32 * kAppendWarps) append_kernel(append_args a
       }
     }
   }
+}
+
+// kv_channel_stats_ref (src/cache/kv_cache_quant.cpp) on the device: block h = kv head, thread c =
+// channel. The same double sums in token order (no contraction: __dadd_rn / __dmul_rn), the same
+// roundings (double -> f32 -> f16 for mu; lround(log2) for the exponents).
+__global__ void channel_stats_kernel(const float* x, int n_tokens, int nh, int hd, float* mu, float* lambda) {
+  __shared__ double mxs;
+  __shared__ double es;
+  __shared__ double part[256];
+  const int h = blockIdx.x, c = threadIdx.x;
+  const int64_t stride = (int64_t)nh * hd;
+  const float* xc = x + (int64_t)h * hd + c;
+  double m = 0.0;
+  for (int t = 0; t < n_tokens; ++t) m = __dadd_rn(m, (double)xc[t * stride]);
+  m = m / n_tokens;
+  double r = 0.0;
+  for (int t = 0; t < n_tokens; ++t) {
+    const double d = __dsub_rn((double)xc[t * stride], m);
+    r = __dadd_rn(r, __dmul_rn(d, d));
+  }
+  r = sqrt(r / n_tokens);
+  mu[(int64_t)h * hd + c] = __half2float(__float2half_rn(__double2float_rn(m)));
+  part[c] = r;
+  __syncthreads();
+  if (c == 0) {
+    double mx = 0.0;
+    for (int i = 0; i < hd; ++i) mx = fmax(mx, part[i]);
+    mxs = mx;
+  }
+  __syncthreads();
+  const double mx = mxs;
+  float* lam = lambda + (int64_t)h * hd;
+  if (!(mx > 0.0)) {
+    lam[c] = 1.0f;
+    return;
+  }
+  const int e = (int)lround(log2(fmax(r, mx * 1e-3)));
+  __syncthreads();
+  part[c] = (double)e;
+  __syncthreads();
+  if (c == 0) {
+    double s = 0.0;
+    for (int i = 0; i < hd; ++i) s += part[i];
+    es = s;
+  }
+  __syncthreads();
+  const int shift = (int)lround(es / hd);
+  lam[c] = ldexpf(1.0f, min(max(e - shift, -20), 20));
 }
 
 struct dequant_args {
@@ -240,8 +308,12 @@ void append_paged(const paged_kv_view& kv, const void* k, const void* v, kv_elem
   require();
   const paged_kv_geometry g = paged_kv_geometry_of(kv.format);
   if (!kv.pool) fail_input("[cuda append_paged] paged_kv_view has no pool");
-  if (elem != kv_elem::f16 && elem != kv_elem::bf16)
-    fail_unsupported("[cuda append_paged] input must be f16 or bf16, got f32");
+  if (elem != kv_elem::f16 && elem != kv_elem::bf16 && elem != kv_elem::f32)
+    fail_unsupported("[cuda append_paged] input must be f16, bf16 or f32");
+  if ((kv.k_mu == nullptr) != (kv.k_lambda == nullptr) || (kv.k_lambda && !kv.stat_row))
+    fail_input("[cuda append_paged] K channel scale: k_mu, k_lambda and stat_row go together");
+  if (kv.k_lambda && kv.format.format == kv_format::f16)
+    fail_unsupported("[cuda append_paged] K channel scale on an f16 cache (the CPU applies it to compressed K only)");
   if (n_tokens < 0) fail_input("[cuda append_paged] n_tokens must be >= 0, got " + std::to_string(n_tokens));
   if (n_tokens == 0) return;
   if (!k || !v || !slots) fail_input("[cuda append_paged] k, v and slots must be device pointers");
@@ -253,7 +325,10 @@ void append_paged(const paged_kv_view& kv, const void* k, const void* v, kv_elem
   a.slots = slots;
   a.n_items = (int64_t)n_tokens * kv.format.n_kv_head * 2;
   a.n_kv_head = kv.format.n_kv_head;
-  a.bf16 = elem == kv_elem::bf16;
+  a.elem = elem == kv_elem::f32 ? 2 : elem == kv_elem::bf16 ? 1 : 0;
+  a.k_mu = kv.k_mu;
+  a.k_lambda = kv.k_lambda;
+  a.stat_row = kv.stat_row;
   a.rot_block = g.rot_block;
   a.rot_scale = g.rot_scale;
   const int64_t blocks = (a.n_items + kAppendWarps - 1) / kAppendWarps;
@@ -262,6 +337,20 @@ void append_paged(const paged_kv_view& kv, const void* k, const void* v, kv_elem
         <<<(unsigned)blocks, 32 * kAppendWarps, 0, as_stream(stream)>>>(a);
   });
   check_launch("append_paged");
+}
+
+void channel_stats(const float* x, int n_tokens, int n_kv_head, int head_dim, float* mu, float* lambda, void* stream) {
+  require();
+  paged_kv_format f;
+  f.format = kv_format::f16;
+  f.head_dim = head_dim;
+  f.n_kv_head = n_kv_head;
+  paged_kv_geometry_of(f);  // head_dim in the supported set (<= 256), n_kv_head >= 1
+  if (n_tokens < 1) fail_input("[cuda channel_stats] n_tokens must be >= 1, got " + std::to_string(n_tokens));
+  if (!x || !mu || !lambda) fail_input("[cuda channel_stats] x, mu and lambda must be device pointers");
+  channel_stats_kernel<<<(unsigned)n_kv_head, (unsigned)head_dim, 0, as_stream(stream)>>>(x, n_tokens, n_kv_head,
+                                                                                          head_dim, mu, lambda);
+  check_launch("channel_stats");
 }
 
 void dequantize_paged(const paged_kv_view& src, const paged_kv_view& dst, int n_entries, void* stream) {

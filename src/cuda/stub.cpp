@@ -25,6 +25,7 @@ void memory_info(size_t*, size_t*) { no_cuda(); }
 double copy_bandwidth(size_t, int) { no_cuda(); }
 
 void append_paged(const paged_kv_view&, const void*, const void*, kv_elem, const int64_t*, int, void*) { no_cuda(); }
+void channel_stats(const float*, int, int, int, float*, float*, void*) { no_cuda(); }
 void dequantize_paged(const paged_kv_view&, const paged_kv_view&, int, void*) { no_cuda(); }
 
 struct decode_plan::impl {};

@@ -1,5 +1,6 @@
 // Host-only parts of the GPU model path (include/kvq/cuda_model.h), built with and without CUDA so
 // that what the GPU refuses is tested everywhere: the device names and check_supported.
+#include <algorithm>
 #include <string>
 
 #include "kvq/cuda.h"
@@ -20,6 +21,7 @@ const char* compute_device_name(compute_device d) { return d == compute_device::
 namespace cuda {
 
 namespace {
+constexpr int kMaxChannelCalib = 8192;  // staged_attention keeps a query's scores in shared memory
 [[noreturn]] void refuse(const std::string& what) { fail_unsupported("[cuda model] " + what); }
 }  // namespace
 
@@ -60,9 +62,17 @@ paged_kv_format runner_kv_format(const model_hparams& hp, const kv_cache_params&
     if (cp.group_size != 0 && cp.group_size != def_group)
       refuse("group size " + std::to_string(cp.group_size) + " (the GPU pages use the default, " +
              std::to_string(def_group) + ")");
-    if (cp.channel_scale || cp.k_channel_scale.value_or(true))
-      refuse(std::string("K channel scale is not implemented on the GPU (it is on by default for ") +
-             kv_traits(fmt).name + " K on the CPU; pass --kv-k-channel-scale off)");
+    // K channel scale (on by default, as on the CPU): supported; V's (--kv-channel-scale) not yet
+    if (cp.channel_scale)
+      refuse("the V channel scale (--kv-channel-scale) is not implemented on the GPU (the K channel scale, on by "
+             "default, is)");
+    if (cp.k_channel_scale.value_or(true)) {
+      if (cp.channel_calib < 1)
+        fail_input("[cuda model] channel_calib " + std::to_string(cp.channel_calib) + " must be >= 1");
+      if (std::min(cp.channel_calib, cp.n_ctx) > kMaxChannelCalib)
+        refuse("--kv-channel-calib " + std::to_string(cp.channel_calib) + ": the GPU attends at most " +
+               std::to_string(kMaxChannelCalib) + " staged positions");
+    }
     if (cp.attn != attn_path::fused) refuse("the dequantize attention path is a CPU baseline only");
   } else if (cp.channel_scale) {
     refuse("channel scale on an f16 cache");

@@ -48,7 +48,7 @@ __global__ void add_rmsnorm_kernel(float* x, const float* add, const float* w, c
 // grid (n, n_head + 2 * n_kv_head), block hd threads: one head of one token.
 __global__ void qkv_rope_kernel(const float* qkv, const float* bias, const float* inv_freq, int n_rot, bool neox,
                                 const int32_t* pos, int n_head, int n_kv_head, int hd, __half* q, __half* k,
-                                __half* v) {
+                                __half* v, float* k32, float* v32) {
   const int t = blockIdx.x, s = blockIdx.y, d = threadIdx.x;
   const int width = (n_head + 2 * n_kv_head) * hd;
   const int off = s * hd;  // Q heads, then K heads, then V heads
@@ -65,9 +65,84 @@ __global__ void qkv_rope_kernel(const float* qkv, const float* bias, const float
     out = d == a ? x0 * c - x1 * sn : x0 * sn + x1 * c;
   }
   const __half o = __float2half_rn(out);
-  if (s < n_head) q[((int64_t)t * n_head + s) * hd + d] = o;
-  else if (s < n_head + n_kv_head) k[((int64_t)t * n_kv_head + (s - n_head)) * hd + d] = o;
-  else v[((int64_t)t * n_kv_head + (s - n_head - n_kv_head)) * hd + d] = o;
+  if (s < n_head) {
+    q[((int64_t)t * n_head + s) * hd + d] = o;
+  } else if (s < n_head + n_kv_head) {
+    const int64_t i = ((int64_t)t * n_kv_head + (s - n_head)) * hd + d;
+    k[i] = o;
+    if (k32) k32[i] = out;
+  } else {
+    const int64_t i = ((int64_t)t * n_kv_head + (s - n_head - n_kv_head)) * hd + d;
+    v[i] = o;
+    if (v32) v32[i] = out;
+  }
+}
+
+// grid n, block 256: the rows of tokens at positions below n_stage into the staging rows.
+__global__ void stage_rows_kernel(const float* k, const float* v, const int32_t* seq, const int32_t* pos, int n_stage,
+                                  int dkv, float* sk, float* sv) {
+  const int t = blockIdx.x, p = pos[t];
+  if (p >= n_stage) return;
+  const int64_t dst = ((int64_t)seq[t] * n_stage + p) * dkv, src = (int64_t)t * dkv;
+  for (int i = threadIdx.x; i < dkv; i += blockDim.x) {
+    sk[dst + i] = k[src + i];
+    sv[dst + i] = v[src + i];
+  }
+}
+
+constexpr int kStagedThreads = 128;
+
+// grid (n, n_head), block kStagedThreads: query head hh of token t (position p < n_stage) over the
+// staging rows [0, p] of its sequence, in f32 (scores, softmax, P.V), as attn_dense.
+__global__ void staged_attention_kernel(const __half* q, const float* sk, const float* sv, const int32_t* seq,
+                                        const int32_t* pos, int n_stage, int n_head, int n_kv_head, int hd,
+                                        float scale, __half* out) {
+  extern __shared__ float sm[];  // [hd] query, [n_stage] scores, [32] reductions
+  const int t = blockIdx.x, hh = blockIdx.y, p = pos[t];
+  if (p >= n_stage) return;
+  float* qf = sm;
+  float* sc = sm + hd;
+  float* red = sc + n_stage;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = kStagedThreads / 32;
+  const int kvh = hh / (n_head / n_kv_head), len = p + 1;
+  const int64_t dkv = (int64_t)n_kv_head * hd;
+  const int64_t row0 = (int64_t)seq[t] * n_stage * dkv + (int64_t)kvh * hd;
+  for (int c = threadIdx.x; c < hd; c += kStagedThreads)
+    qf[c] = __half2float(q[((int64_t)t * n_head + hh) * hd + c]);
+  __syncthreads();
+  for (int j = warp; j < len; j += nw) {
+    const float* kr = sk + row0 + j * dkv;
+    float dot = 0.0f;
+    for (int c = lane; c < hd; c += 32) dot = fmaf(qf[c], kr[c], dot);
+    dot = detail::warp_sum(dot);
+    if (lane == 0) sc[j] = dot * scale;
+  }
+  __syncthreads();
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < len; j += kStagedThreads) m = fmaxf(m, sc[j]);
+  m = detail::warp_max(m);
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  m = red[0];
+  for (int w = 1; w < nw; ++w) m = fmaxf(m, red[w]);
+  float d = 0.0f;
+  for (int j = threadIdx.x; j < len; j += kStagedThreads) {
+    const float e = expf(sc[j] - m);
+    sc[j] = e;
+    d += e;
+  }
+  d = detail::warp_sum(d);
+  __syncthreads();  // everyone has read red[] as maxima
+  if (lane == 0) red[warp] = d;
+  __syncthreads();
+  d = 0.0f;
+  for (int w = 0; w < nw; ++w) d += red[w];
+  const float inv = 1.0f / d;
+  for (int c = threadIdx.x; c < hd; c += kStagedThreads) {
+    float o = 0.0f;
+    for (int j = 0; j < len; ++j) o = fmaf(sc[j], sv[row0 + j * dkv + c], o);
+    out[((int64_t)t * n_head + hh) * hd + c] = __float2half_rn(o * inv);
+  }
 }
 
 __global__ void swiglu_kernel(const float* gu, int F, __half* act) {
@@ -183,11 +258,35 @@ void add_rmsnorm(float* x, const float* add, const float* w, const int32_t* rows
 }
 
 void qkv_rope(const float* qkv, const float* bias, const float* inv_freq, int n_rot, bool neox, const int32_t* pos,
-              int n, int n_head, int n_kv_head, int hd, uint16_t* q, uint16_t* k, uint16_t* v, void* stream) {
+              int n, int n_head, int n_kv_head, int hd, uint16_t* q, uint16_t* k, uint16_t* v, void* stream,
+              float* k32, float* v32) {
   qkv_rope_kernel<<<dim3(n, n_head + 2 * n_kv_head), hd, 0, as_stream(stream)>>>(
       qkv, bias, inv_freq, n_rot, neox, pos, n_head, n_kv_head, hd, reinterpret_cast<__half*>(q),
-      reinterpret_cast<__half*>(k), reinterpret_cast<__half*>(v));
+      reinterpret_cast<__half*>(k), reinterpret_cast<__half*>(v), k32, v32);
   check_launch("model qkv_rope");
+}
+
+void stage_rows(const float* k, const float* v, const int32_t* seq, const int32_t* pos, int n, int n_stage, int dkv,
+                float* stage_k, float* stage_v, void* stream) {
+  if (n == 0) return;
+  stage_rows_kernel<<<n, 256, 0, as_stream(stream)>>>(k, v, seq, pos, n_stage, dkv, stage_k, stage_v);
+  check_launch("model stage_rows");
+}
+
+void staged_attention(const uint16_t* q, const float* stage_k, const float* stage_v, const int32_t* seq,
+                      const int32_t* pos, int n, int n_stage, int n_head, int n_kv_head, int hd, float scale,
+                      uint16_t* out, void* stream) {
+  if (n == 0) return;
+  const size_t smem = (size_t)(hd + n_stage + 32) * sizeof(float);  // query, scores, reductions
+  if (smem > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(staged_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)smem);
+    detail::check(e, "model staged_attention (shared memory)");
+  }
+  staged_attention_kernel<<<dim3(n, n_head), kStagedThreads, smem, as_stream(stream)>>>(
+      reinterpret_cast<const __half*>(q), stage_k, stage_v, seq, pos, n_stage, n_head, n_kv_head, hd, scale,
+      reinterpret_cast<__half*>(out));
+  check_launch("model staged_attention");
 }
 
 void swiglu(const float* gu, int n, int F, uint16_t* act, void* stream) {

@@ -59,6 +59,23 @@ struct model_runner::impl {
   std::vector<int> seq_pos;
   std::vector<int32_t> free_pages;
 
+  // K channel scale (kv_cache_params::k_channel_scale, on by default for q8 / q4 K; docs/cuda.md "K
+  // channel scale"), as kv_cache_quant: a sequence's first cal_n positions are kept as given (f32
+  // staging rows) and attended exactly until the forward that brings position cal_n - 1, which
+  // calibrates mu / lambda of every layer on positions [cal_skip, cal_n) (channel_stats) and stores
+  // the staged rows in the pages; later K is stored as R((k - mu) / lambda), queries as R(q lambda).
+  int cal_n = 0, cal_skip = 0;  // cal_n = min(channel_calib, n_ctx), 0 without the channel scale
+  float* stage = nullptr;       // [n_layer][2 (K, V)][n_seq][cal_n][dkv] f32
+  float *k_mu = nullptr, *k_lam = nullptr;  // [n_layer][n_seq][dkv] f32
+  float *k32 = nullptr, *v32 = nullptr;     // [max_batch][dkv] f32: the forward's K / V before f16 rounding
+  int32_t* tok_seq = nullptr;               // [max_batch] the sequence of each token (its stats row)
+  int32_t* cal_rows = nullptr;              // [n_seq * cal_n] the calibrated sequences' ...
+  int64_t* cal_slots = nullptr;             // ... staged rows: stats row and page slot
+  std::vector<int32_t> h_cross, h_cal_rows;  // sequences this step calibrates
+  std::vector<int64_t> h_cal_slots;
+  float* stage_k(int il) const { return stage + (size_t)il * 2 * n_seq * cal_n * dkv; }
+  float* stage_v(int il) const { return stage_k(il) + (size_t)n_seq * cal_n * dkv; }
+
   // per-forward device buffers, sized for max_batch
   int32_t *tokens = nullptr, *pos = nullptr, *rows = nullptr, *indptr = nullptr, *indices = nullptr, *last = nullptr,
           *argmax = nullptr;
@@ -69,6 +86,8 @@ struct model_runner::impl {
   static constexpr int kFillChunk = 4096;
   uint16_t *fill_k = nullptr, *fill_v = nullptr;
   int64_t* fill_slots = nullptr;
+  float *fill_k32 = nullptr, *fill_v32 = nullptr;  // with the channel scale: [kFillChunk][dkv] f32
+  int32_t *fill_seq = nullptr, *fill_pos = nullptr;  // [kFillChunk]
 
   // host staging
   std::vector<int32_t> h_tok, h_seq, h_pos, h_indptr, h_indices, h_last, h_rows, h_argmax;
@@ -183,6 +202,9 @@ struct model_runner::impl {
     hp = hp_in;
     geo = paged_kv_geometry_of(fmt);
     compressed = fmt.format != kv_format::f16;
+    // (check_supported refuses the V channel scale; the K one is on unless turned off, as on the CPU)
+    cal_n = compressed && cp.k_channel_scale.value_or(true) ? std::min(cp.channel_calib, cp.n_ctx) : 0;
+    cal_skip = std::min(std::max(1, cp.sink), cal_n - 1);  // position 0 and the sink left out (sink 0 here)
     n_ctx = cp.n_ctx;
     n_seq = cp.n_seq;
     max_batch = mb;
@@ -235,8 +257,23 @@ struct model_runner::impl {
     v16 = alloc<uint16_t>((size_t)B * dkv);
     act = alloc<uint16_t>((size_t)B * F);
     layers.resize(hp.n_layer);
-    // tokens, pos, rows, last [B] + indptr [B + 1] int32; slots [B] int64; indices [B * pages_per_seq]
-    pin_bytes = (size_t)(5 * B + 1) * 4 + (size_t)B * 8 + (size_t)B * pages_per_seq * 4 + 64;
+    if (cal_n > 0) {
+      stage = alloc<float>((size_t)hp.n_layer * 2 * n_seq * cal_n * dkv, &kv_bytes);
+      k_mu = alloc<float>((size_t)hp.n_layer * n_seq * dkv, &kv_bytes);
+      k_lam = alloc<float>((size_t)hp.n_layer * n_seq * dkv, &kv_bytes);
+      const std::vector<float> one((size_t)hp.n_layer * n_seq * dkv, 1.0f);  // (read only after calibration)
+      check_cuda(cudaMemcpy(k_lam, one.data(), one.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy lambda");
+      check_cuda(cudaMemset(k_mu, 0, one.size() * 4), "cudaMemset mu");
+      k32 = alloc<float>((size_t)B * dkv);
+      v32 = alloc<float>((size_t)B * dkv);
+      cal_rows = alloc<int32_t>((size_t)n_seq * cal_n);
+      cal_slots = alloc<int64_t>((size_t)n_seq * cal_n);
+    }
+    tok_seq = alloc<int32_t>(B);
+    // tokens, pos, rows, last, tok_seq [B] + indptr [B + 1] int32; slots [B] int64; indices [B *
+    // pages_per_seq]; the calibrated sequences' rows and slots [n_seq * cal_n]
+    pin_bytes = (size_t)(6 * B + 1) * 4 + (size_t)B * 8 + (size_t)B * pages_per_seq * 4 +
+                (size_t)n_seq * cal_n * 12 + 128;
     check_cuda(cudaMallocHost(&pin, pin_bytes), "cudaMallocHost");
   }
 
@@ -272,10 +309,20 @@ struct model_runner::impl {
     const int n_out = (int)h_rows.size();
     const int P = fmt.page_size;
     h_slots.resize(n);
-    for (int t = 0; t < n; ++t) h_slots[t] = (int64_t)page_for(h_seq[t], h_pos[t]) * P + h_pos[t] % P;
+    h_cross.clear();
+    for (int t = 0; t < n; ++t) {
+      h_slots[t] = (int64_t)page_for(h_seq[t], h_pos[t]) * P + h_pos[t] % P;
+      if (h_pos[t] < cal_n) h_slots[t] = -1;  // staged (append_paged skips it)
+      if (h_pos[t] == cal_n - 1) h_cross.push_back(h_seq[t]);
+    }
+    cal_tables();
+    // a step that calibrates launches more kernels than the others: run it directly
+    graph_step = graph_step && h_cross.empty();
     // a prompt chunk of one sequence (forward) through the tiled prefill kernel: one sequence whose
-    // pages hold positions [0, last + 1), the chunk being their last n positions (appended first)
-    bool tiled = !graph_step && tiled_prefill && n >= kTiledMin;
+    // pages hold positions [0, last + 1), the chunk being their last n positions (appended first).
+    // Not with the K channel scale: prefill_plan neither scales queries by lambda nor attends the
+    // staged rows yet, so those prompts take the decode kernel per token (docs/cuda.md).
+    bool tiled = !graph_step && tiled_prefill && cal_n == 0 && n >= kTiledMin;
     for (int t = 1; tiled && t < n; ++t) tiled = h_seq[t] == h_seq[0] && h_pos[t] == h_pos[0] + t;
     const int n_tab = tiled ? 1 : n;  // page-table entries (sequences of the attention)
     h_indptr.assign(n_tab + 1, 0);
@@ -316,6 +363,9 @@ struct model_runner::impl {
     up(indices, h_indices.data(), h_indices.size() * sizeof(int32_t));
     up(last, h_last.data(), n_tab * sizeof(int32_t));
     up(slots, h_slots.data(), n * sizeof(int64_t));
+    up(tok_seq, h_seq.data(), n * sizeof(int32_t));
+    up(cal_rows, h_cal_rows.data(), h_cal_rows.size() * sizeof(int32_t));
+    up(cal_slots, h_cal_slots.data(), h_cal_slots.size() * sizeof(int64_t));
 
     decode_params dp;
     dp.n_head = hp.n_head;
@@ -414,11 +464,25 @@ struct model_runner::impl {
       const layer_w& L = layers[il];
       mk::add_rmsnorm(x, il == 0 ? nullptr : o, L.attn_norm, nullptr, n, (int)E, hp.rms_eps, h, st);
       gemm(L.wqkv, dqkv, E, h, n, qkv);
-      mk::qkv_rope(qkv, L.bqkv, inv_freq, n_rot, neox, pos, n, hp.n_head, hp.n_kv_head, hp.head_dim, q16, k16, v16, st);
-      const paged_kv_view kv = layer_view(il, pplan ? 1 : n);
-      append_paged(kv, k16, v16, kv_elem::f16, slots, n, st);
+      mk::qkv_rope(qkv, L.bqkv, inv_freq, n_rot, neox, pos, n, hp.n_head, hp.n_kv_head, hp.head_dim, q16, k16, v16, st,
+                   k32, v32);
+      paged_kv_view kv = layer_view(il, pplan ? 1 : n);
+      if (cal_n > 0) {
+        append_calibrated(il, k32, v32, tok_seq, pos, slots, n, st);
+        kv.k_mu = k_mu + (size_t)il * n_seq * dkv;
+        kv.k_lambda = k_lam + (size_t)il * n_seq * dkv;
+        kv.stat_row = tok_seq;
+      } else {
+        append_paged(kv, k16, v16, kv_elem::f16, slots, n, st);
+      }
+      KVQ_ASSERT(!(pplan && cal_n > 0));  // (run() keeps channel-scale prompts on the decode kernel)
       if (pplan) pplan->run(kv, q16, attn16, st);
       else dplan->run(kv, q16, attn16, nullptr, st);
+      // queries below the calibration positions: exact attention over the staging rows (replaces
+      // what the paged kernel wrote for them)
+      if (cal_n > 0)
+        mk::staged_attention(q16, stage_k(il), stage_v(il), tok_seq, pos, n, cal_n, hp.n_head, hp.n_kv_head,
+                             hp.head_dim, hp.attn_scale, attn16, st);
       gemm(L.wo, E, dq, attn16, n, o);
       mk::add_rmsnorm(x, o, L.ffn_norm, nullptr, n, (int)E, hp.rms_eps, h, st);
       gemm(L.wgu, 2 * F, E, h, n, gu);
@@ -429,6 +493,42 @@ struct model_runner::impl {
     mk::add_rmsnorm(x, o, out_norm, rows, n_out, (int)E, hp.rms_eps, h, st);
     if (n_out > 0) gemm(w_out, hp.n_vocab, E, h, n_out, logits);
     if (want_ids) mk::argmax_rows(logits, n_out, hp.n_vocab, argmax, st);
+  }
+
+  // h_cal_rows / h_cal_slots for the sequences of h_cross: the stats row and page slot of each of
+  // their staged positions [0, cal_n) (their pages exist: page_for ran for every position).
+  void cal_tables() {
+    h_cal_rows.clear();
+    h_cal_slots.clear();
+    const int P = fmt.page_size;
+    for (int32_t sq : h_cross)
+      for (int p = 0; p < cal_n; ++p) {
+        h_cal_rows.push_back(sq);
+        h_cal_slots.push_back((int64_t)seq_pages[sq][p / P] * P + p % P);
+      }
+  }
+
+  // Appends the f32 rows k, v [n][dkv] of layer il (token t of sequence seq[t] at position pos[t],
+  // page slot slots[t], -1 for a staged one; device arrays) with the K channel scale: rows below
+  // cal_n to the staging rows; then, for each sequence of h_cross (cal_tables uploaded), mu /
+  // lambda from its staged positions [cal_skip, cal_n) and its cal_n staged rows into the pages;
+  // then the other rows into the pages.
+  void append_calibrated(int il, const float* k, const float* v, const int32_t* seq, const int32_t* pos_d,
+                         const int64_t* slots_d, int n, void* st) {
+    float *sk = stage_k(il), *sv = stage_v(il);
+    mk::stage_rows(k, v, seq, pos_d, n, cal_n, (int)dkv, sk, sv, st);
+    paged_kv_view kv = layer_view(il, 0);
+    kv.k_mu = k_mu + (size_t)il * n_seq * dkv;
+    kv.k_lambda = k_lam + (size_t)il * n_seq * dkv;
+    for (size_t i = 0; i < h_cross.size(); ++i) {
+      const size_t sq = (size_t)h_cross[i];
+      channel_stats(sk + (sq * cal_n + cal_skip) * dkv, cal_n - cal_skip, hp.n_kv_head, hp.head_dim,
+                    const_cast<float*>(kv.k_mu) + sq * dkv, const_cast<float*>(kv.k_lambda) + sq * dkv, st);
+      kv.stat_row = cal_rows + i * cal_n;
+      append_paged(kv, sk + sq * cal_n * dkv, sv + sq * cal_n * dkv, kv_elem::f32, cal_slots + i * cal_n, cal_n, st);
+    }
+    kv.stat_row = seq;
+    append_paged(kv, k, v, kv_elem::f32, slots_d, n, st);
   }
 
   [[noreturn]] void non_finite(size_t row) const {
@@ -601,27 +701,59 @@ void model_runner::fill_synthetic(int seq_id, int n_tokens, uint64_t seed) {
                " positions, more than n_ctx " + std::to_string(s.n_ctx));
   if (n_tokens == 0) return;
   constexpr int C = impl::kFillChunk;
-  if (!s.fill_k) {
-    s.fill_k = s.alloc<uint16_t>((size_t)C * s.dkv);
-    s.fill_v = s.alloc<uint16_t>((size_t)C * s.dkv);
+  const bool cal = s.cal_n > 0;
+  if (!s.fill_slots) {
+    if (cal) {
+      s.fill_k32 = s.alloc<float>((size_t)C * s.dkv);
+      s.fill_v32 = s.alloc<float>((size_t)C * s.dkv);
+      s.fill_seq = s.alloc<int32_t>(C);
+      s.fill_pos = s.alloc<int32_t>(C);
+    } else {
+      s.fill_k = s.alloc<uint16_t>((size_t)C * s.dkv);
+      s.fill_v = s.alloc<uint16_t>((size_t)C * s.dkv);
+    }
     s.fill_slots = s.alloc<int64_t>(C);
   }
   const int P = s.fmt.page_size;
   std::vector<int64_t> sl(C);
+  std::vector<int32_t> sq(C, seq_id), ps(C);
   uint64_t draw = seed * 0x9e3779b97f4a7c15ull + (uint64_t)seq_id * 0x100000001b3ull + (uint64_t)p0;
   for (int c0 = 0; c0 < n_tokens; c0 += C) {
     const int c = std::min(C, n_tokens - c0);
+    s.h_cross.clear();
     for (int i = 0; i < c; ++i) {
       const int p = p0 + c0 + i;
       sl[i] = (int64_t)s.page_for(seq_id, p) * P + p % P;
+      ps[i] = p;
+      if (p < s.cal_n) sl[i] = -1;  // staged, as in run()
+      if (p == s.cal_n - 1) s.h_cross.push_back(seq_id);
     }
     check_cuda(cudaMemcpy(s.fill_slots, sl.data(), c * sizeof(int64_t), cudaMemcpyHostToDevice), "cudaMemcpy slots");
+    if (cal) {
+      // the forward's path (impl::append_calibrated) with f32 rows: staging, calibration, pages
+      s.cal_tables();
+      check_cuda(cudaMemcpy(s.fill_seq, sq.data(), c * sizeof(int32_t), cudaMemcpyHostToDevice), "cudaMemcpy seq");
+      check_cuda(cudaMemcpy(s.fill_pos, ps.data(), c * sizeof(int32_t), cudaMemcpyHostToDevice), "cudaMemcpy pos");
+      if (!s.h_cal_rows.empty()) {
+        check_cuda(cudaMemcpy(s.cal_rows, s.h_cal_rows.data(), s.h_cal_rows.size() * 4, cudaMemcpyHostToDevice),
+                   "cudaMemcpy cal rows");
+        check_cuda(cudaMemcpy(s.cal_slots, s.h_cal_slots.data(), s.h_cal_slots.size() * 8, cudaMemcpyHostToDevice),
+                   "cudaMemcpy cal slots");
+      }
+    }
     for (int il = 0; il < s.hp.n_layer; ++il) {
-      mk::fill_uniform_f16(s.fill_k, c * s.dkv, 2.0f, ++draw, nullptr);
-      mk::fill_uniform_f16(s.fill_v, c * s.dkv, 2.0f, ++draw, nullptr);
-      append_paged(s.layer_view(il, 0), s.fill_k, s.fill_v, kv_elem::f16, s.fill_slots, c, nullptr);
+      if (cal) {
+        mk::fill_uniform_f32(s.fill_k32, c * s.dkv, -2.0f, 2.0f, ++draw, nullptr);
+        mk::fill_uniform_f32(s.fill_v32, c * s.dkv, -2.0f, 2.0f, ++draw, nullptr);
+        s.append_calibrated(il, s.fill_k32, s.fill_v32, s.fill_seq, s.fill_pos, s.fill_slots, c, nullptr);
+      } else {
+        mk::fill_uniform_f16(s.fill_k, c * s.dkv, 2.0f, ++draw, nullptr);
+        mk::fill_uniform_f16(s.fill_v, c * s.dkv, 2.0f, ++draw, nullptr);
+        append_paged(s.layer_view(il, 0), s.fill_k, s.fill_v, kv_elem::f16, s.fill_slots, c, nullptr);
+      }
     }
     check_cuda(cudaDeviceSynchronize(), "fill_synthetic");  // sl is rewritten by the next chunk
+    s.h_cross.clear();
   }
   s.seq_pos[seq_id] = p0 + n_tokens;
 }

@@ -21,10 +21,11 @@ namespace {
 
 constexpr const char* kTinylit = "models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.gguf";
 
+// Without the K channel scale (the tests of the cache body alone; CudaModelChannelScale has it on).
 kv_cache_params cache_of(const model& m, kv_cache_type t, int n_ctx) {
   kv_cache_params o;
   o.type_k = o.type_v = t;
-  o.k_channel_scale = false;  // not on the GPU (check_supported refuses it)
+  o.k_channel_scale = false;
   return m.cache_params(n_ctx, o);
 }
 
@@ -136,8 +137,14 @@ TEST(CudaModelCheck, RefusesWhatTheGpuDoesNotRun) {
   cp.type_v = kv_cache_type::q4;
   expect_refused(*m, cp, 512, "K and V must have the same type");
   cp = cache_of(*m, kv_cache_type::q4, 256);
-  cp.k_channel_scale.reset();  // auto: on for q4 K on the CPU
-  expect_refused(*m, cp, 512, "K channel scale is not implemented on the GPU");
+  cp.k_channel_scale.reset();  // auto: on for q4 K, as on the CPU
+  EXPECT_NO_THROW(cuda::check_supported(*m, cp, 512)) << "the K channel scale runs on the GPU";
+  cp.channel_scale = true;  // K and V
+  expect_refused(*m, cp, 512, "the V channel scale (--kv-channel-scale) is not implemented on the GPU");
+  cp = cache_of(*m, kv_cache_type::q4, 20000);
+  cp.k_channel_scale.reset();
+  cp.channel_calib = 10000;
+  expect_refused(*m, cp, 512, "--kv-channel-calib 10000: the GPU attends at most 8192 staged positions");
   cp = cache_of(*m, kv_cache_type::q4, 256);
   cp.rotation = rotation_kind::srht;
   expect_refused(*m, cp, 512, "rotation 'srht' has no GPU kernels");
@@ -341,6 +348,125 @@ TEST(CudaModel, RefusesBadInput) {
   const std::vector<uint8_t> none(10, 0);
   EXPECT_EQ(r.forward(ten, 20, none, lg.data()), 0);  // no output rows: K/V appended, no logits
   EXPECT_EQ(r.n_pos(), 30);
+}
+
+// ---- the K channel scale (on by default for q8 / q4, as on the CPU) ----
+
+// The runner with the K channel scale against the CPU engine with the same parameters (channel_calib
+// 64 on tinylit's 320 positions, so that both the staged positions and the calibrated body are
+// seen), for two splits: a prompt of 200 that brings the calibration positions in one forward (its
+// queries 0 .. 63 attend the staging rows exactly, 64 .. 199 the pages it has just calibrated and
+// stored), and a prompt of 40 followed by single-token steps, the step at position 63 calibrating
+// (decode steps of staged positions attend exactly; with CUDA graphs on, which that step does not
+// use). The GPU's K statistics come from f32 K (bit-equal channel_stats, CudaChannelScale) but its
+// K is the product of f16 inputs, so codes near a boundary differ as without the channel scale:
+// tolerances as CudaModelLogits (q8 5e-3, q4 6e-2 rel). With the channel scale the GPU must also
+// stay closer to the CPU with it than to the CPU without it (q4: the scale is applied, not dropped).
+struct cs_model_case {
+  kv_cache_type type;
+  int n_prefill;
+  double max_rel_rms;
+};
+class CudaModelChannelScale : public ::testing::TestWithParam<cs_model_case> {};
+
+TEST_P(CudaModelChannelScale, MatchCpuEngine) {
+  KVQ_REQUIRE_GPU();
+  KVQ_REQUIRE_DATA(mp, kTinylit);
+  const cs_model_case tc = GetParam();
+  auto m = model::load(mp);
+  const int V = m->hparams().n_vocab, n = 320;
+  const std::vector<int32_t> ids = sample_tokens(*m, n, 19);
+  kv_cache_params cp = cache_of(*m, tc.type, 512);
+  cp.k_channel_scale.reset();  // the default: on
+  cp.channel_calib = 64;
+  cuda::model_runner r(*m, cp, 256);
+  r.set_cuda_graphs(true);
+  // the prompt through forward, then decode() steps (graphs) one token at a time
+  std::vector<float> gpu((size_t)n * V);
+  {
+    std::vector<uint8_t> all(tc.n_prefill, 1);
+    ASSERT_EQ(r.forward(std::span<const int32_t>(ids.data(), tc.n_prefill), 0, all, gpu.data()), tc.n_prefill);
+    for (int t = tc.n_prefill; t < n; ++t)
+      r.decode(std::vector<int32_t>{0}, std::vector<int32_t>{ids[t]}, &gpu[(size_t)t * V], nullptr);
+  }
+  const std::vector<float> cpu = cpu_logits(*m, cp, ids, tc.n_prefill);
+  kv_cache_params off = cp;
+  off.k_channel_scale = false;
+  const std::vector<float> cpu_off = cpu_logits(*m, off, ids, tc.n_prefill);
+  const diff d = compare(gpu, cpu, V), d_off = compare(gpu, cpu_off, V);
+  // the staged positions alone (exact attention on both): rows 0 .. 63
+  const std::vector<float> g0(gpu.begin(), gpu.begin() + (size_t)64 * V), c0(cpu.begin(), cpu.begin() + (size_t)64 * V);
+  const diff d0 = compare(g0, c0, V);
+  std::printf("[ gpu vs cpu %s channel scale, prefill %d ] %s: rel rms %.3e (staged rows 0-63: %.3e), max %.3e, "
+              "argmax same %d/%d; vs cpu without: rel %.3e; graphs: %d captures, %d instantiations\n",
+              kv_cache_type_name(tc.type), tc.n_prefill, r.describe().c_str(), d.rms / d.ref_rms, d0.rms / d0.ref_rms,
+              d.max_abs, d.argmax_same, d.rows, d_off.rms / d_off.ref_rms, r.graph_captures(),
+              r.graph_instantiations());
+  EXPECT_LE(d.rms / d.ref_rms, tc.max_rel_rms);
+  EXPECT_LE(d0.rms / d0.ref_rms, 1e-3) << "staged positions attend exactly (the f16 cache's bound)";
+  // q4 only: q8's two CPU variants are within the GPU's rounding of each other
+  if (tc.type == kv_cache_type::q4) {
+    EXPECT_LT(d.rms, d_off.rms);
+  }
+  EXPECT_LT(r.graph_captures(), n - tc.n_prefill) << "no step was replayed";
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, CudaModelChannelScale,
+                         ::testing::Values(cs_model_case{kv_cache_type::q8, 200, 5e-3},
+                                           cs_model_case{kv_cache_type::q4, 200, 6e-2},
+                                           cs_model_case{kv_cache_type::q8, 40, 5e-3},
+                                           cs_model_case{kv_cache_type::q4, 40, 6e-2}),
+                         [](const auto& i) {
+                           return std::string(kv_cache_type_name(i.param.type)) + "_prefill" +
+                                  std::to_string(i.param.n_prefill);
+                         });
+
+// Batched decode with the channel scale: sequences below, at and past the calibration positions in
+// one step give the logits they get one at a time (rel 6e-2 as CudaModelBatched q4), and
+// fill_synthetic goes through the same staging.
+TEST(CudaModelChannelScaleBatched, MixedStepsEqualSingleSequences) {
+  KVQ_REQUIRE_GPU();
+  KVQ_REQUIRE_DATA(mp, kTinylit);
+  auto m = model::load(mp);
+  const int V = m->hparams().n_vocab, n_steps = 6, C = 32;
+  const std::vector<int> prompt_len{10, 29, 50};  // staged throughout, calibrating at step 2, calibrated
+  const int B = (int)prompt_len.size();
+  kv_cache_params one = cache_of(*m, kv_cache_type::q4, 96);
+  one.k_channel_scale.reset();
+  one.channel_calib = C;
+  kv_cache_params cp = m->cache_params(96, one, B);
+  cuda::model_runner rb(*m, cp, 64), r1(*m, one, 64);
+  std::vector<std::vector<int32_t>> ids(B);
+  std::vector<float> lg((size_t)64 * V), step((size_t)B * V), single(V);
+  for (int b = 0; b < B; ++b) {
+    ids[b] = sample_tokens(*m, prompt_len[b] + n_steps, 300 + b);
+    rb.forward(std::span<const int32_t>(ids[b].data(), prompt_len[b]), 0, {}, lg.data(), b);
+  }
+  std::vector<std::vector<float>> batched(B, std::vector<float>((size_t)n_steps * V));
+  std::vector<int32_t> seqs{0, 1, 2}, toks(B);
+  for (int s = 0; s < n_steps; ++s) {
+    for (int b = 0; b < B; ++b) toks[b] = ids[b][prompt_len[b] + s];
+    rb.decode(seqs, toks, step.data(), nullptr);
+    for (int b = 0; b < B; ++b) std::copy(&step[(size_t)b * V], &step[(size_t)(b + 1) * V], &batched[b][(size_t)s * V]);
+  }
+  for (int b = 0; b < B; ++b) {
+    r1.clear();
+    r1.forward(std::span<const int32_t>(ids[b].data(), prompt_len[b]), 0, {}, lg.data());
+    std::vector<float> alone((size_t)n_steps * V);
+    for (int s = 0; s < n_steps; ++s)
+      r1.forward(std::span<const int32_t>(&ids[b][prompt_len[b] + s], 1), prompt_len[b] + s, {}, &alone[(size_t)s * V]);
+    const diff d = compare(batched[b], alone, V);
+    std::printf("[ batched vs single q4 channel scale ] sequence %d (%d prompt tokens): rel rms %.3e\n", b,
+                prompt_len[b], d.rms / d.ref_rms);
+    EXPECT_LE(d.rms / d.ref_rms, 6e-2) << "sequence " << b;
+  }
+  // fill_synthetic through the staging and the calibration (past C, then decodable)
+  rb.clear();
+  rb.fill_synthetic(1, 40, 3);
+  EXPECT_EQ(rb.n_pos(1), 40);
+  std::vector<int32_t> am(1);
+  rb.decode(std::vector<int32_t>{1}, std::vector<int32_t>{5}, lg.data(), am.data());
+  EXPECT_EQ(am[0], (int32_t)(std::max_element(lg.begin(), lg.begin() + V) - lg.begin()));
 }
 
 // ---- batched decode (several sequences per step) ----
