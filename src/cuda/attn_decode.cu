@@ -520,27 +520,8 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
 #pragma unroll
   for (int mt = 0; mt < C::MT; ++mt) {
     int ch0, ch1;
-    float f = inv_pscale;
-    bool ok = true;
-    if constexpr (F == dfmt::f16) {
-      ch0 = 16 * mt + g;
-      ch1 = ch0 + 8;
-      f = 1.0f;
-    } else {
-      const int bb = mt >> 1, mu = mt & 1;
-      const bool last_partial = S::PARTIAL && bb == S::NB - 1;
-      if constexpr (F == dfmt::q4) {
-        const int j = g & 3, hs = g >> 2;
-        ch0 = 32 * bb + (last_partial ? 8 : 16) * hs + 4 * j + 2 * mu;
-        ok = !last_partial || j < 2;
-        if (hs) f *= 0.0625f;  // high nibbles entered the MMA as 16 * (u - 8)
-      } else {
-        ch0 = 32 * bb + 4 * g + 2 * mu;
-        ok = !last_partial || g < 4;
-      }
-      ch1 = ch0 + 1;
-    }
-    if (ok) {
+    float f;
+    if (pv_out_channels<F, HD>(mt, g, inv_pscale, ch0, ch1, f)) {
       o0[ch0] = acc[mt][0] * f;
       o1[ch0] = acc[mt][1] * f;
       o0[ch1] = acc[mt][2] * f;

@@ -575,27 +575,8 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(prefill_args a) {
 #pragma unroll
     for (int mt = 0; mt < C::MT; ++mt) {
       int ch0, ch1;
-      float f = inv_pscale;
-      bool ok = true;
-      if constexpr (F == dfmt::f16) {
-        ch0 = 16 * mt + g;
-        ch1 = ch0 + 8;
-        f = 1.0f;
-      } else {
-        const int bb = mt >> 1, mu = mt & 1;
-        const bool last_partial = S::PARTIAL && bb == S::NB - 1;
-        if constexpr (F == dfmt::q4) {
-          const int jj = g & 3, hs = g >> 2;
-          ch0 = 32 * bb + (last_partial ? 8 : 16) * hs + 4 * jj + 2 * mu;
-          ok = !last_partial || jj < 2;
-          if (hs) f *= 0.0625f;  // high nibbles entered the MMA as 16 * (u - 8)
-        } else {
-          ch0 = 32 * bb + 4 * g + 2 * mu;
-          ok = !last_partial || g < 4;
-        }
-        ch1 = ch0 + 1;
-      }
-      if (ok) {
+      float f;
+      if (pv_out_channels<F, HD>(mt, g, inv_pscale, ch0, ch1, f)) {
         o0[ch0] = acc[hf][mt][0] * f * inv[hf][0];
         o1[ch0] = acc[hf][mt][1] * f * inv[hf][1];
         o0[ch1] = acc[hf][mt][2] * f * inv[hf][0];

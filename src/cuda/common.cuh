@@ -100,6 +100,36 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1,
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// P·V output tile mt of the decode and prefill kernels: the two V channels ch0, ch1 that lane group
+// g's accumulator entries (0, 1) and (2, 3) hold, and the factor f that undoes the codes' scaling in
+// the MMA (inv_pscale for q8 / q4, 1/16 more for q4's high nibbles, 1 for f16). False when those
+// channels lie past the 16 elements of a partial last block (head_dim % 32 == 16).
+template <dfmt F, int HD>
+__device__ __forceinline__ bool pv_out_channels(int mt, int g, float inv_pscale, int& ch0, int& ch1, float& f) {
+  using S = shape<F, HD>;
+  if constexpr (F == dfmt::f16) {
+    ch0 = 16 * mt + g;
+    ch1 = ch0 + 8;
+    f = 1.0f;
+    return true;
+  } else {
+    const int bb = mt >> 1, mu = mt & 1;
+    const bool last_partial = S::PARTIAL && bb == S::NB - 1;
+    bool ok;
+    f = inv_pscale;
+    if constexpr (F == dfmt::q4) {
+      const int j = g & 3, hs = g >> 2;
+      ch0 = 32 * bb + (last_partial ? 8 : 16) * hs + 4 * j + 2 * mu;
+      ok = !last_partial || j < 2;
+      if (hs) f *= 0.0625f;  // high nibbles entered the MMA as 16 * (u - 8)
+    } else {
+      ch0 = 32 * bb + 4 * g + 2 * mu;
+      ok = !last_partial || g < 4;
+    }
+    ch1 = ch0 + 1;
+    return ok;
+  }
+}
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
