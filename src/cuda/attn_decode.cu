@@ -88,24 +88,6 @@ struct cfg {
   static constexpr int MIN_BLOCKS = (F == dfmt::q4 && HD <= 128) ? KVQ_CUDA_Q4_MIN_BLOCKS : 1;
 };
 
-__device__ __forceinline__ uint32_t lds32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
-// kvq::quantize_q8_ref (qmax 127) or kvq::quantize_q16_ref (qmax kq16_max) of one group given its
-// absmax: the same IEEE operations, so scale and codes are bit-identical to the CPU's.
-struct query_quant {
-  float qmax, scale, inv;
-};
-__device__ __forceinline__ query_quant query_quant_of(float amax, float qmax) {
-  const float s = __fdiv_rn(amax, qmax);
-  return {qmax, s, s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f};
-}
-__device__ __forceinline__ int query_code(const query_quant& z, float x) {
-  return (int)fminf(fmaxf(rintf(__fmul_rn(x, z.inv)), -z.qmax), z.qmax);
-}
-static_assert(kq16_max == 127 * 254, "the int16 query splits as 254 hi + lo");
-// hi of q = 254 hi + lo with hi, lo in [-127, 127] (|q| <= kq16_max): q / 254 rounded half away from 0.
-__device__ __forceinline__ int split_q16_hi(int q) { return (q + (q >= 0 ? 127 : -127)) / 254; }
-
 // The f16 scales of one token row as packed 32-bit words (NS = 1, 3: assembled from 16-bit loads).
 template <int NS>
 __device__ __forceinline__ void load_scale_words(const uint8_t* sp, uint32_t (&w)[(NS + 1) / 2]) {
@@ -130,14 +112,7 @@ __device__ __forceinline__ void load_scale_words(const uint8_t* sp, uint32_t (&w
     }
   }
 }
-__device__ __forceinline__ float scale_at(const uint32_t* w, int si) {
-  return __half2float(__ushort_as_half((unsigned short)(w[si >> 1] >> (16 * (si & 1)))));
-}
 
-// Byte i of token A's word and of token B's word, each in the low byte of one 16-bit lane.
-__device__ __forceinline__ uint32_t pair_bytes(uint32_t wa, uint32_t wb, int i) {
-  return __byte_perm(wa, wb, (unsigned)(i | i << 4 | (4 + i) << 8 | (4 + i) << 12));
-}
 
 template <dfmt F, int HD>
 __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kernel(decode_args a) {

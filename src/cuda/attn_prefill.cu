@@ -96,22 +96,6 @@ struct pcfg {
   static constexpr int MT = F == dfmt::f16 ? HD / 16 : 2 * S::NB;  // P·V m16 tiles (channels)
 };
 
-__device__ __forceinline__ uint32_t lds32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
-// kvq::quantize_q8_ref / quantize_q16_ref of one group given its absmax (as attn_decode.cu).
-struct query_quant {
-  float qmax, scale, inv;
-};
-__device__ __forceinline__ query_quant query_quant_of(float amax, float qmax) {
-  const float s = __fdiv_rn(amax, qmax);
-  return {qmax, s, s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f};
-}
-__device__ __forceinline__ int query_code(const query_quant& z, float x) {
-  return (int)fminf(fmaxf(rintf(__fmul_rn(x, z.inv)), -z.qmax), z.qmax);
-}
-static_assert(kq16_max == 127 * 254, "the int16 query splits as 254 hi + lo");
-__device__ __forceinline__ int split_q16_hi(int q) { return (q + (q >= 0 ? 127 : -127)) / 254; }
-
 template <int NS>
 __device__ __forceinline__ void load_scale_words(const uint8_t* sp, uint32_t (&w)[(NS + 1) / 2]) {
 #pragma unroll
@@ -128,12 +112,6 @@ __device__ __forceinline__ void load_scale_words<3>(const uint8_t* sp, uint32_t 
   const uint16_t* s = reinterpret_cast<const uint16_t*>(sp);  // 6-byte rows: 2-aligned only
   w[0] = (uint32_t)s[0] | (uint32_t)s[1] << 16;
   w[1] = s[2];
-}
-__device__ __forceinline__ float scale_at(const uint32_t* w, int si) {
-  return __half2float(__ushort_as_half((unsigned short)(w[si >> 1] >> (16 * (si & 1)))));
-}
-__device__ __forceinline__ uint32_t pair_bytes(uint32_t wa, uint32_t wb, int i) {
-  return __byte_perm(wa, wb, (unsigned)(i | i << 4 | (4 + i) << 8 | (4 + i) << 12));
 }
 
 template <dfmt F, int HD>
