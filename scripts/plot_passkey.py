@@ -2,10 +2,12 @@
 """Heat maps of passkey retrieval accuracy written by `kvq eval-passkey --plot`.
 
 usage: plot_passkey.py RESULT.json [MORE.json ...] OUT.png   (each RESULT = eval-passkey's --json object)
-One panel per result (one KV-cache configuration): rows = context length, columns = needle depth,
-colour = accuracy (red 0 % .. green 100 %, as the needle-in-a-haystack papers draw it), each cell
-labelled with its accuracy in %. The title gives the cache, its bytes per token and the overall
-accuracy.
+One panel per KV-cache configuration: rows = context length, columns = needle depth, colour =
+accuracy (red 0 % .. green 100 %, as the needle-in-a-haystack papers draw it), each cell labelled
+with its accuracy in %. The title gives the cache, its bytes per token, the device and the overall
+accuracy. Results of one configuration (same model, device, K / V types and cache description),
+e.g. one run per length or per depth, are merged into one panel: their cells' trials are summed, a
+(length, depth) cell no run measured stays blank.
 """
 import json
 import math
@@ -35,9 +37,49 @@ def panel(ax, r):
     ax.set_xlabel("needle depth %", fontsize=7)
     ax.set_ylabel("context length (tokens)", fontsize=7)
     kv = r["kv_type_k"] if r["kv_type_k"] == r["kv_type_v"] else r["kv_type_k"] + "/" + r["kv_type_v"]
-    ax.set_title("%s  %.0f B/tok\n%s\naccuracy %.1f %% (%d trials/cell)" %
-                 (kv, r["kv_bytes_per_token"], "\n".join(textwrap.wrap(r["kv_cache"], 48)), 100 * r["accuracy"], r["trials_per_cell"]), fontsize=7)
+    dev = " (GPU)" if r.get("device", "cpu") == "cuda" else ""
+    ax.set_title("%s%s  %.0f B/tok\n%s\naccuracy %.1f %% (%s trials/cell)" %
+                 (kv, dev, r["kv_bytes_per_token"], "\n".join(textwrap.wrap(r["kv_cache"], 48)), 100 * r["accuracy"],
+                  r["trials_per_cell"]), fontsize=7)
     return im
+
+
+def config_key(r):
+    return (r["model"], r.get("device", "cpu"), r["kv_type_k"], r["kv_type_v"], r["kv_cache"], r["kv_bytes_per_token"])
+
+
+def merge(group):
+    """One result of several runs of one configuration: lengths and depths ascending, cells summed."""
+    if len(group) == 1:
+        return group[0]
+    r = dict(group[0])
+    cells = {}
+    for g in group:
+        for c in g["cells"]:
+            k = (c["length"], c["depth"])
+            n, ok = cells.get(k, (0, 0))
+            cells[k] = (n + c["n_trials"], ok + c["n_correct"])
+    r["lengths"] = sorted({k[0] for k in cells})
+    r["depths"] = sorted({k[1] for k in cells})
+    r["cells"] = [{"length": L, "depth": d, "n_trials": n, "n_correct": ok, "accuracy": ok / n if n else float("nan")}
+                  for (L, d), (n, ok) in sorted(cells.items())]
+    n_all = sum(n for n, _ in cells.values())
+    r["accuracy"] = sum(ok for _, ok in cells.values()) / n_all if n_all else float("nan")
+    per_cell = sorted({n for n, _ in cells.values()})
+    r["trials_per_cell"] = per_cell[0] if len(per_cell) == 1 else "%d-%d" % (per_cell[0], per_cell[-1])
+    return r
+
+
+def group_results(results):
+    """Results merged per configuration, in the order each configuration first appears."""
+    order, groups = [], {}
+    for r in results:
+        k = config_key(r)
+        if k not in groups:
+            order.append(k)
+            groups[k] = []
+        groups[k].append(r)
+    return [merge(groups[k]) for k in order]
 
 
 def main():
@@ -47,6 +89,7 @@ def main():
     for path in sys.argv[1:-1]:
         with open(path) as f:
             results.append(json.load(f))
+    results = group_results(results)
     n = len(results)
     cols = min(n, 3)
     rows = math.ceil(n / cols)

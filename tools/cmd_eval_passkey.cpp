@@ -23,7 +23,8 @@ const char* kDefaultHaystack = "data/wikitext-2-raw-test/wiki.test.raw";
 struct passkey_opts {
   std::string model_path, haystack, lengths = "4k", depths = "0,25,50,75,100", plot;
   passkey_params p;
-  kv_flags kv;
+  kv_flags kv;                 // p.cache, parsed when the command runs
+  std::string device = "cpu";  // p.device, parsed when the command runs
   bool json = false, no_progress = false;
 };
 
@@ -75,6 +76,7 @@ nlohmann::json to_json(const passkey_opts& o, const passkey_result& r) {
                    {"seed", p.seed},
                    {"n_answer", p.n_answer},
                    {"n_batch", p.n_batch},
+                   {"device", compute_device_name(p.device)},
                    {"kv_type_k", kv_cache_type_name(p.cache.type_k)},
                    {"kv_type_v", kv_cache_type_name(p.cache.type_v)},
                    {"kv_cache", r.kv_describe},
@@ -124,7 +126,8 @@ void print_table(const passkey_opts& o, const passkey_result& r) {
 }
 
 int run_passkey(passkey_opts& o) {
-  o.p.cache = o.kv.params();
+  o.p.device = parse_compute_device(o.device);
+  o.p.cache = o.kv.params(o.p.device == compute_device::cuda);  // the GPU has no exact windows yet
   o.p.lengths = parse_count_list(o.lengths, "eval_passkey", "--lengths");
   o.p.depths = parse_depths(o.depths);
   if (!o.plot.empty()) check_plot_dir("eval_passkey", o.plot);
@@ -161,6 +164,7 @@ const registrar reg{{"eval-passkey", "passkey retrieval (needle in a haystack of
   app->add_option("-b,--batch-size", o->p.n_batch, "prompt tokens per prefill pass")->capture_default_str();
   app->add_option("-t,--threads", o->p.n_threads, "threads (0: all)")->capture_default_str()->check(CLI::Range(0, 1024));
   app->add_option("--plot", o->plot, "draw the accuracy heat map to this PNG (scripts/plot_passkey.py)");
+  add_device_flag(app, o->device);
   add_report_flags(app, o->json, o->no_progress);
   add_kv_flags(app, o->kv);
   return [o] { return run_passkey(*o); };

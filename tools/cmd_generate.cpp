@@ -80,9 +80,7 @@ const registrar reg{{"generate", "generate text from a prompt", [](CLI::App* app
       ->check(CLI::Range((int64_t)-1, (int64_t)0xFFFFFFFF));
   app->add_flag("--ignore-eos", o->p.ignore_eos, "keep generating after end-of-generation tokens");
   app->add_flag("--json", o->json, "print one JSON object instead of streaming text");
-  app->add_option("--device", o->device,
-                  "where the model runs: cpu, or cuda (every layer on the GPU; f16/q8/q4 caches, llama/qwen2)")
-      ->capture_default_str();
+  add_device_flag(app, o->device);
   add_kv_flags(app, o->kv);
   app->parse_complete_callback([o] {
     kv_cache_params c;

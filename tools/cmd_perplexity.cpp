@@ -82,9 +82,7 @@ const registrar reg{{"perplexity", "perplexity and KL divergence of a KV cache t
       ->capture_default_str();
   app->add_flag("--json", o->json, "print one JSON object with every figure");
   app->add_flag("--no-progress", o->no_progress, "no progress bar on stderr");
-  app->add_option("--device", o->device,
-                  "where the model runs: cpu, or cuda (every layer on the GPU; f16/q8/q4 caches, llama/qwen2)")
-      ->capture_default_str();
+  add_device_flag(app, o->device);
   add_kv_flags(app, o->kv);
   return [o] { return run_perplexity(*o); };
 }}};

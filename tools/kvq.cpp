@@ -139,6 +139,12 @@ void add_kv_flags(CLI::App* app, kv_flags& f, bool& explicit_kv) {
     app->get_option(name)->each([&explicit_kv](const std::string&) { explicit_kv = true; });
 }
 
+void add_device_flag(CLI::App* app, std::string& device) {
+  app->add_option("--device", device,
+                  "where the model runs: cpu, or cuda (every layer on the GPU; f16/q8/q4 caches, llama/qwen2)")
+      ->capture_default_str();
+}
+
 void add_report_flags(CLI::App* app, bool& json, bool& no_progress) {
   app->add_flag("--json", json, "print one JSON object");
   app->add_flag("--no-progress", no_progress, "no progress on stderr");

@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "kvq/cuda_model.h"
 #include "kvq/kv_cache.h"
 #include "kvq/model.h"
 #include "kvq/tokenizer.h"
@@ -77,6 +78,10 @@ struct passkey_params {
   int n_batch = 512;        // prompt tokens per prefill pass
   int n_threads = 0;        // 0: all hardware threads
   kv_cache_params cache;    // types and options (shapes and n_ctx are filled per length)
+  // cpu: the CPU engine; cuda: every layer on the GPU (cuda::model_runner, kvq/cuda_model.h), one
+  // runner per length: f16 / q8 / q4 caches without exact windows (check_supported's errors for
+  // the rest), unsupported "[cuda] ..." without CUDA or a GPU.
+  compute_device device = compute_device::cpu;
 };
 
 struct passkey_trial {
@@ -125,7 +130,9 @@ bool passkey_correct(const std::string& key, const std::string& answer);
 
 // Validates `p` against the model before any work: no lengths or depths, a length above the
 // training context or above p.n_ctx (when set), trials < 1, n_batch < 1, n_answer < 1, a depth
-// outside [0, 100], a cache configuration make_kv_cache refuses. Errors: invalid_input.
+// outside [0, 100], a cache configuration make_kv_cache refuses (invalid_input); with
+// device == cuda, what the GPU path does not run and a missing GPU (unsupported, as
+// cuda::check_supported and cuda::require).
 void passkey_check(const model& m, const passkey_params& p);
 
 // Runs every trial of every (length, depth) cell with one cache per length (cleared between

@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "kvq/error.h"
+#include "runtime/forward_engine.h"
 
 namespace kvq {
 
@@ -29,13 +30,9 @@ generate_result generate(model& m, const tokenizer& tok, const generate_params& 
 
   kv_cache_params cp = m.cache_params(r.n_ctx, p.cache);
   cp.n_ubatch = std::max(cp.n_ubatch, p.n_batch);  // sliding-window layers' rings hold one prompt batch
-  const bool gpu = p.device == compute_device::cuda;
-  // --device cuda: the model on the GPU, its cache there (checks and uploads before any work);
-  // otherwise the CPU engine with a kv_cache (validates types before any work).
-  std::unique_ptr<cuda::model_runner> runner;
-  std::unique_ptr<kv_cache> cache;
-  if (gpu) runner = std::make_unique<cuda::model_runner>(m, cp, std::min(p.n_batch, r.n_ctx));
-  else cache = make_kv_cache(cp);
+  // The CPU engine with a kv_cache, or (--device cuda) the model and its cache on the GPU; either
+  // validates before any work.
+  forward_engine eng(m, cp, p.device, std::min(p.n_batch, r.n_ctx));
 
   r.prompt_ids = tok.encode(p.prompt, p.add_bos && tok.add_bos_default(), /*parse_special=*/true);
   if (r.prompt_ids.empty())  // an empty prompt is BOS alone (as llama.cpp), when the model adds BOS
@@ -56,8 +53,7 @@ generate_result generate(model& m, const tokenizer& tok, const generate_params& 
   for (int i = 0; i < n_prompt; i += p.n_batch) {
     const int nb = std::min(p.n_batch, n_prompt - i);
     const std::span<const int32_t> batch(r.prompt_ids.data() + i, nb);
-    if (gpu) runner->forward(batch, i, {}, logits.data());
-    else m.forward(batch, i, 0, *cache, pool, logits.data(), false);
+    eng.forward(batch, i, {}, logits.data(), pool);
   }
   const auto t1 = clock::now();
   r.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
@@ -71,8 +67,7 @@ generate_result generate(model& m, const tokenizer& tok, const generate_params& 
     if (on_piece) on_piece(tok.token_to_piece(id));
     if (p.n_predict >= 0 && i + 1 == p.n_predict) break;  // no forward needed for the last token
     if (pos >= r.n_ctx) { r.stop_reason = "context_full"; break; }
-    if (gpu) runner->forward(std::span<const int32_t>(&id, 1), pos, {}, logits.data());
-    else m.forward(std::span<const int32_t>(&id, 1), pos, 0, *cache, pool, logits.data(), false);
+    eng.forward(std::span<const int32_t>(&id, 1), pos, {}, logits.data(), pool);
     ++pos;
   }
   const auto t2 = clock::now();
@@ -82,20 +77,15 @@ generate_result generate(model& m, const tokenizer& tok, const generate_params& 
   // Decode steps = forwards after the prompt (the last sampled token needs none).
   const int n_steps = std::max(0, pos - n_prompt);
   r.decode_tokens_per_s = r.decode_seconds > 0 ? n_steps / r.decode_seconds : 0;
-  r.kv_bytes = gpu ? runner->kv_bytes() : cache->bytes();
-  r.kv_bytes_used = gpu ? runner->kv_bytes_used() : cache->bytes_used();
+  r.kv_bytes = eng.kv_bytes();
+  r.kv_bytes_used = eng.kv_bytes_used();
   r.kv_bytes_per_token = kv_bytes_per_token(cp);
   kv_cache_params f16 = cp;
   f16.type_k = f16.type_v = kv_cache_type::f16;
   r.kv_bytes_per_token_f16 = kv_bytes_per_token(f16);
-  if (gpu) {
-    r.kv_describe = runner->describe();
-    r.attn_tier = "cuda (fused paged decode kernel, kvq/cuda.h)";
-  } else {
-    r.kv_describe = cache->describe();
-    r.attn_tier = kv_attn_tier(cache->params());
-    append_certified_report(*cache, r.certified);
-  }
+  r.kv_describe = eng.describe();
+  r.attn_tier = eng.attn_tier();
+  if (kv_cache* cache = eng.cpu_cache()) append_certified_report(*cache, r.certified);
   return r;
 }
 

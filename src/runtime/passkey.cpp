@@ -9,6 +9,7 @@
 
 #include "kvq/error.h"
 #include "kvq/thread_pool.h"
+#include "runtime/forward_engine.h"
 
 namespace kvq {
 
@@ -142,6 +143,17 @@ passkey_prompt passkey_make_prompt(const tokenizer& tok, const passkey_text& tex
   return r;
 }
 
+namespace {
+
+// The cache of one length: one prompt batch in the sliding-window layers' rings.
+kv_cache_params cache_params_for(const model& m, int length, const passkey_params& p) {
+  kv_cache_params cp = m.cache_params(length, p.cache);
+  cp.n_ubatch = std::max(cp.n_ubatch, p.n_batch);
+  return cp;
+}
+
+}  // namespace
+
 void passkey_check(const model& m, const passkey_params& p) {
   const model_hparams& hp = m.hparams();
   if (p.lengths.empty()) fail_input(tag() + "no context lengths given (--lengths)");
@@ -169,7 +181,7 @@ void passkey_check(const model& m, const passkey_params& p) {
       fail_input(tag() + "length " + std::to_string(L) + " exceeds the context size -c " + std::to_string(p.n_ctx));
     if (L <= p.n_answer) fail_input(tag() + "length " + std::to_string(L) + " must exceed the answer tokens");
   }
-  validate(m.cache_params(p.lengths.front(), p.cache));
+  for (int L : p.lengths) forward_engine_check(m, cache_params_for(m, L, p), p.device, std::min(p.n_batch, L));
 }
 
 passkey_result eval_passkey(model& m, const tokenizer& tok, const passkey_text& text, const passkey_params& p,
@@ -195,7 +207,7 @@ passkey_result eval_passkey(model& m, const tokenizer& tok, const passkey_text& 
   const int n_vocab = m.hparams().n_vocab;
   std::vector<float> logits(n_vocab);  // [n_vocab] of the last token
   thread_pool pool(p.n_threads);
-  std::unique_ptr<kv_cache> cache;
+  std::unique_ptr<forward_engine> eng;  // the cache (CPU) or the model and its cache (GPU) of one length
   int cache_len = -1;
   const auto t0 = clock::now();
   int64_t prefilled = 0;
@@ -203,27 +215,26 @@ passkey_result eval_passkey(model& m, const tokenizer& tok, const passkey_text& 
   for (size_t ji = 0; ji < jobs.size(); ++ji) {
     const job& jb = jobs[ji];
     if (jb.length != cache_len) {
-      cache.reset();
-      kv_cache_params cp = m.cache_params(jb.length, p.cache);
-      cp.n_ubatch = std::max(cp.n_ubatch, p.n_batch);  // sliding-window layers' rings hold one batch
-      cache = make_kv_cache(cp);
+      eng.reset();
+      const kv_cache_params cp = cache_params_for(m, jb.length, p);
+      eng = std::make_unique<forward_engine>(m, cp, p.device, std::min(p.n_batch, jb.length));
       cache_len = jb.length;
       if (r.kv_describe.empty()) {
-        r.kv_describe = cache->describe();
+        r.kv_describe = eng->describe();
         r.kv_bytes_per_token = kv_bytes_per_token(cp);
         kv_cache_params f16 = cp;
         f16.type_k = f16.type_v = kv_cache_type::f16;
         r.kv_bytes_per_token_f16 = kv_bytes_per_token(f16);
       }
     } else {
-      cache->clear(0);
+      eng->clear();
     }
     const auto ts = clock::now();
     const std::vector<int32_t>& ids = jb.prompt.ids;
     const int n = (int)ids.size();
     for (int i = 0; i < n; i += p.n_batch) {
       const int nb = std::min(p.n_batch, n - i);
-      m.forward(std::span<const int32_t>(ids.data() + i, nb), i, 0, *cache, pool, logits.data(), false);
+      eng->forward(std::span<const int32_t>(ids.data() + i, nb), i, {}, logits.data(), pool);
     }
     prefill_s += std::chrono::duration<double>(clock::now() - ts).count();
     prefilled += n;
@@ -235,7 +246,7 @@ passkey_result eval_passkey(model& m, const tokenizer& tok, const passkey_text& 
       answer.push_back(id);
       text_ans = tok.decode(answer);
       if (answer_done(text_ans) || k + 1 == p.n_answer) break;
-      m.forward(std::span<const int32_t>(&id, 1), n + k, 0, *cache, pool, logits.data(), false);
+      eng->forward(std::span<const int32_t>(&id, 1), n + k, {}, logits.data(), pool);
     }
     passkey_trial tr;
     tr.length = jb.length;

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "kvq/error.h"
+#include "runtime/forward_engine.h"
 #include "runtime/perplexity_kl.h"
 
 namespace kvq {
@@ -50,23 +51,6 @@ std::vector<int32_t> perplexity_tokenize(const tokenizer& tok, const std::string
 int32_t perplexity_bos(const tokenizer& tok) { return tok.add_bos_default() ? tok.bos() : -1; }
 
 namespace {
-
-// Runs tokens [i0, i0 + nb) of a chunk through the model (the cache holds positions [0, i0)),
-// keeping the logits of the rows whose mask is set: logits [n_rows, n_vocab], n_rows returned. A
-// batch without such rows still runs (its K/V are needed) and writes its last row's logits,
-// which the caller ignores.
-int eval_batch(model& m, kv_cache& cache, std::span<const int32_t> tokens, int i0, std::span<const uint8_t> out,
-               std::vector<int32_t>& pos, std::vector<int32_t>& seq, thread_pool& pool, float* logits) {
-  const int nb = (int)tokens.size();
-  if (std::find(out.begin(), out.end(), 1) == out.end()) {
-    m.forward(tokens, i0, 0, cache, pool, logits, false);
-    return 0;
-  }
-  pos.resize(nb);
-  seq.assign(nb, 0);
-  for (int t = 0; t < nb; ++t) pos[t] = i0 + t;
-  return m.forward(model_batch{tokens, pos, seq, out}, cache, pool, logits);
-}
 
 nlohmann::json file_header(const model& m, const perplexity_params& p, int n_chunk, int n_scored, int top_k,
                            uint64_t hash, int64_t n_tokens) {
@@ -227,13 +211,10 @@ void perplexity_check(const model& m, const perplexity_params& p) {
                std::to_string(V) + "]");
   // Cache types and options.
   const kv_cache_params cp = m.cache_params(p.n_ctx, p.cache);
-  if (p.device == compute_device::cuda) {
-    if (p.compare_type)
-      fail_unsupported("[perplexity] --compare with --device cuda is not supported (one GPU runner per run): write a "
-                       "KL base file with --kl-base and compare against it with --kl-compare");
-    cuda::check_supported(m, cp, std::min(p.n_batch == 0 ? kDefaultBatch : p.n_batch, p.n_ctx));
-  }
-  validate(cp);
+  if (p.device == compute_device::cuda && p.compare_type)
+    fail_unsupported("[perplexity] --compare with --device cuda is not supported (one GPU runner per run): write a "
+                     "KL base file with --kl-base and compare against it with --kl-compare");
+  forward_engine_check(m, cp, p.device, std::min(p.n_batch == 0 ? kDefaultBatch : p.n_batch, p.n_ctx));
   if (p.compare_type) {
     kv_cache_params rp = cp;
     rp.type_k = rp.type_v = *p.compare_type;
@@ -270,15 +251,12 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
 
   kv_cache_params cp = m.cache_params(p.n_ctx, p.cache);
   cp.n_ubatch = std::max(cp.n_ubatch, r.n_batch);  // sliding-window layers' rings hold one batch
-  const bool gpu = p.device == compute_device::cuda;
-  std::unique_ptr<cuda::model_runner> runner;  // --device cuda: the model and its cache on the GPU
-  if (gpu) runner = std::make_unique<cuda::model_runner>(m, cp, r.n_batch);
-  std::unique_ptr<kv_cache> cache = gpu ? nullptr : make_kv_cache(cp);
-  std::unique_ptr<kv_cache> ref_cache;
+  forward_engine eng(m, cp, p.device, r.n_batch);  // --device cuda: the model and its cache on the GPU
+  std::unique_ptr<forward_engine> ref_eng;       // --compare (CPU only, checked above)
   if (p.compare_type) {
     kv_cache_params rp = cp;
     rp.type_k = rp.type_v = *p.compare_type;
-    ref_cache = make_kv_cache(rp);
+    ref_eng = std::make_unique<forward_engine>(m, rp, compute_device::cpu, r.n_batch);
   }
   const uint64_t hash = fnv1a64(tokens);
   std::unique_ptr<kl_file_reader> base_in;
@@ -298,10 +276,10 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
   kl_codec cmp_codec;  // in-process base: full records
   cmp_codec.n_vocab = V;
   cmp_codec.top_k = 0;
-  const kl_codec* base_codec = base_in ? &in_codec : ref_cache ? &cmp_codec : nullptr;
+  const kl_codec* base_codec = base_in ? &in_codec : ref_eng ? &cmp_codec : nullptr;
 
-  r.kv_describe = gpu ? runner->describe() : cache->describe();
-  r.attn_tier = gpu ? "cuda (fused paged decode kernel, kvq/cuda.h)" : kv_attn_tier(cache->params());
+  r.kv_describe = eng.describe();
+  r.attn_tier = eng.attn_tier();
   r.kv_bytes_per_token = kv_bytes_per_token(cp);
   kv_cache_params f16 = cp;
   f16.type_k = f16.type_v = kv_cache_type::f16;
@@ -312,13 +290,13 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
   // whatever n_ctx (a 16384-token chunk of a 151,936-token vocabulary would need 10 GB).
   const int max_rows = std::min(r.n_batch, n_scored);
   std::vector<float> logits((size_t)std::max(max_rows, 1) * V);                // [rows, n_vocab]
-  std::vector<float> ref_logits(ref_cache ? logits.size() : 0);                // [rows, n_vocab]
+  std::vector<float> ref_logits(ref_eng ? logits.size() : 0);                // [rows, n_vocab]
   std::vector<int> argmax(max_rows);
   std::vector<uint8_t> base_recs(base_codec ? (size_t)max_rows * base_codec->record_bytes() : 0);
   std::vector<uint8_t> out_recs(base_out ? (size_t)max_rows * out_codec.record_bytes() : 0);
   std::vector<kl_token> kl_tok(max_rows);
   std::vector<int> scratch;
-  std::vector<int32_t> chunk(p.n_ctx), pos, seq;
+  std::vector<int32_t> chunk(p.n_ctx);
   std::vector<uint8_t> out_mask;
   double sum_nll = 0, sum_nll2 = 0;
   int64_t count = 0;
@@ -331,9 +309,8 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
     const int64_t start = (int64_t)c * p.n_ctx;
     std::copy(tokens.begin() + start, tokens.begin() + start + p.n_ctx, chunk.begin());
     if (bos >= 0) chunk[0] = bos;
-    if (gpu) runner->clear();
-    else cache->clear(0);
-    if (ref_cache) ref_cache->clear(0);
+    eng.clear();
+    if (ref_eng) ref_eng->clear();
     for (int i0 = 0; i0 < p.n_ctx; i0 += r.n_batch) {
       const int nb = std::min(r.n_batch, p.n_ctx - i0);
       // scored rows of this batch: positions first .. n_ctx - 2
@@ -342,11 +319,12 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
       out_mask.assign(nb, 0);
       for (int t = lo; t < hi; ++t) out_mask[t - i0] = 1;
       const std::span<const int32_t> toks(chunk.data() + i0, nb);
-      if (gpu) runner->forward(toks, i0, out_mask, logits.data());
-      else eval_batch(m, *cache, toks, i0, out_mask, pos, seq, pool, logits.data());
+      // rows [lo, hi) of the batch into logits (a batch without scored rows writes its last row,
+      // which is ignored)
+      eng.forward(toks, i0, out_mask, logits.data(), pool);
       evaluated += nb;
-      if (ref_cache) {
-        eval_batch(m, *ref_cache, toks, i0, out_mask, pos, seq, pool, ref_logits.data());
+      if (ref_eng) {
+        ref_eng->forward(toks, i0, out_mask, ref_logits.data(), pool);
         evaluated += nb;
       }
       if (n_rows == 0) continue;
@@ -355,7 +333,7 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
         float* row = &logits[(size_t)i * V];
         argmax[i] = log_softmax(row, V, row);
       });
-      if (ref_cache) {
+      if (ref_eng) {
         pool.parallel_for(n_rows, [&](int64_t i, int) {
           float* row = &ref_logits[(size_t)i * V];
           log_softmax(row, V, row);
@@ -414,14 +392,14 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
     r.has_kld = true;
     r.kld = finish_kld(acc);
     r.kld.top_k = base_codec->top_k;
-    if (ref_cache) r.kld.base_desc = ref_cache->describe() + " cache, same run";
+    if (ref_eng) r.kld.base_desc = ref_eng->describe() + " cache, same run";
     else
       r.kld.base_desc = "file " + p.kl_base_in + " (" + base_in->header().value("type_k", "?") + "/" +
                         base_in->header().value("type_v", "?") + ")";
   }
   if (base_out) base_out->commit();
-  if (!gpu) append_certified_report(*cache, r.certified);
-  if (ref_cache) append_certified_report(*ref_cache, r.certified);
+  if (kv_cache* c = eng.cpu_cache()) append_certified_report(*c, r.certified);
+  if (ref_eng) append_certified_report(*ref_eng->cpu_cache(), r.certified);
   return r;
 }
 

@@ -1,5 +1,6 @@
-// kvq generate / perplexity --device: cpu is the default engine; cuda without CUDA or a GPU is a
-// clear "not supported" error (exit 2, nothing on stdout), as is a device name kvq does not know.
+// kvq generate / perplexity / eval-passkey --device: cpu is the default engine; cuda without CUDA or
+// a GPU is a clear "not supported" error (exit 2, nothing on stdout), as is a device name kvq does
+// not know and a cache option the GPU does not run (in every build: checked on the host).
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -20,7 +21,9 @@ TEST(CliDevice, CudaWithoutGpuIsNotSupported) {
   KVQ_REQUIRE_DATA(text, "data/tinylit-hd64-gqa4-heldout/heldout.txt");
   for (const auto& args :
        {std::vector<std::string>{"generate", "-m", model, "-p", "Once", "-n", "4"},
-        std::vector<std::string>{"perplexity", "-m", model, "-f", text, "-c", "64", "--chunks", "1"}}) {
+        std::vector<std::string>{"perplexity", "-m", model, "-f", text, "-c", "64", "--chunks", "1"},
+        std::vector<std::string>{"eval-passkey", "-m", model, "-f", text, "--lengths", "320", "--depths", "50",
+                                 "--trials", "1", "--json"}}) {
     std::vector<std::string> argv{test::kvq_bin()};
     argv.insert(argv.end(), args.begin(), args.end());
     argv.insert(argv.end(), {"--device", "cuda"});
@@ -31,6 +34,61 @@ TEST(CliDevice, CudaWithoutGpuIsNotSupported) {
         << args[0] << ": " << r.err;
     EXPECT_EQ(r.out, "") << args[0];
   }
+}
+
+// eval-passkey --device cuda refuses, before any work and whatever the build, the cache options the
+// GPU runner does not run (KIVI and the other CPU-only types, mixed K / V types, exact windows, the
+// V channel scale), naming the option, as generate and perplexity do (cuda::check_supported).
+TEST(CliDevice, EvalPasskeyCudaRefusesCpuOnlyCaches) {
+  KVQ_REQUIRE_DATA(model, kTinylit);
+  KVQ_REQUIRE_DATA(text, "data/tinylit-hd64-gqa4-heldout/heldout.txt");
+  struct bad {
+    std::vector<std::string> kv;
+    std::string needle;
+  };
+  const std::vector<bad> cases = {
+      {{"-ctk", "kivi4", "-ctv", "kivi4"}, "cache type 'kivi4' has no GPU kernels (supported: f16, q8, q4)"},
+      {{"-ctk", "kivi4", "-ctv", "q4a", "--kv-sink", "4"}, "-ctk kivi4 -ctv q4a: K and V must have the same type"},
+      {{"-ctk", "q4", "-ctv", "q4", "--kv-sink", "4"}, "exact sink / recent windows (--kv-sink 4"},
+      {{"-ctk", "q8", "-ctv", "q8", "--kv-exact-recent", "128"}, "--kv-exact-recent 128) are not supported on the GPU"},
+      {{"-ctk", "q4", "-ctv", "q4", "--kv-channel-scale"}, "--kv-channel-scale"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> argv{test::kvq_bin(), "eval-passkey", "-m",       model,    "-f",   text, "--lengths",
+                                  "320",          "--depths",     "50",       "--trials", "1",    "--json", "--device",
+                                  "cuda"};
+    argv.insert(argv.end(), c.kv.begin(), c.kv.end());
+    const test::cmd_result r = test::run_cmd(argv);
+    EXPECT_EQ(r.rc, 2) << c.needle << ": " << r.err;
+    EXPECT_NE(r.err.find("[cuda model] " ), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(c.needle), std::string::npos) << "expected '" << c.needle << "' in: " << r.err;
+    EXPECT_EQ(r.out, "") << c.needle;
+  }
+}
+
+// --device cpu is eval-passkey's default engine: the same prompts (keys, needle positions) and the
+// same greedy answers as without the flag, and "device": "cpu" in the JSON.
+TEST(CliDevice, EvalPasskeyCpuDefault) {
+  KVQ_REQUIRE_DATA(model, "models/stories260K/stories260K.gguf");
+  KVQ_REQUIRE_DATA(text, "data/tinystories-val-794k/tinystories_val.txt");
+  const std::vector<std::string> base{test::kvq_bin(), "eval-passkey", "-m",       model, "-f",  text,
+                                      "--lengths",     "320,512",      "--depths", "0,50,100", "--trials", "1",
+                                      "-t",            "1",            "-b",       "64",  "--json", "--no-progress",
+                                      "-ctk",          "q8",           "-ctv",     "q4"};
+  std::vector<std::string> with = base;
+  with.insert(with.end(), {"--device", "cpu"});
+  const test::cmd_result a = test::run_cmd(base), b = test::run_cmd(with);
+  ASSERT_EQ(a.rc, 0) << a.err;
+  ASSERT_EQ(b.rc, 0) << b.err;
+  const auto ja = nlohmann::json::parse(a.out), jb = nlohmann::json::parse(b.out);
+  EXPECT_EQ(ja.at("device"), "cpu");
+  EXPECT_EQ(jb.at("device"), "cpu");
+  EXPECT_EQ(ja.at("kv_cache"), jb.at("kv_cache"));
+  ASSERT_EQ(ja.at("trials").size(), 6u);
+  ASSERT_EQ(jb.at("trials").size(), 6u);
+  for (size_t i = 0; i < 6; ++i)
+    for (const char* k : {"length", "depth", "key", "needle_pos", "n_prompt", "answer", "correct"})
+      EXPECT_EQ(ja["trials"][i][k], jb["trials"][i][k]) << "trial " << i << " " << k;
 }
 
 TEST(CliDevice, UnknownDeviceAndCpuDefault) {
