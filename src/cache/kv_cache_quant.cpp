@@ -399,9 +399,12 @@ class kv_cache_quant final : public kv_cache {
   // The stored part of append (transform, sink, body, tail) and of truncate.
   void append_stored(int il, int seq_id, int n_tokens, const float* k, const float* v);
   void truncate_stored(int seq_id, int n_keep);
-  // Queries of `a`, all at positions below cal_n_: exact attention over the staging rows (the K / V
-  // and the query as given), outputs written to a.out.
-  void attend_staged(int il, const attend_seq& a, int n_head, float scale, thread_pool& pool);
+  // Queries of seqs[0, n), all at positions below cal_n_: exact attention over the staging rows (the
+  // K / V and the query as given), outputs written to each one's out. One parallel loop for the whole
+  // batch (one work item per sequence, kv head and query: the same kernel call for a query whatever
+  // batch it is in), not one per sequence: a decode step of 16 sequences would otherwise issue 16
+  // loops of n_kv_head items per layer, waking every thread for two items each.
+  void attend_staged(int il, const attend_seq* seqs, int n, int n_head, float scale, thread_pool& pool);
   seq_state& st(int il, int seq) { return state_[(size_t)il * p_.n_seq + seq]; }
   const seq_state& st(int il, int seq) const { return state_[(size_t)il * p_.n_seq + seq]; }
   int tail_len(const seq_state& q) const { return std::max(0, q.n - p_.sink - q.n_comp); }
@@ -493,6 +496,7 @@ class kv_cache_quant final : public kv_cache {
   std::vector<uint8_t> lambda_set_;  // [n_layer, n_seq] channel statistics calibrated
   int cal_n_ = 0;                    // min(channel_calib, n_ctx) when there are channel statistics, else 0
   std::vector<int> staged_;          // [n_layer, n_seq] positions in the staging rows (<= cal_n_)
+  std::vector<int64_t> staged_item0_;  // attend_staged's first work item of each sequence
   // [n_seq] exact copies of the rows the latest prefill append compressed (scratch: grown on demand to
   // at most (n_ubatch + U - 2) x n_kv_head rows per side, not in bytes(), like xk_ / xv_)
   std::vector<fresh_rows> fresh_;
@@ -877,13 +881,24 @@ void kv_cache_quant::attend_batch(int il, const attend_seq* seqs, int n_seqs, in
   attend_seqs("attend_batch", il, seqs, n_seqs, n_head, scale, pool);
 }
 
-void kv_cache_quant::attend_staged(int il, const attend_seq& a, int n_head, float scale, thread_pool& pool) {
+void kv_cache_quant::attend_staged(int il, const attend_seq* seqs, int n, int n_head, float scale, thread_pool& pool) {
   const int hd = p_.head_dim, nh = p_.n_kv_head, ng = n_head / nh;
-  const int n_st = staged_[(size_t)il * p_.n_seq + a.seq_id];
-  // one work item per (kv head, query): the same kernel call for a query whatever batch it is in
-  pool.parallel_for((int64_t)nh * a.n_tokens, (int64_t)a.n_tokens * n_head * std::min(n_st, a.pos0 + a.n_tokens) * hd * 4,
-                    [&](int64_t w, int) {
-    const int h = (int)(w / a.n_tokens), t = (int)(w % a.n_tokens);
+  // items [item0[b], item0[b + 1]) are sequence b's: kv head h, query t at h * n_tokens + t
+  std::vector<int64_t>& item0 = staged_item0_;
+  item0.assign(1, 0);
+  int64_t work = 0;
+  for (int b = 0; b < n; ++b) {
+    const attend_seq& a = seqs[b];
+    const int n_st = staged_[(size_t)il * p_.n_seq + a.seq_id];
+    item0.push_back(item0.back() + (int64_t)nh * a.n_tokens);
+    work += (int64_t)a.n_tokens * n_head * std::min(n_st, a.pos0 + a.n_tokens) * hd * 4;
+  }
+  pool.parallel_for(item0.back(), work, [&](int64_t w, int) {
+    const int b = (int)(std::upper_bound(item0.begin(), item0.end(), w) - item0.begin()) - 1;
+    const attend_seq& a = seqs[b];
+    const int n_st = staged_[(size_t)il * p_.n_seq + a.seq_id];
+    const int64_t wi = w - item0[b];
+    const int h = (int)(wi / a.n_tokens), t = (int)(wi % a.n_tokens);
     thread_local std::vector<float> o;
     thread_local std::vector<attn_state> sts;
     o.resize((size_t)ng * hd);
@@ -917,16 +932,14 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
   if (cal_n_ > 0) {
     // Queries below the calibration positions see the staging rows alone (what every split of the
     // appends gives them); the rest go through the store, calibrated by then.
-    std::vector<attend_seq> rest;
-    bool any = false;
+    std::vector<attend_seq> rest, staged;
     for (int b = 0; b < n_seqs; ++b) {
       attend_seq a = seqs[b];
       const int n_st = std::clamp(cal_n_ - a.pos0, 0, a.n_tokens);
       if (n_st > 0) {
         attend_seq s = a;
         s.n_tokens = n_st;
-        attend_staged(il, s, n_head, scale, pool);
-        any = true;
+        staged.push_back(s);
       }
       if (n_st == a.n_tokens) continue;
       a.pos0 += n_st;
@@ -935,7 +948,8 @@ void kv_cache_quant::attend_seqs(const char* op, int il, const attend_seq* seqs,
       a.n_tokens -= n_st;
       rest.push_back(a);
     }
-    if (any) {
+    if (!staged.empty()) {
+      attend_staged(il, staged.data(), (int)staged.size(), n_head, scale, pool);
       if (!rest.empty()) attend_seqs(op, il, rest.data(), (int)rest.size(), n_head, scale, pool);
       return;
     }
