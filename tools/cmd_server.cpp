@@ -43,7 +43,7 @@ const registrar reg{{"server", "OpenAI-compatible HTTP server with continuous ba
   app->add_option("-c,--ctx-size", p.n_ctx, "context size of each sequence slot in tokens (0: min(model, 4096))")->capture_default_str();
   app->add_option("--parallel", p.n_parallel, "sequence slots decoded together (alias -np)")->capture_default_str()->check(CLI::Range(1, 256));
   app->add_option("-b,--batch-size", p.n_batch, "prompt tokens per prefill chunk (the prefix cache's block; most per piece)")->capture_default_str()->check(CLI::Range(1, 65536));
-  app->add_option("--batch-tokens", p.n_batch_tokens, "tokens per step: decode tokens first, then prompt pieces up to this (bounds the inter-token gap while prompts prefill)")->capture_default_str()->check(CLI::Range(1, 65536));
+  app->add_option("--batch-tokens", p.n_batch_tokens, "tokens per step: decode tokens first, then prompt pieces up to this (bounds the inter-token gap while prompts prefill; a step with nothing decoding takes up to max(this, -b) prompt tokens)")->capture_default_str()->check(CLI::Range(1, 65536));
   app->add_option("--queue", p.n_queue, "requests waiting for a slot before 503")->capture_default_str()->check(CLI::Range(0, 100000));
   app->add_option("--host", p.host, "address to bind (127.0.0.1: this machine only)")->capture_default_str();
   app->add_option("--port", p.port, "TCP port (0: any free port, printed at start)")->capture_default_str()->check(CLI::Range(0, 65535));

@@ -321,7 +321,11 @@ void scheduler::loop() {
     for (int i = 0; i < p_.n_parallel; ++i)
       if (slots_[i]->active() && slots_[i]->prefilling()) pre.push_back(i);
     std::sort(pre.begin(), pre.end(), [&](int a, int b) { return slots_[a]->order < slots_[b]->order; });
-    int budget = std::max(p_.n_batch_tokens - (int)tokens.size(), (p_.n_batch_tokens + 3) / 4);
+    // With no sequence decoding there is no inter-token gap to protect: prompts take up to one whole
+    // -b chunk in the step (a lone 128-token prompt runs in one step, not four).
+    const int n_decode = (int)tokens.size();
+    int budget = n_decode == 0 ? std::max(p_.n_batch_tokens, p_.n_batch)
+                               : std::max(p_.n_batch_tokens - n_decode, (p_.n_batch_tokens + 3) / 4);
     bool any_piece = false;
     for (int i : pre) {
       if (budget <= 0) break;

@@ -7,7 +7,9 @@
 // tokens first, then prompt pieces, oldest request first, up to what the budget leaves (at least
 // n_batch_tokens / 4 while any prompt waits, so prompts progress however many sequences decode).
 // A step's cost grows with its tokens, so the budget bounds the inter-token gap of the decoding
-// sequences while prompts are prefilled beside them. Pieces never cross a multiple of n_batch (the
+// sequences while prompts are prefilled beside them. A step without decode tokens has no such gap
+// to protect and holds up to max(n_batch_tokens, n_batch) prompt tokens (a lone prompt runs in
+// whole n_batch chunks, not in n_batch_tokens pieces). Pieces never cross a multiple of n_batch (the
 // prefix cache's blocks and the sliding-window rings' one-append bound). Where the cache's results
 // do not depend on how a prompt is split into appends (every cache without sliding-window layers:
 // attend_plan.h's canonical merge order, the channel calibration's fixed positions, the weight
@@ -63,7 +65,7 @@ struct scheduler_params {
   int n_ctx = 0;          // positions per slot (resolved, > 0)
   int n_parallel = 4;     // slots
   int n_batch = 128;      // prefill chunk grid (tokens): the prefix cache's block, the most one piece holds
-  int n_batch_tokens = 32;  // tokens per step (decode tokens first, then prompt pieces; see above)
+  int n_batch_tokens = 32;  // tokens per step beside decode tokens (decode first, then prompt pieces; see above)
   int n_queue = 64;       // waiting requests before submit() refuses
   int n_threads = 0;      // compute threads (0: all)
   bool record_logits = false;  // tests: seq_update::logits_hash of every sampled row

@@ -100,9 +100,54 @@ void check_batch_invariance(const char* type, int batch_tokens = 64) {
 
 TEST(Scheduler, GreedyTokensDoNotDependOnTheBatchF16) { check_batch_invariance("f16"); }
 TEST(Scheduler, GreedyTokensDoNotDependOnTheBatchQ4) { check_batch_invariance("q4"); }
-// 11 tokens per step: a lone prompt runs in pieces of 11 and 5 per 16-token chunk, together in
-// pieces of 3 beside 16 decode tokens or of what the earlier prompts left.
+// 11 tokens per step: a lone prompt runs in whole 16-token chunks (nothing decodes beside it),
+// together in pieces of 3 beside 16 decode tokens or of what the earlier prompts left.
 TEST(Scheduler, GreedyTokensDoNotDependOnThePiecesQ4) { check_batch_invariance("q4", 11); }
+
+// The step budget protects decoding sequences' inter-token gaps: a prompt with nothing decoding
+// beside it runs in whole n_batch chunks (40 tokens, chunks of 16: 3 steps, not the 10 pieces of at
+// most 5 that the budget cuts); beside a decoding sequence it runs in pieces of the budget left
+// (5 - 1 decode token = 4 per step: 10 steps).
+TEST(Scheduler, LonePromptRunsInWholeChunks) {
+  KVQ_REQUIRE_MODEL(path, kQwen);
+  auto m = model::load(path);
+  auto tok = tokenizer::from_gguf(m->gguf());
+  scheduler_params sp;
+  sp.n_ctx = 128;
+  sp.n_parallel = 2;
+  sp.n_batch = 16;
+  sp.n_batch_tokens = 5;
+  sp.n_threads = 2;
+  scheduler s(*m, *tok, sp);
+  seq_request a;
+  for (int i = 0; i < 40; ++i) a.prompt.push_back(1000 + 37 * i);
+  a.sampling.temp = 0;
+  a.ignore_eos = true;
+  a.max_tokens = 3;
+  const seq_update u = wait_done(*s.submit(a));
+  EXPECT_EQ(u.n_generated, 3);
+  scheduler_metrics mt = s.metrics();
+  EXPECT_EQ(mt.steps, 3u + 2u);  // chunks of 16, 16 and 8 tokens, then two decode steps
+  EXPECT_EQ(mt.batch_tokens, 40u + 2u);
+  EXPECT_EQ(mt.batch_tokens_max, 16);
+  // A second prompt while the first decodes: the budget holds (4 prompt tokens beside 1 decode).
+  a.max_tokens = 60;
+  auto ja = s.submit(a);
+  while (ja->poll(std::chrono::milliseconds(1000)).n_generated < 1) {
+  }
+  seq_request b = a;
+  b.prompt[0] = 999;
+  b.max_tokens = 1;
+  const uint64_t steps0 = s.metrics().steps;
+  const seq_update ub = wait_done(*s.submit(b));
+  EXPECT_EQ(ub.n_generated, 1);
+  const uint64_t steps_b = s.metrics().steps - steps0;
+  const seq_update ua = wait_done(*ja);
+  EXPECT_EQ(ua.n_generated, 60);
+  ASSERT_LT(steps0, 3u + 2u + 3u + 59u - 10u) << "the first request was no longer decoding";
+  EXPECT_GE(steps_b, 10u);
+  EXPECT_EQ(s.metrics().batch_tokens_max, 16);
+}
 
 TEST(Scheduler, EndsAndCancels) {
   KVQ_REQUIRE_MODEL(path, kQwen);
