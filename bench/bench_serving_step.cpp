@@ -6,9 +6,11 @@
 // K channel scale: kv_auto_windows, default channel_calib). Every sequence holds a 128-token
 // prompt when the timed steps start; a sequence decodes 64 steps (contexts 128..191, the
 // bench_serving.py workload) and then every sequence is cleared and prefilled again untimed.
-// BM_cache_step/FMT/S: the KV cache's share of that step alone, on the model's shapes (Qwen2.5-0.5B:
+// BM_cache_step/FMT/S/P: the KV cache's share of that step alone, on the model's shapes (Qwen2.5-0.5B:
 // 24 layers, 14 query / 2 kv heads, head_dim 64; no weights): per layer, every sequence's append of
-// one token (random K / V) and one attend_batch of the S queries; contexts 128..191 as above.
+// one token (random K / V) and one attend_batch of the S queries; contexts P..P+63 for prompts of
+// P = 128 (as above: every position below the default channel_calib of 256, so the compressed
+// caches still attend their exact f32 staging rows) and P = 1024 (the compressed store).
 // BM_prompt/FMT/CHUNK: a lone 128-token prompt prefilled in steps of CHUNK tokens (the scheduler's
 // --batch-tokens piece without decoding sequences), time per whole prompt.
 // FMT: 0 f16, 1 q8, 2 q4. Median of repetitions, interleaved so that a noisy host falls on every
@@ -18,6 +20,7 @@
 //     --benchmark_report_aggregates_only=true
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -106,7 +109,7 @@ void BM_decode_step(benchmark::State& state) {
 void BM_cache_step(benchmark::State& state) {
   constexpr int n_layer = 24, n_head = 14, n_kv_head = 2, hd = 64;
   const std::string type = kTypes[state.range(0)];
-  const int n_seq = (int)state.range(1);
+  const int n_seq = (int)state.range(1), n_prompt = (int)state.range(2);
   kvq::kv_cache_params o;
   o.type_k = o.type_v = kvq::parse_kv_cache_type(type);
   const kvq::kv_windows w = kvq::kv_auto_windows(o);
@@ -115,12 +118,12 @@ void BM_cache_step(benchmark::State& state) {
   o.n_layer = n_layer;
   o.n_kv_head = n_kv_head;
   o.head_dim = hd;
-  o.n_ctx = kCtx;
+  o.n_ctx = std::max(kCtx, n_prompt + kGenerate);
   o.n_seq = n_seq;
   o.page_size = kPage;
   auto cache = kvq::make_kv_cache(o);
   const size_t row = (size_t)n_kv_head * hd, qrow = (size_t)n_head * hd;
-  std::vector<float> k((size_t)kPrompt * row), v(k.size()), q((size_t)n_seq * qrow), out(q.size());
+  std::vector<float> k((size_t)n_prompt * row), v(k.size()), q((size_t)n_seq * qrow), out(q.size());
   uint64_t z = 88172645463325252ull;
   auto rnd = [&] {  // xorshift, uniform in [-1, 1) plus a K bias on channel 7 (Qwen-like)
     z ^= z << 13, z ^= z >> 7, z ^= z << 17;
@@ -138,8 +141,8 @@ void BM_cache_step(benchmark::State& state) {
       for (int s = 0; s < n_seq; ++s) {
         cache->clear(s);
         for (int il = 0; il < n_layer; ++il) {
-          fill(kPrompt);
-          cache->append(il, s, kPrompt, k.data(), v.data());
+          fill(n_prompt);
+          cache->append(il, s, n_prompt, k.data(), v.data());
         }
       }
       step = 0;
@@ -149,14 +152,14 @@ void BM_cache_step(benchmark::State& state) {
       fill(n_seq);
       for (int s = 0; s < n_seq; ++s) {
         cache->append(il, s, 1, &k[(size_t)s * row], &v[(size_t)s * row]);
-        seqs[s] = kvq::attend_seq{s, kPrompt + step, 1, &q[(size_t)s * qrow], &out[(size_t)s * qrow]};
+        seqs[s] = kvq::attend_seq{s, n_prompt + step, 1, &q[(size_t)s * qrow], &out[(size_t)s * qrow]};
       }
       cache->attend_batch(il, seqs.data(), n_seq, n_head, 0.125f, pool());
     }
     benchmark::DoNotOptimize(out.data());
     ++step;
   }
-  state.SetLabel(type + " x" + std::to_string(n_seq));
+  state.SetLabel(type + " x" + std::to_string(n_seq) + " from " + std::to_string(n_prompt));
 }
 
 void BM_prompt(benchmark::State& state) {
@@ -181,7 +184,7 @@ void BM_prompt(benchmark::State& state) {
 }
 
 BENCHMARK(BM_decode_step)->ArgsProduct({{0, 1, 2}, {1, 4, 16}})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_cache_step)->ArgsProduct({{0, 1, 2}, {1, 4, 16}})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_cache_step)->ArgsProduct({{0, 1, 2}, {1, 4, 16}, {kPrompt, 1024}})->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_prompt)->ArgsProduct({{0, 1, 2}, {32, 128}})->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
