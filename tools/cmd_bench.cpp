@@ -58,8 +58,8 @@ std::vector<std::string> split(const std::string& s) {
 kv_cache_params types_entry(const std::string& t, const kv_flags& kv, bool gpu = false) {
   kv_cache_params c = kv.p;
   // The GPU bench keeps no exact windows (unless asked: then refused) and, unless asked, no K channel
-  // scale: its decode cost is one multiply per query element, and prompts with it do not take the
-  // tiled prefill kernel yet (docs/cuda.md)
+  // scale (--kv-k-channel-scale on): its decode cost is one multiply per query element, so the rows
+  // stay comparable with the earlier tables of docs/perf.md
   if (gpu) {
     c.sink = std::max(c.sink, 0);
     c.exact_recent = std::max(c.exact_recent, 0);

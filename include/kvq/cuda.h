@@ -97,7 +97,7 @@ struct paged_kv_view {
   // or all nullptr: K stored as R((k - mu) / lambda), queries rotated as R(q * lambda), per row r of
   // k_mu / k_lambda [n_rows][n_kv_head][head_dim] f32 (device; lambda powers of two, from
   // channel_stats). stat_row (device) gives the row: append_paged [n_tokens], one per input token;
-  // decode_plan::run [batch], one per sequence. V is unchanged.
+  // decode_plan::run and prefill_plan::run [batch], one per sequence. V is unchanged.
   const float* k_mu = nullptr;
   const float* k_lambda = nullptr;
   const int32_t* stat_row = nullptr;
@@ -222,8 +222,11 @@ class prefill_plan {
   prefill_plan& operator=(const prefill_plan&) = delete;
 
   // q device [qo_indptr[batch]][n_head][head_dim] (q_elem); out device, same shape (out_elem).
-  // kv: the plan's format and batch, the page table the plan was made from. One launch, no
-  // allocation (capturable in a CUDA graph): one launch, two with split tiles.
+  // kv: the plan's format and batch, the page table the plan was made from. With kv's K channel
+  // scale (k_lambda, stat_row[b]; q8 / q4 only) the queries of sequence b are multiplied by lambda
+  // in f32 before their rotation, as decode_plan::run does (invalid_input for k_lambda without
+  // stat_row or on an f16 cache). No allocation (capturable in a CUDA graph): one launch, two with
+  // split tiles.
   void run(const paged_kv_view& kv, const void* q, void* out, void* stream = nullptr) const;
 
   int n_tiles() const;            // query tiles of 64 rows (per kv head)

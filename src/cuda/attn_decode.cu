@@ -188,11 +188,11 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
   uint8_t* qq = smem + C::REGION0 + C::QF;  // q4: [8][HD] int8; q8: [2][8][HD] int8 (hi, lo); f16: [8][HD]
   float* qscale = reinterpret_cast<float*>(qq + C::QQ);      // [8][NQS]
   int* qsum = reinterpret_cast<int*>(qscale + kMaxGroup * C::NQS);  // [8][NB] (q4)
+  const float* lam = k_lambda_row<HD>(a.k_lambda, a.stat_row, seq, a.n_kv_head, h);
   for (int i = threadIdx.x; i < kMaxGroup * HD; i += kThreads) {
     const int hh = i / HD, c = i % HD;
-    float x = hh < a.ng ? load_elem(a.q, ((int64_t)seq * a.n_head + (int64_t)h * a.ng + hh) * HD + c, a.q_bf16 != 0) : 0.0f;
-    if (a.k_lambda) x = __fmul_rn(x, a.k_lambda[((int64_t)a.stat_row[seq] * a.n_kv_head + h) * HD + c]);
-    qf[i] = x;
+    const float x = hh < a.ng ? load_elem(a.q, ((int64_t)seq * a.n_head + (int64_t)h * a.ng + hh) * HD + c, a.q_bf16 != 0) : 0.0f;
+    qf[i] = lambda_scaled(x, lam, c);
   }
   if (a.rot_block > 1) fwht_rows_block(qf, a.ng, HD, a.rot_block, a.rot_scale);
   else __syncthreads();
@@ -578,10 +578,8 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(merge_args a) {
   const int64_t qrow = (int64_t)seq * a.n_head + (int64_t)h * a.ng + hh;
   float m_e = -INFINITY, d_e = 0.0f;
   if (ne > 0) {
-    for (int c = threadIdx.x; c < HD; c += kThreads) {
-      const float x = load_elem(a.q, qrow * HD + c, a.q_bf16 != 0);
-      qf[c] = a.k_lambda ? __fmul_rn(x, a.k_lambda[((int64_t)a.stat_row[seq] * a.n_kv_head + h) * HD + c]) : x;
-    }
+    const float* lam = k_lambda_row<HD>(a.k_lambda, a.stat_row, seq, a.n_kv_head, h);
+    for (int c = threadIdx.x; c < HD; c += kThreads) qf[c] = lambda_scaled(load_elem(a.q, qrow * HD + c, a.q_bf16 != 0), lam, c);
     if (a.rot_block > 1) fwht_rows_block(qf, 1, HD, a.rot_block, a.rot_scale);
     else __syncthreads();
     const int64_t eb = ((int64_t)seq * a.n_kv_head + h) * a.ecap * HD;
@@ -857,8 +855,7 @@ void decode_plan::run(const paged_kv_view& kv, const void* q, void* out, const e
   if (s.batch == 0) return;
   if (!kv.pool || !kv.indptr || !kv.indices || !q || !out)
     fail_input("[cuda attn_decode] pool, indptr, indices, q and out must be device pointers");
-  if (kv.k_lambda && (!kv.stat_row || f.format == kv_format::f16))
-    fail_input("[cuda attn_decode] K channel scale: k_lambda needs stat_row and a q8 / q4 cache");
+  check_k_lambda(kv, "[cuda attn_decode]");
   if (exact && exact->len && (!exact->k || !exact->v || exact->cap > s.exact_cap || exact->cap < 1))
     fail_input("[cuda attn_decode] exact window: k, v required and cap in [1, plan's exact_cap " +
                std::to_string(s.exact_cap) + "]");

@@ -71,6 +71,8 @@ struct prefill_args {
   float softcap_log2;
   int rot_block;
   float rot_scale;
+  const float* k_lambda;    // K channel scale [rows][n_kv_head][HD] (q becomes q * lambda), or nullptr
+  const int32_t* stat_row;  // [batch] row of k_lambda
 };
 
 __device__ __forceinline__ float softcap_log2(float x, float c2) { return c2 > 0.0f ? c2 * tanhf(x / c2) : x; }
@@ -134,16 +136,18 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(prefill_args a) {
     return ((int64_t)(td.qo0 + R / ng) * a.n_head + (int64_t)h * ng + R % ng) * HD;
   };
 
-  // ---- queries: rotate (f32), quantize per K scale group (int8 for q4 K, int16 for q8 K) or f16 ----
+  // ---- queries: times lambda (K channel scale), rotate (f32), quantize per K scale group (int8 for
+  // q4 K, int16 for q8 K) or f16 ----
   constexpr bool Q16 = F == dfmt::q8;
   constexpr float kQMax = Q16 ? (float)kq16_max : 127.0f;
   float* qf = reinterpret_cast<float*>(smem);  // [64][HD], aliases the pipeline (used before it starts)
   uint8_t* qq = smem + C::REGION0;             // [64][QS] int8 / f16; q8: two planes (hi, lo)
   float* qscale = reinterpret_cast<float*>(qq + C::QQ);               // [64][NQS]
   int* qsum = reinterpret_cast<int*>(qscale + kRows * C::NQS);        // [64][NB] (q4)
+  const float* lam = k_lambda_row<HD>(a.k_lambda, a.stat_row, td.seq, a.n_kv_head, h);
   for (int i = threadIdx.x; i < kRows * HD; i += kThreads) {
     const int r = i / HD, c = i % HD;
-    qf[i] = r < rows_here ? load_elem(a.q, q_index(r) + c, a.q_bf16 != 0) : 0.0f;
+    qf[i] = r < rows_here ? lambda_scaled(load_elem(a.q, q_index(r) + c, a.q_bf16 != 0), lam, c) : 0.0f;
   }
   if (a.rot_block > 1) fwht_rows_block(qf, kRows, HD, a.rot_block, a.rot_scale);
   else __syncthreads();
@@ -799,6 +803,7 @@ void prefill_plan::run(const paged_kv_view& kv, const void* q, void* out, void* 
   if (s.n_tiles == 0) return;
   if (!kv.pool || !kv.indices || !q || !out)
     fail_input("[cuda attn_prefill] pool, indices, q and out must be device pointers");
+  check_k_lambda(kv, "[cuda attn_prefill]");
   const float l2e = 1.4426950408889634f;
   dispatch_format_hd(to_dfmt(f.format), f.head_dim, [&](auto fc, auto hc) {
     constexpr dfmt F = decltype(fc)::value;
@@ -821,6 +826,8 @@ void prefill_plan::run(const paged_kv_view& kv, const void* q, void* out, void* 
     a.softcap_log2 = s.p.spec.softcap * l2e;
     a.rot_block = s.geo.rot_block;
     a.rot_scale = s.geo.rot_scale;
+    a.k_lambda = kv.k_lambda;
+    a.stat_row = kv.stat_row;
     const unsigned grid = (unsigned)s.n_items * (unsigned)f.n_kv_head;
     prefill_kernel<F, HD><<<grid, kThreads, s.smem, as_stream(stream)>>>(a);
     check_launch("attn_prefill (prefill_kernel)");

@@ -284,6 +284,25 @@ __device__ __forceinline__ float scale_at(const uint32_t* w, int si) {
   return __half2float(__ushort_as_half((unsigned short)(w[si >> 1] >> (16 * (si & 1)))));
 }
 
+// K channel scale (paged_kv_view::k_lambda; docs/formats.md "Rotation and channel scale"): the
+// lambda row [HD] of kv head h for sequence seq of the page table (stat_row[seq] picks the row), or
+// nullptr without the channel scale. Queries are scaled by it in f32 before their rotation, as
+// kv_cache_quant's attend: q . k = (q * lambda) . ((k - mu) / lambda) + q . mu, and the last term,
+// the same for all of a query's keys, cancels in the softmax.
+template <int HD>
+__device__ __forceinline__ const float* k_lambda_row(const float* k_lambda, const int32_t* stat_row, int seq,
+                                                     int n_kv_head, int h) {
+  return k_lambda ? k_lambda + ((int64_t)stat_row[seq] * n_kv_head + h) * HD : nullptr;
+}
+__device__ __forceinline__ float lambda_scaled(float x, const float* lam, int c) {
+  return lam ? __fmul_rn(x, lam[c]) : x;
+}
+// Host check of a view's K channel scale before an attention launch (op: "[cuda attn_decode]" ...).
+inline void check_k_lambda(const paged_kv_view& kv, const char* op) {
+  if (kv.k_lambda && (!kv.stat_row || kv.format.format == kv_format::f16))
+    fail_input(std::string(op) + " K channel scale: k_lambda needs stat_row and a q8 / q4 cache");
+}
+
 // Byte i of token A's word and of token B's word, each in the low byte of one 16-bit lane.
 __device__ __forceinline__ uint32_t pair_bytes(uint32_t wa, uint32_t wb, int i) {
   return __byte_perm(wa, wb, (unsigned)(i | i << 4 | (4 + i) << 8 | (4 + i) << 12));

@@ -320,9 +320,10 @@ struct model_runner::impl {
     graph_step = graph_step && h_cross.empty();
     // a prompt chunk of one sequence (forward) through the tiled prefill kernel: one sequence whose
     // pages hold positions [0, last + 1), the chunk being their last n positions (appended first).
-    // Not with the K channel scale: prefill_plan neither scales queries by lambda nor attends the
-    // staged rows yet, so those prompts take the decode kernel per token (docs/cuda.md).
-    bool tiled = !graph_step && tiled_prefill && cal_n == 0 && n >= kTiledMin;
+    // With the K channel scale its queries are scaled by the sequence's lambda (stat_row = tok_seq:
+    // entry 0 is the sequence) and those below cal_n are then attended by staged_attention, as on
+    // the per-token path.
+    bool tiled = !graph_step && tiled_prefill && n >= kTiledMin;
     for (int t = 1; tiled && t < n; ++t) tiled = h_seq[t] == h_seq[0] && h_pos[t] == h_pos[0] + t;
     const int n_tab = tiled ? 1 : n;  // page-table entries (sequences of the attention)
     h_indptr.assign(n_tab + 1, 0);
@@ -471,15 +472,14 @@ struct model_runner::impl {
         append_calibrated(il, k32, v32, tok_seq, pos, slots, n, st);
         kv.k_mu = k_mu + (size_t)il * n_seq * dkv;
         kv.k_lambda = k_lam + (size_t)il * n_seq * dkv;
-        kv.stat_row = tok_seq;
+        kv.stat_row = tok_seq;  // per token (dplan), or tok_seq[0] = the chunk's sequence (pplan)
       } else {
         append_paged(kv, k16, v16, kv_elem::f16, slots, n, st);
       }
-      KVQ_ASSERT(!(pplan && cal_n > 0));  // (run() keeps channel-scale prompts on the decode kernel)
       if (pplan) pplan->run(kv, q16, attn16, st);
       else dplan->run(kv, q16, attn16, nullptr, st);
       // queries below the calibration positions: exact attention over the staging rows (replaces
-      // what the paged kernel wrote for them)
+      // what the paged kernel wrote for them from pages that may not hold those rows yet)
       if (cal_n > 0)
         mk::staged_attention(q16, stage_k(il), stage_v(il), tok_seq, pos, n, cal_n, hp.n_head, hp.n_kv_head,
                              hp.head_dim, hp.attn_scale, attn16, st);

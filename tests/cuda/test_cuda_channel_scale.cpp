@@ -3,15 +3,20 @@
 // from the same f32 rows (vs the bytes the CPU cache stores), and decode attention over them (vs
 // the CPU cache's attend). K rows are Qwen2.5-like: a few channels offset by 70-210 with a spread
 // of ~1 (the K bias), the others spread over 2^-3 .. 2^3, so lambda spans several powers of two and
-// mu matters. Skips without a GPU.
+// mu matters. Then the tiled prefill kernel over such pages (CudaChannelScalePrefill). Skips
+// without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <vector>
 
 #include "cache/kv_cache_impl.h"
 #include "cuda_test_util.h"
+#include "kvq/error.h"
 #include "kvq/kv_cache.h"
 #include "kvq/thread_pool.h"
 
@@ -214,6 +219,183 @@ TEST_P(CudaChannelScale, DecodeMatchesTheCpuCacheAttend) {
   synchronize();
   EXPECT_GT(rel_err(to_host<float>(dout.p, qf.size()), ref), 10 * err + 1e-3);
 }
+
+// The tiled prefill kernel (prefill_plan) over pages stored with the K channel scale: T = 2100
+// positions appended with mu / lambda calibrated on positions [1, 256) (the default window), page
+// ids shuffled, GQA 1 .. 8. Chunks of the last q_len positions (1, 37, 64, 300: all past the
+// window, several query tiles, the short ones split over the keys) against (a) the CPU cache's
+// attend of the same f16-rounded queries (the same T rows appended in two calls, the first staged)
+// and (b) the decode kernel with one "sequence" per query over the same pages and lambda (the
+// runner's per-token path); the whole 2100 positions as one chunk from 0 against (b) only (rows
+// below the window attend the calibrated codes here: the runner replaces them by staged_attention).
+// Bound 1e-3 relative (the prefill kernel's bound, test_cuda_prefill.cpp), 1e-2 for the worst query
+// row; outputs poisoned with NaN first. Without lambda on the queries the output is far off.
+struct csp_case {
+  kv_cache_type type;
+  int head_dim, ng;
+};
+
+class CudaChannelScalePrefill : public ::testing::TestWithParam<csp_case> {};
+
+TEST_P(CudaChannelScalePrefill, MatchesTheCpuCacheAndTheDecodePath) {
+  KVQ_REQUIRE_GPU();
+  constexpr int nh = 2, T = 2100, C = 256, P = 16;
+  const int hd = GetParam().head_dim, n_head = GetParam().ng * nh, row = nh * hd;
+  kv_format fmt = kv_format::q4;
+  ASSERT_TRUE(kv_cache_type_format(GetParam().type, &fmt));
+  std::mt19937 rng(2900 + hd + GetParam().ng);
+  const std::vector<float> xk = qwen_like_rows(rng, T, nh, hd, true), xv = qwen_like_rows(rng, T, nh, hd, false);
+  kv_cache_params cp;
+  cp.type_k = cp.type_v = GetParam().type;
+  cp.n_layer = 1;
+  cp.n_ctx = T;
+  cp.n_kv_head = nh;
+  cp.head_dim = hd;
+  cp.channel_calib = C;
+  auto cache = make_kv_cache(cp);
+  cache->append(0, 0, 100, xk.data(), xv.data());
+  cache->append(0, 0, T - 100, xk.data() + 100 * row, xv.data() + 100 * row);
+
+  paged_kv_format f;
+  f.format = fmt;
+  f.head_dim = hd;
+  f.n_kv_head = nh;
+  f.page_size = P;
+  f.rotation = rotation_kind::hadamard;
+  const paged_kv_geometry g = paged_kv_geometry_of(f);
+  const int np = (T + P - 1) / P;
+  std::vector<int32_t> pages(np);
+  std::iota(pages.begin(), pages.end(), 0);
+  std::shuffle(pages.begin(), pages.end(), rng);
+  std::vector<int64_t> slots(T);
+  for (int t = 0; t < T; ++t) slots[t] = (int64_t)pages[t / P] * P + t % P;
+  dbuf dk = dbuf::from(xk), dv = dbuf::from(xv), dmu(row * 4), dlam(row * 4), pool((size_t)np * g.page_bytes);
+  device_fill(pool.p, 0xA5, pool.n);
+  channel_stats(dk.as<float>() + row, C - 1, nh, hd, dmu.as<float>(), dlam.as<float>());
+  const std::vector<int32_t> zeros(T, 0);
+  dbuf dslots = dbuf::from(slots), dzeros = dbuf::from(zeros), dpages = dbuf::from(pages);
+  paged_kv_view kv;
+  kv.format = f;
+  kv.pool = pool.as<uint8_t>();
+  kv.n_pages = np;
+  kv.k_mu = dmu.as<float>();
+  kv.k_lambda = dlam.as<float>();
+  kv.stat_row = dzeros.as<int32_t>();  // every token and every sequence of the tables below: stats row 0
+  append_paged(kv, dk.p, dv.p, kv_elem::f32, dslots.as<int64_t>(), T);
+
+  const float scale = 1.0f / std::sqrt((float)hd);
+  thread_pool tp(0);
+  for (const int q_len : {1, 37, 64, 300, T}) {
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<uint16_t> qh((size_t)q_len * n_head * hd);
+    std::vector<float> qf(qh.size());
+    for (size_t i = 0; i < qh.size(); ++i) {
+      qh[i] = f32_to_f16(2.0f * nd(rng));
+      qf[i] = f16_to_f32(qh[i]);
+    }
+    dbuf dq = dbuf::from(qh), dout(qf.size() * 4);
+    // (a) the tiled kernel: one sequence, its q_len last positions
+    const int32_t qo[2] = {0, q_len}, indptr[2] = {0, np}, last[1] = {T - (np - 1) * P};
+    prefill_params pp;
+    pp.n_head = n_head;
+    pp.spec = attn_spec{scale};
+    pp.q_elem = kv_elem::f16;
+    pp.out_elem = kv_elem::f32;
+    const prefill_plan plan(f, pp, qo, indptr, last, 1);
+    const std::vector<int32_t> h_indptr(indptr, indptr + 2);
+    dbuf dind = dbuf::from(h_indptr), dlast = dbuf::from(std::vector<int32_t>{last[0]});
+    paged_kv_view pv = kv;
+    pv.indptr = dind.as<int32_t>();
+    pv.indices = dpages.as<int32_t>();
+    pv.last_page_len = dlast.as<int32_t>();
+    pv.batch = 1;
+    device_fill(dout.p, 0xFF, dout.n);
+    plan.run(pv, dq.p, dout.p);
+    synchronize();
+    const std::vector<float> got = to_host<float>(dout.p, qf.size());
+    size_t bad = 0;
+    for (float x : got) bad += !std::isfinite(x);
+    ASSERT_EQ(bad, 0u) << "non-finite (unwritten?) outputs, q_len " << q_len;
+
+    // (b) the decode kernel, one "sequence" per query over the pages of positions [0, its own]
+    std::vector<int32_t> tind{0}, tidx, tlast;
+    for (int t = 0; t < q_len; ++t) {
+      const int len = T - q_len + t + 1, n = (len + P - 1) / P;
+      tidx.insert(tidx.end(), pages.begin(), pages.begin() + n);
+      tind.push_back((int32_t)tidx.size());
+      tlast.push_back(len - (n - 1) * P);
+    }
+    decode_params dp;
+    dp.n_head = n_head;
+    dp.spec = attn_spec{scale};
+    dp.q_elem = kv_elem::f16;
+    dp.out_elem = kv_elem::f32;
+    const decode_plan dplan(f, dp, tind.data(), tlast.data(), q_len);
+    dbuf dtind = dbuf::from(tind), dtidx = dbuf::from(tidx), dtlast = dbuf::from(tlast), ddec(qf.size() * 4);
+    paged_kv_view tv = kv;
+    tv.indptr = dtind.as<int32_t>();
+    tv.indices = dtidx.as<int32_t>();
+    tv.last_page_len = dtlast.as<int32_t>();
+    tv.batch = q_len;
+    dplan.run(tv, dq.p, ddec.p);
+    synchronize();
+    const std::vector<float> dec = to_host<float>(ddec.p, qf.size());
+    const double err_dec = rel_err(got, dec);
+    double worst_row = 0.0;
+    for (size_t r = 0; r < got.size() / hd; ++r)
+      worst_row = std::max(worst_row, rel_err(std::vector<float>(got.begin() + r * hd, got.begin() + (r + 1) * hd),
+                                              std::vector<float>(dec.begin() + r * hd, dec.begin() + (r + 1) * hd)));
+    EXPECT_LE(err_dec, 1e-3) << "vs the decode path, q_len " << q_len;
+    EXPECT_LE(worst_row, 1e-2) << "worst query row vs the decode path, q_len " << q_len;
+    double err_cpu = -1.0, err_nolam = -1.0;
+    if (T - q_len >= C) {
+      std::vector<float> ref(qf.size());
+      cache->attend(0, 0, T - q_len, q_len, n_head, qf.data(), scale, ref.data(), tp);
+      err_cpu = rel_err(got, ref);
+      EXPECT_LE(err_cpu, 1e-3) << "vs the CPU cache's attend, q_len " << q_len;
+      // without lambda on the queries (the pages as they are): far off, so the comparison can fail
+      paged_kv_view nolam = pv;
+      nolam.k_mu = nolam.k_lambda = nullptr;
+      nolam.stat_row = nullptr;
+      plan.run(nolam, dq.p, dout.p);
+      synchronize();
+      err_nolam = rel_err(to_host<float>(dout.p, qf.size()), ref);
+      EXPECT_GT(err_nolam, 10 * err_cpu + 1e-3) << "q_len " << q_len;
+    }
+    std::printf("[ prefill channel scale %s hd %d gqa %d q_len %d ] %d tiles, %d items: rel err vs cpu %.3e, vs "
+                "decode path %.3e (worst row %.3e); without lambda vs cpu %.3e\n",
+                kv_cache_type_name(GetParam().type), hd, GetParam().ng, q_len, plan.n_tiles(), plan.n_items(), err_cpu,
+                err_dec, worst_row, err_nolam);
+  }
+
+  // the view's channel scale is checked like decode_plan's
+  const int32_t qo[2] = {0, 1}, indptr[2] = {0, np}, last[1] = {T - (np - 1) * P};
+  prefill_params pp;
+  pp.n_head = n_head;
+  pp.spec = attn_spec{scale};
+  const prefill_plan plan(f, pp, qo, indptr, last, 1);
+  paged_kv_view bad = kv;
+  bad.batch = 1;
+  bad.indices = dpages.as<int32_t>();
+  bad.stat_row = nullptr;
+  dbuf dq(2 * n_head * hd), dout(4 * n_head * hd);
+  try {
+    plan.run(bad, dq.p, dout.p);
+    ADD_FAILURE() << "k_lambda without stat_row accepted";
+  } catch (const kvq::error& e) {
+    EXPECT_EQ(e.code(), errc::invalid_input);
+    EXPECT_NE(std::string(e.what()).find("[cuda attn_prefill] K channel scale"), std::string::npos) << e.what();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, CudaChannelScalePrefill,
+                         ::testing::Values(csp_case{kv_cache_type::q4, 64, 4}, csp_case{kv_cache_type::q4, 128, 7},
+                                           csp_case{kv_cache_type::q4, 80, 1}, csp_case{kv_cache_type::q8, 128, 4},
+                                           csp_case{kv_cache_type::q8, 64, 8}),
+                         [](const auto& i) {
+                           return std::string(kv_cache_type_name(i.param.type)) + "_hd" +
+                                  std::to_string(i.param.head_dim) + "_gqa" + std::to_string(i.param.ng);
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Formats, CudaChannelScale,
                          ::testing::Values(cs_case{kv_cache_type::q4, 64}, cs_case{kv_cache_type::q4, 128},

@@ -354,9 +354,9 @@ TEST(CudaModel, RefusesBadInput) {
 
 // The runner with the K channel scale against the CPU engine with the same parameters (channel_calib
 // 64 on tinylit's 320 positions, so that both the staged positions and the calibrated body are
-// seen), for two splits: a prompt of 200 that brings the calibration positions in one forward (its
-// queries 0 .. 63 attend the staging rows exactly, 64 .. 199 the pages it has just calibrated and
-// stored), and a prompt of 40 followed by single-token steps, the step at position 63 calibrating
+// seen), for two splits: a prompt of 200 that brings the calibration positions in one forward (the
+// tiled prefill kernel; its queries 0 .. 63 attend the staging rows exactly, 64 .. 199 the pages it
+// has just calibrated and stored), and a prompt of 40 followed by single-token steps, the step at position 63 calibrating
 // (decode steps of staged positions attend exactly; with CUDA graphs on, which that step does not
 // use). The GPU's K statistics come from f32 K (bit-equal channel_stats, CudaChannelScale) but its
 // K is the product of f16 inputs, so codes near a boundary differ as without the channel scale:
@@ -419,6 +419,89 @@ INSTANTIATE_TEST_SUITE_P(Types, CudaModelChannelScale,
                          [](const auto& i) {
                            return std::string(kv_cache_type_name(i.param.type)) + "_prefill" +
                                   std::to_string(i.param.n_prefill);
+                         });
+
+// Prompts with the K channel scale (the default q8 / q4 cache, channel_calib 256) through the tiled
+// prefill kernel against the per-token path (the decode kernel, one "sequence" per token), same
+// runner, same prompt in chunks of 64 / 100 / the whole prompt, logits of every position: a prompt
+// of 200 (shorter than the window: every query attends the staging rows through staged_attention,
+// which replaces the tiled kernel's output, so both paths give the same logits) and of 600 (chunk 64:
+// the window ends at a chunk boundary; 100: inside the chunk 200 .. 299, which calibrates before its
+// queries past 255 attend the pages; 600: one forward). Bounds as CudaModelPrefill (q8 5e-3, q4 6e-2
+// rel RMS, and 1e-5 for the prompt inside the window), the tiled logits as close to the CPU engine
+// with the same chunks as CudaModelChannelScale asks, and with q4 closer to the CPU with the channel
+// scale than without it (lambda is applied on the tiled path, not dropped).
+struct cs_prefill_case {
+  kv_cache_type type;
+  int n, chunk;
+  double max_rel_rms;
+};
+class CudaModelChannelScalePrefill : public ::testing::TestWithParam<cs_prefill_case> {};
+
+TEST_P(CudaModelChannelScalePrefill, TiledEqualsPerTokenPath) {
+  KVQ_REQUIRE_GPU();
+  KVQ_REQUIRE_DATA(mp, kTinylit);
+  const cs_prefill_case tc = GetParam();
+  auto m = model::load(mp);
+  const int V = m->hparams().n_vocab, n = tc.n, C = 256;
+  const std::vector<int32_t> ids = sample_tokens(*m, n, 29);
+  kv_cache_params cp = cache_of(*m, tc.type, 1024);
+  cp.k_channel_scale.reset();  // the default: on
+  cp.channel_calib = C;
+  cuda::model_runner r(*m, cp, 600);
+  const int n_tiled = n / tc.chunk + (n % tc.chunk >= 64);  // chunks of >= 64 tokens (kTiledMin)
+  auto run = [&](bool tiled) {
+    r.set_tiled_prefill(tiled);
+    r.clear();
+    std::vector<float> out((size_t)n * V);
+    const int before = r.tiled_prefills();
+    for (int p = 0; p < n; p += tc.chunk) {
+      const int c = std::min(tc.chunk, n - p);
+      EXPECT_EQ(r.forward(std::span<const int32_t>(ids.data() + p, c), p, std::vector<uint8_t>(c, 1),
+                          &out[(size_t)p * V]),
+                c);
+    }
+    EXPECT_EQ(r.tiled_prefills() - before, tiled ? n_tiled : 0) << "every chunk of >= 64 tokens takes the tiled kernel";
+    return out;
+  };
+  auto cpu = [&](const kv_cache_params& c) {
+    auto cache = make_kv_cache(c);
+    thread_pool pool(0);
+    std::vector<float> out((size_t)n * V);
+    for (int p = 0; p < n; p += tc.chunk)
+      m->forward(std::span<const int32_t>(ids.data() + p, std::min(tc.chunk, n - p)), p, 0, *cache, pool,
+                 &out[(size_t)p * V], true);
+    return out;
+  };
+  const std::vector<float> tiled = run(true), per_token = run(false), ref = cpu(cp);
+  kv_cache_params off = cp;
+  off.k_channel_scale = false;
+  const std::vector<float> ref_off = cpu(off);
+  const diff d = compare(tiled, per_token, V), dc = compare(tiled, ref, V), dc_off = compare(tiled, ref_off, V),
+             dpc = compare(per_token, ref, V);
+  std::printf("[ tiled vs per-token %s channel scale, %d tokens in chunks of %d ] max |dlogit| %.3e, rel rms %.3e, "
+              "argmax same %d/%d; vs cpu rel rms %.3e (per-token vs cpu %.3e), vs cpu without the channel scale %.3e\n",
+              kv_cache_type_name(tc.type), n, tc.chunk, d.max_abs, d.rms / d.ref_rms, d.argmax_same, d.rows,
+              dc.rms / dc.ref_rms, dpc.rms / dpc.ref_rms, dc_off.rms / dc_off.ref_rms);
+  EXPECT_LE(d.rms / d.ref_rms, n <= C ? 1e-5 : tc.max_rel_rms);
+  EXPECT_LE(dc.rms / dc.ref_rms, tc.max_rel_rms);
+  if (tc.type == kv_cache_type::q4 && n > C) {
+    EXPECT_LT(dc.rms, dc_off.rms);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Chunks, CudaModelChannelScalePrefill,
+                         ::testing::Values(cs_prefill_case{kv_cache_type::q8, 200, 100, 5e-3},
+                                           cs_prefill_case{kv_cache_type::q4, 200, 100, 6e-2},
+                                           cs_prefill_case{kv_cache_type::q8, 600, 64, 5e-3},
+                                           cs_prefill_case{kv_cache_type::q4, 600, 64, 6e-2},
+                                           cs_prefill_case{kv_cache_type::q8, 600, 100, 5e-3},
+                                           cs_prefill_case{kv_cache_type::q4, 600, 100, 6e-2},
+                                           cs_prefill_case{kv_cache_type::q8, 600, 600, 5e-3},
+                                           cs_prefill_case{kv_cache_type::q4, 600, 600, 6e-2}),
+                         [](const auto& i) {
+                           return std::string(kv_cache_type_name(i.param.type)) + "_n" + std::to_string(i.param.n) +
+                                  "_chunk" + std::to_string(i.param.chunk);
                          });
 
 // Batched decode with the channel scale: sequences below, at and past the calibration positions in
