@@ -15,8 +15,10 @@
 //           through the 1.5 * 2^23 bias, times the query scale and the f16 K scale; f16: f16 MMA.
 //   P·V     O^T[channel][row] = mma.m16n8k16 f16, the V codes turned into exact f16 (u - 8) as A,
 //           P' = f16(p 2^-e) * V scale as B, two MMAs (rows 0-7, 8-15) per A fragment.
-// Online softmax in f32 (log2 domain) per row; no split-KV (one block owns its rows' whole key
-// range), so the epilogue normalises, undoes the V rotation and stores directly.
+// Online softmax in f32 (log2 domain) per row. A block owns its rows' whole key range, and its
+// epilogue normalises, undoes the V rotation and stores directly, unless the plan splits long
+// tiles over the keys (split-KV, see prefill_plan): then each part stores its unnormalised state
+// and a second kernel merges the parts.
 #include <algorithm>
 #include <cmath>
 #include <string>
