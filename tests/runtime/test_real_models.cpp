@@ -60,6 +60,8 @@ void check_greedy_f16(const std::string& model_file, const std::string& golden_r
   auto m = model::load(model_path);
   auto tok = tokenizer::from_gguf(m->gguf());
   const auto golden = read_json(golden_path);
+  const nlohmann::json variants =  // llama.cpp's f16 runs with one setting changed (Gemma 3)
+      variants_path.empty() ? nlohmann::json::object({{"runs", nlohmann::json::array()}}) : read_json(variants_path);
   auto run_of = [&](const std::string& id) -> const nlohmann::json* {
     for (const auto& run : golden["runs"])
       if (run["id"] == id) return &run;
@@ -118,8 +120,6 @@ void check_greedy_f16(const std::string& model_file, const std::string& golden_r
         peer = std::min(peer, (*q)["first_divergence_vs_f16_fa-on"].get<size_t>());
     }
     // llama.cpp's f16 runs of this prompt with one setting changed
-    const nlohmann::json variants =
-        variants_path.empty() ? nlohmann::json::object({{"runs", nlohmann::json::array()}}) : read_json(variants_path);
     for (const auto& v : variants.at("runs")) {
       if (v["prompt"] == run["prompt"] && v["change"] == "") {  // the golden's own command, re-run
         EXPECT_TRUE(v["first_divergence_vs_golden_f16"].is_null()) << variants_path << ": " << v["id"];
@@ -200,6 +200,31 @@ ppl_run run_ppl(const std::string& model_path, const std::string& golden_path, i
   return out;
 }
 
+// kvq's running PPL after each of the first n chunks (kvq_running) against llama.cpp's (ref_running):
+// each chunk's own PPL (from consecutive running values, as the golden derives it) within chunk_tol
+// and each running PPL within running_tol (relative), asserted per chunk; returns the worst of each.
+struct chunk_diff {
+  double worst = 0, worst_running = 0;  // relative differences
+  int worst_i = 0, over_1pct = 0;       // chunk of `worst`; chunks whose own PPL is over 1 % off
+};
+chunk_diff check_chunks(const std::vector<double>& kvq_running, const std::vector<double>& ref_running, int n,
+                        double chunk_tol, double running_tol) {
+  auto chunk_ppl = [](const std::vector<double>& run_ppl, int i) {  // chunk i's own PPL
+    return i == 0 ? run_ppl[0] : std::exp((i + 1) * std::log(run_ppl[i]) - i * std::log(run_ppl[i - 1]));
+  };
+  chunk_diff d;
+  for (int i = 0; i < n; ++i) {
+    const double kvq = chunk_ppl(kvq_running, i), ref = chunk_ppl(ref_running, i);
+    if (std::fabs(kvq / ref - 1) > d.worst) d.worst = std::fabs(kvq / ref - 1), d.worst_i = i;
+    d.over_1pct += std::fabs(kvq / ref - 1) > 0.01;
+    EXPECT_NEAR(kvq / ref, 1.0, chunk_tol) << "chunk " << i << ": kvq " << kvq << " llama.cpp " << ref;
+    d.worst_running = std::max(d.worst_running, std::fabs(kvq_running[i] / ref_running[i] - 1));
+    EXPECT_NEAR(kvq_running[i] / ref_running[i], 1.0, running_tol)
+        << "running PPL after chunk " << i << ": kvq " << kvq_running[i] << " llama.cpp " << ref_running[i];
+  }
+  return d;
+}
+
 // Qwen2.5: the golden has llama.cpp's running PPL after each of its 40 chunks (4 decimals). After
 // each chunk the running PPL within 1 % and that chunk's own PPL (from consecutive running values,
 // as the golden derives it) within 1 %; the running PPL after the last chunk run within 0.2 %.
@@ -218,18 +243,8 @@ TEST(RealModels, Qwen25PerplexityMatchesLlamaCpp) {
   ASSERT_EQ(run.r.n_chunk, n_chunks);
   ASSERT_EQ((int)run.r.chunk_ppl.size(), n_chunks);
   EXPECT_EQ(run.r.ppl.n_scored, (int64_t)n_chunks * 255);
-  auto chunk_ppl = [](const std::vector<double>& run_ppl, int i) {  // chunk i's own PPL
-    return i == 0 ? run_ppl[0] : std::exp((i + 1) * std::log(run_ppl[i]) - i * std::log(run_ppl[i - 1]));
-  };
-  double worst = 0, worst_running = 0;
-  for (int i = 0; i < n_chunks; ++i) {
-    const double kvq = chunk_ppl(run.r.chunk_ppl, i), ref = chunk_ppl(running, i);
-    worst = std::max(worst, std::fabs(kvq / ref - 1));
-    EXPECT_NEAR(kvq / ref, 1.0, 0.01) << "chunk " << i << ": kvq " << kvq << " llama.cpp " << ref;
-    worst_running = std::max(worst_running, std::fabs(run.r.chunk_ppl[i] / running[i] - 1));
-    EXPECT_NEAR(run.r.chunk_ppl[i] / running[i], 1.0, 0.01)
-        << "running PPL after chunk " << i << ": kvq " << run.r.chunk_ppl[i] << " llama.cpp " << running[i];
-  }
+  const chunk_diff d = check_chunks(run.r.chunk_ppl, running, n_chunks, 0.01, 0.01);
+  const double worst = d.worst, worst_running = d.worst_running;
   const double ref = running[n_chunks - 1];
   EXPECT_NEAR(run.r.ppl.ppl / ref, 1.0, 0.002)
       << "after " << n_chunks << " chunks: kvq " << run.r.ppl.ppl << " llama.cpp " << ref;
@@ -326,20 +341,9 @@ TEST(RealModels, Gemma3PerplexityMatchesLlamaCpp) {
   ASSERT_EQ(run.r.n_chunk, n_chunks);
   ASSERT_EQ((int)run.r.chunk_ppl.size(), n_chunks);
   EXPECT_EQ(run.r.ppl.n_scored, (int64_t)n_chunks * 255);
-  auto chunk_ppl = [](const std::vector<double>& run_ppl, int i) {  // chunk i's own PPL
-    return i == 0 ? run_ppl[0] : std::exp((i + 1) * std::log(run_ppl[i]) - i * std::log(run_ppl[i - 1]));
-  };
-  double worst = 0, worst_running = 0;
-  int worst_i = 0, over_1pct = 0;
-  for (int i = 0; i < n_chunks; ++i) {
-    const double kvq = chunk_ppl(run.r.chunk_ppl, i), ref = chunk_ppl(running, i);
-    if (std::fabs(kvq / ref - 1) > worst) worst = std::fabs(kvq / ref - 1), worst_i = i;
-    over_1pct += std::fabs(kvq / ref - 1) > 0.01;
-    EXPECT_NEAR(kvq / ref, 1.0, 0.025) << "chunk " << i << ": kvq " << kvq << " llama.cpp " << ref;
-    worst_running = std::max(worst_running, std::fabs(run.r.chunk_ppl[i] / running[i] - 1));
-    EXPECT_NEAR(run.r.chunk_ppl[i] / running[i], 1.0, 0.015)
-        << "running PPL after chunk " << i << ": kvq " << run.r.chunk_ppl[i] << " llama.cpp " << running[i];
-  }
+  const chunk_diff d = check_chunks(run.r.chunk_ppl, running, n_chunks, 0.025, 0.015);
+  const double worst = d.worst, worst_running = d.worst_running;
+  const int worst_i = d.worst_i, over_1pct = d.over_1pct;
   const double ref = running[n_chunks - 1];
   if (n_chunks == 20) {
     EXPECT_NEAR(run.r.ppl.ppl / ref, 1.0, 0.005)
