@@ -29,11 +29,18 @@ Prompts are token ids (the same ids to both servers, no tokenizer difference), d
 request of every round so that neither server's prompt cache helps; ignore_eos with a fixed
 max_tokens makes every request generate exactly max_tokens tokens (checked against usage).
 
+kvq on the GPU: --kvq-devices cuda (or cpu,cuda: each kvq format on each device, labelled
+"kvq cuda q4" beside "kvq q4") starts kvq server --device cuda (--cuda-graphs adds that flag there);
+the budget is then the first device's f16 pool (on the GPU: pages of 16 tokens, every slot at --ctx).
+Without --llama-server (or with --llama-types "") only kvq servers run.
+
 Standard library only (http.client, one thread per client). Never builds llama.cpp: pass a built
 llama-server binary.
 
   python3 scripts/bench_serving.py --kvq build/kvq --llama-server PATH/llama-server \
       --model models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --threads 14 --out bench-out
+  python3 scripts/bench_serving.py --kvq build/kvq --kvq-devices cuda --kvq-types f16,q8,q4 \
+      --model models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --threads 4 --out bench-gpu
 """
 import argparse
 import http.client
@@ -332,7 +339,7 @@ def llama_bytes_per_cell(model, type_k, type_v):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kvq", required=True, help="kvq binary (build/kvq)")
-    ap.add_argument("--llama-server", required=True, help="llama-server binary (built outside this repository)")
+    ap.add_argument("--llama-server", default="", help="llama-server binary (built outside this repository; none: kvq only)")
     ap.add_argument("--model", default="models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
     ap.add_argument("--threads", type=int, required=True, help="compute threads of every server (-t)")
     ap.add_argument("--out", required=True, help="folder for results.md, results.json and the server logs")
@@ -346,13 +353,19 @@ def main():
     ap.add_argument("--time-limit", type=float, default=420, help="start no round that would end after this many seconds of measuring (default 420; the first round always runs)")
     ap.add_argument("--kvq-types", default="f16,q8,q4,kivi4/q4a+sink4", help="kvq formats: K, K/V, K/V+sinkN (default f16,q8,q4,kivi4/q4a+sink4: the README's recommended -ctk kivi4 -ctv q4a --kv-sink 4)")
     ap.add_argument("--llama-types", default="f16,q4_0", help="llama-server KV types, K and V alike (default f16,q4_0)")
-    ap.add_argument("--kv-page", type=int, default=64, help="kvq --kv-page (default 64)")
+    ap.add_argument("--kv-page", type=int, default=64, help="kvq --kv-page (default 64; the GPU's pages are 16 tokens)")
+    ap.add_argument("--kvq-devices", default="cpu", help="kvq server --device of each kvq server, comma-separated: cpu, cuda (default cpu)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="kvq server --device cuda --cuda-graphs")
     ap.add_argument("--capacity-ctx", type=int, default=4096, help="sequence length of the capacity column (default 4096)")
     ap.add_argument("--request-timeout", type=float, default=600)
     ap.add_argument("--startup-timeout", type=float, default=300)
     a = ap.parse_args()
 
+    if not a.llama_server:
+        a.llama_types = ""
     for path, what in ((a.kvq, "--kvq"), (a.llama_server, "--llama-server")):
+        if path == a.llama_server and not a.llama_types:
+            continue
         if not (os.path.isfile(path) and os.access(path, os.X_OK)):
             raise SystemExit(f"error: {what} '{path}' is not an executable file")
     if not os.path.isfile(a.model):
@@ -366,10 +379,13 @@ def main():
     llama_types = [t for t in a.llama_types.split(",") if t]
     if "f16" not in kvq_types:
         raise SystemExit("error: --kvq-types must include f16 (the budget is the f16 server's)")
+    devices = [d for d in a.kvq_devices.split(",") if d]
+    if not devices or any(d not in ("cpu", "cuda") for d in devices):
+        raise SystemExit(f"error: --kvq-devices '{a.kvq_devices}' must list cpu and / or cuda")
     os.makedirs(a.out, exist_ok=True)
     t_start = time.monotonic()
 
-    def kvq_server(spec, budget_gib):
+    def kvq_server(spec, budget_gib, device="cpu"):
         k, v, sink = parse_kv_type(spec)
         cmd = [a.kvq, "server", "-m", a.model, "-c", str(a.ctx), "--parallel", str(a.parallel), "-t", str(a.threads),
                "--host", "127.0.0.1", "--port", str(free_port()), "--kv-page", str(a.kv_page), "-ctk", k, "-ctv", v]
@@ -377,8 +393,11 @@ def main():
             cmd += ["--kv-budget", f"{budget_gib:.12f}"]
         if sink is not None:
             cmd += ["--kv-sink", str(sink)]
-        label = "kvq " + spec
-        return Server("kvq", label, cmd, int(cmd[cmd.index("--port") + 1]), os.path.join(a.out, "kvq_" + spec.replace("/", "_").replace("+", "_") + ".log"))
+        if device == "cuda":
+            cmd += ["--device", "cuda"] + (["--cuda-graphs"] if a.cuda_graphs else [])
+        label = "kvq " + ("" if device == "cpu" else device + " ") + spec
+        name = "kvq_" + ("" if device == "cpu" else device + "_") + spec.replace("/", "_").replace("+", "_")
+        return Server("kvq", label, cmd, int(cmd[cmd.index("--port") + 1]), os.path.join(a.out, name + ".log"))
 
     def llama_server(t):
         port = free_port()
@@ -389,7 +408,7 @@ def main():
     servers = []
     try:
         # kvq f16 first, without a budget: its pool (every slot at -c) is the budget of all the others
-        ref = kvq_server("f16", None)
+        ref = kvq_server("f16", None, devices[0])
         servers.append(ref)
         ref.start()
         ref.wait_ready(a.startup_timeout)
@@ -397,9 +416,10 @@ def main():
         budget_bytes = int(m["kvq_kv_budget_bytes"])
         # 1 KiB above the f16 pool, so that the GiB figure read back as bytes never loses a page
         budget_gib = (budget_bytes + 1024) / 2**30
-        for spec in kvq_types:
-            if spec != "f16":
-                servers.append(kvq_server(spec, budget_gib))
+        for dev in devices:
+            for spec in kvq_types:
+                if spec != "f16" or dev != devices[0]:
+                    servers.append(kvq_server(spec, budget_gib, dev))
         for t in llama_types:
             servers.append(llama_server(t))
         for s in servers[1:]:
@@ -530,16 +550,19 @@ def main():
         md.append(f"At {cmax} clients, kvq throughput / {best['server']} (the faster llama-server): " + ", ".join(
             f"{r['server'][4:]} {r['tok_per_s_median'] / best['tok_per_s_median']:.2f}x" for r in summary
             if r["clients"] == cmax and r["server"].startswith("kvq")) + ".")
-        one = {r["server"]: r for r in summary if r["clients"] == min(clients)}
+    one = {r["server"]: r for r in summary if r["clients"] == min(clients)}
+    if cmax != min(clients):
         md.append(f"ITL p99 at {cmax} clients / at {min(clients)}: " + ", ".join(
             f"{r['server']} {r['itl_p99_ms'] / one[r['server']]['itl_p99_ms']:.2f}" for r in summary
             if r["clients"] == cmax and r["server"] in one) + ".")
-        md.append("")
+    md.append("")
     md.append(f"| server | KV bytes / token | concurrent {a.capacity_ctx}-token sequences at {budget_bytes / 2**30:.3f} GiB | x f16 |")
     md.append("| --- | --- | --- | --- |")
-    base = {d["kind"]: d["capacity"] for d in info.values() if d["label"].endswith(" f16")}
+    def group(d):  # llama, kvq (CPU) or kvq cuda
+        return d["kind"] + (" cuda" if d["label"].startswith("kvq cuda ") else "")
+    base = {group(d): d["capacity"] for d in info.values() if d["label"].endswith(" f16")}
     for d in info.values():
-        b = base.get(d["kind"]) or 1
+        b = base.get(group(d)) or 1
         md.append(f"| {d['label']} | {d['bytes_per_token']:.0f} | {d['capacity']} | {d['capacity'] / b:.2f} |")
     md.append("")
     md.append("kvq: budget / (ceil(" + str(a.capacity_ctx) + " / page) x page bytes), page bytes from /metrics "

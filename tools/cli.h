@@ -51,7 +51,7 @@ void add_kv_flags(CLI::App* app, kv_flags& f);
 // add_kv_flags for a command that compares several formats: `explicit_kv` becomes true when the
 // user gives -ctk or -ctv (the command then runs just that pair instead of its format list).
 void add_kv_flags(CLI::App* app, kv_flags& f, bool& explicit_kv);
-// --device NAME of a command that runs a model (generate, perplexity, eval-passkey): the name as
+// --device NAME of a command that runs a model (generate, perplexity, eval-passkey, server): the name as
 // given, parsed by parse_compute_device when the command runs ("[device] unknown device ..." exit
 // 2); the command then asks kv_flags::params(device == cuda) and the library refuses what the GPU
 // does not run (cuda::check_supported) and a build or machine without a GPU (exit 2).

@@ -13,10 +13,12 @@ namespace {
 struct server_opts {
   server_params p;
   kv_flags kv;  // p.cache, parsed when the command runs
+  std::string device = "cpu";  // p.device, parsed when the command runs
 };
 
 int run_server(server_opts& o) {
-  o.p.cache = o.kv.params();
+  o.p.device = parse_compute_device(o.device);
+  o.p.cache = o.kv.params(o.p.device == compute_device::cuda);  // the GPU has no exact windows yet
   // SIGINT / SIGTERM stop the server from a thread of their own (httplib's stop() is not
   // async-signal-safe); a client that hangs up must not kill the process with SIGPIPE.
   sigset_t set;
@@ -52,9 +54,11 @@ const registrar reg{{"server", "OpenAI-compatible HTTP server with continuous ba
   app->add_option("--chat-template-file", p.chat_template_file, "chat template text to use instead of the model's");
   app->add_option("-t,--threads", p.n_threads, "compute threads (0: all)")->capture_default_str()->check(CLI::Range(0, 1024));
   app->add_option("--threads-http", p.n_http_threads, "HTTP threads (0: parallel + queue + 4)")->capture_default_str()->check(CLI::Range(0, 100000));
-  app->add_option("--kv-page", p.kv_page, "tokens per KV page (0: contiguous slots, no prefix reuse)")->capture_default_str()->check(CLI::Range(0, 65536));
+  app->add_option("--kv-page", p.kv_page, "tokens per KV page (0: contiguous slots, no prefix reuse; --device cuda: 16, its own pages)")->capture_default_str()->check(CLI::Range(0, 65536));
   app->add_option("--kv-budget", p.kv_budget_gib, "GiB of KV pages shared by all slots (0: every slot can hold -c)")->capture_default_str()->check(CLI::NonNegativeNumber);
   app->add_flag("!--no-prefix-reuse", p.prefix_reuse, "do not start requests from saved prompt prefixes (docs/server.md)");
+  add_device_flag(app, o->device);
+  app->add_flag("--cuda-graphs", p.cuda_graphs, "--device cuda: decode steps as CUDA graphs (one launch per step)");
   add_kv_flags(app, o->kv);
   return [o] { return run_server(*o); };
 }}};

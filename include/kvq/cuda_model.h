@@ -22,8 +22,8 @@
 //    exact_recent 0).
 // Sequences: the runner holds cp.n_seq sequences of up to cp.n_ctx positions each, their pages
 // (16 positions of every kv head of one layer) drawn from one pool of n_seq * ceil(n_ctx / 16)
-// pages per layer through a free list, so sequences of different lengths share it and a cleared
-// sequence returns its pages. forward() runs tokens of one sequence (prefill or one decode token);
+// pages per layer (or cp.n_pages, when smaller: a server's --kv-budget) through a free list, so
+// sequences of different lengths share it and a cleared sequence returns its pages. forward() runs tokens of one sequence (prefill or one decode token);
 // decode() runs one token of each of several sequences as one batch (batched decode, issue 19
 // point 4): the weight products as one GEMM over the batch, RoPE at each token's own position,
 // append and attention per sequence through the page table (one decode-kernel launch for all).
@@ -67,10 +67,16 @@ void check_supported(const model& m, const kv_cache_params& cp, int max_batch);
 // The same checks on hyper-parameters alone (a model of a published shape, weights not loaded).
 void check_supported(const model_hparams& hp, const kv_cache_params& cp, int max_batch);
 
+// Bytes of one page of the runner's pool over all layers (16 positions of every kv head, K and V,
+// codes and scales), on the host without a GPU: what a budget in bytes buys in pages
+// (cp.n_pages = budget / this). Throws as check_supported.
+size_t runner_page_bytes(const model_hparams& hp, const kv_cache_params& cp);
+
 class model_runner {
  public:
   // Checks as check_supported, then needs a GPU (require()), uploads the weights of m and allocates
-  // the paged cache (cp.n_seq sequences of up to cp.n_ctx positions) and the activations of
+  // the paged cache (cp.n_seq sequences of up to cp.n_ctx positions; cp.n_pages > 0: a pool of at
+  // most that many pages, shared, invalid_input for cp.n_pages < 0) and the activations of
   // max_batch tokens. m must outlive the runner (its hyper-parameters are read; weights are copied).
   model_runner(const model& m, const kv_cache_params& cp, int max_batch);
   // A model of hyper-parameters hp (llama / mistral / qwen2; kvq::shape_hparams gives published
@@ -87,8 +93,9 @@ class model_runner {
   // the last token only. logits: host [rows, n_vocab] f32 in token order; returns rows. Throws
   // invalid_input (nothing appended) for n == 0, n > max_batch, a token id outside [0, n_vocab),
   // seq_id outside [0, n_seq), pos0 != n_pos(seq_id), pos0 + n > n_ctx, an output span of another
-  // length; invalid_input "[cuda model] non-finite logits ..." when a written logit is NaN/Inf
-  // (the cache then holds the batch).
+  // length, more new pages than the pool has free ("[cuda model] the page pool is full ...");
+  // invalid_input "[cuda model] non-finite logits ..." when a written logit is NaN/Inf (the cache
+  // then holds the batch).
   int forward(std::span<const int32_t> tokens, int pos0, std::span<const uint8_t> output, float* logits,
               int seq_id = 0);
 
@@ -98,7 +105,7 @@ class model_runner {
   // (greedy sampling on the device; only n ids cross to the host), or nullptr. Throws
   // invalid_input (nothing appended) for n == 0, n > max_batch, spans of different lengths, a
   // repeated or out-of-range sequence id, a token id outside the vocabulary, a sequence already
-  // holding n_ctx positions; invalid_input "[cuda model] non-finite logits ..." when a row holds
+  // holding n_ctx positions, more new pages than the pool has free; invalid_input "[cuda model] non-finite logits ..." when a row holds
   // NaN/Inf (checked on the device when only argmax is asked for).
   void decode(std::span<const int32_t> seq_ids, std::span<const int32_t> tokens, float* logits, int32_t* argmax);
 
@@ -139,6 +146,10 @@ class model_runner {
                                  // scale, the staging rows and mu / lambda of every sequence
   size_t kv_bytes_used() const;  // bytes of the pages in use by all sequences (all layers)
   size_t kv_bytes_per_page() const;  // one page of every layer (16 positions of every kv head)
+  // The pool (as kv_cache::page_info): page_size 16, n_pages, n_free, n_seq_held (pages in use),
+  // max_pages_per_seq (ceil(n_ctx / 16)), page_bytes = kv_bytes_per_page(). A sequence of n
+  // positions holds ceil(n / 16) pages.
+  kv_page_info page_info() const;
   size_t weight_bytes() const;   // bytes of the uploaded weights
 
  private:

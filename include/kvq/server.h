@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 
+#include "kvq/cuda_model.h"
 #include "kvq/kv_cache.h"
 
 namespace kvq {
@@ -36,6 +37,12 @@ struct server_params {
   int kv_page = 64;
   double kv_budget_gib = 0;
   bool prefix_reuse = true;         // start requests from saved prompt prefixes (paged caches; docs/server.md)
+  // Where the model runs (docs/server.md, "On the GPU"): cuda runs every step on the GPU
+  // (cuda::model_runner: f16 / q8 / q4 caches, llama / qwen2 models; its own 16-token pages sized
+  // by kv_budget_gib, kv_page unused; no prefix reuse). create() refuses a format the GPU does not
+  // run by name (unsupported) and a build or machine without a GPU ("[cuda] not supported ...").
+  compute_device device = compute_device::cpu;
+  bool cuda_graphs = false;         // cuda: decode steps captured and replayed as CUDA graphs
 };
 
 // A running server. create() loads the model, checks the chat template (an unknown template is an

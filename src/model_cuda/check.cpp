@@ -95,6 +95,10 @@ paged_kv_format runner_kv_format(const model_hparams& hp, const kv_cache_params&
   return f;
 }
 
+size_t runner_page_bytes(const model_hparams& hp, const kv_cache_params& cp) {
+  return (size_t)hp.n_layer * paged_kv_geometry_of(runner_kv_format(hp, cp, 1)).page_bytes;
+}
+
 void check_supported(const model& m, const kv_cache_params& cp, int max_batch) {
   runner_kv_format(m.hparams(), cp, max_batch);
 }

@@ -213,6 +213,10 @@ struct model_runner::impl {
       fail_input("[cuda model] n_seq " + std::to_string(n_seq) + " x n_ctx " + std::to_string(n_ctx) +
                  " needs more than 2^31 pages");
     n_pages = pages_per_seq * n_seq;
+    // a smaller pool shared by the sequences (a server's --kv-budget): appends that would need more
+    // pages than are free are refused (forward / decode validate before appending)
+    if (cp.n_pages < 0) fail_input("[cuda model] n_pages " + std::to_string(cp.n_pages) + " must be >= 0 (0: every sequence at n_ctx)");
+    if (cp.n_pages > 0) n_pages = std::min(n_pages, cp.n_pages);
     dq = (int64_t)hp.n_head * hp.head_dim;
     dkv = (int64_t)hp.n_kv_head * hp.head_dim;
     dqkv = dq + 2 * dkv;
@@ -294,11 +298,23 @@ struct model_runner::impl {
     std::vector<int32_t>& pg = seq_pages[sq];
     const size_t j = (size_t)(p / fmt.page_size);
     while (pg.size() <= j) {
-      KVQ_ASSERT(!free_pages.empty());  // n_pages = n_seq * pages_per_seq and every sequence <= n_ctx
+      KVQ_ASSERT(!free_pages.empty());  // check_pages ran before (forward, decode, fill_synthetic)
       pg.push_back(free_pages.back());
       free_pages.pop_back();
     }
     return pg[j];
+  }
+
+  // Pages sequence sq needs beyond those it holds to store positions up to end (exclusive).
+  int pages_needed(int sq, int64_t end) const {
+    return std::max<int>(0, (int)((end + fmt.page_size - 1) / fmt.page_size) - (int)seq_pages[sq].size());
+  }
+  // Refuses (nothing appended) a batch whose new positions need more pages than the pool has free.
+  void check_pages(int need) const {
+    if (need > (int)free_pages.size())
+      fail_input("[cuda model] the page pool is full: the batch needs " + std::to_string(need) + " more pages of " +
+                 std::to_string(fmt.page_size) + " positions, " + std::to_string(free_pages.size()) + " of " +
+                 std::to_string(n_pages) + " are free (clear a sequence or allocate a larger pool)");
   }
 
   // Runs the validated tokens h_tok / h_seq / h_pos (token t of sequence h_seq[t] at position
@@ -639,6 +655,7 @@ int model_runner::forward(std::span<const int32_t> tokens, int pos0, std::span<c
   if ((int64_t)pos0 + n > s.n_ctx)
     fail_input("[cuda model] the sequence would hold " + std::to_string((int64_t)pos0 + n) +
                " positions, more than n_ctx " + std::to_string(s.n_ctx));
+  s.check_pages(s.pages_needed(seq_id, (int64_t)pos0 + n));
   s.h_tok.assign(tokens.begin(), tokens.end());
   s.h_seq.assign(n, seq_id);
   s.h_pos.resize(n);
@@ -672,6 +689,9 @@ void model_runner::decode(std::span<const int32_t> seq_ids, std::span<const int3
       fail_input("[cuda model] decode: sequence " + std::to_string(seq_ids[i]) + " already holds n_ctx " +
                  std::to_string(s.n_ctx) + " positions");
   }
+  int need = 0;
+  for (int i = 0; i < n; ++i) need += s.pages_needed(seq_ids[i], (int64_t)s.seq_pos[seq_ids[i]] + 1);
+  s.check_pages(need);
   s.h_tok.assign(tokens.begin(), tokens.end());
   s.h_seq.assign(seq_ids.begin(), seq_ids.end());
   s.h_pos.resize(n);
@@ -700,6 +720,7 @@ void model_runner::fill_synthetic(int seq_id, int n_tokens, uint64_t seed) {
     fail_input("[cuda model] fill_synthetic: the sequence would hold " + std::to_string((int64_t)p0 + n_tokens) +
                " positions, more than n_ctx " + std::to_string(s.n_ctx));
   if (n_tokens == 0) return;
+  s.check_pages(s.pages_needed(seq_id, (int64_t)p0 + n_tokens));
   constexpr int C = impl::kFillChunk;
   const bool cal = s.cal_n > 0;
   if (!s.fill_slots) {
@@ -779,6 +800,17 @@ int model_runner::max_batch() const { return p_->max_batch; }
 size_t model_runner::kv_bytes() const { return p_->kv_bytes; }
 size_t model_runner::weight_bytes() const { return p_->weight_bytes; }
 size_t model_runner::kv_bytes_per_page() const { return (size_t)p_->hp.n_layer * p_->geo.page_bytes; }
+kv_page_info model_runner::page_info() const {
+  const impl& s = *p_;
+  kv_page_info pi;
+  pi.page_size = s.fmt.page_size;
+  pi.n_pages = s.n_pages;
+  pi.n_free = (int)s.free_pages.size();
+  pi.n_seq_held = s.n_pages - pi.n_free;
+  pi.max_pages_per_seq = s.pages_per_seq;
+  pi.page_bytes = kv_bytes_per_page();
+  return pi;
+}
 size_t model_runner::kv_bytes_used() const {
   const impl& s = *p_;
   return (size_t)(s.n_pages - (int)s.free_pages.size()) * kv_bytes_per_page();

@@ -32,6 +32,7 @@ std::string model_runner::describe() const { return "none (kvq built without CUD
 size_t model_runner::kv_bytes() const { return 0; }
 size_t model_runner::kv_bytes_used() const { return 0; }
 size_t model_runner::kv_bytes_per_page() const { return 0; }
+kv_page_info model_runner::page_info() const { return {}; }
 size_t model_runner::weight_bytes() const { return 0; }
 
 }  // namespace kvq::cuda

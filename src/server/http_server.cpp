@@ -95,6 +95,10 @@ http_server::http_server(const server_params& p) : p_(p) {
     fail_input("[server] --kv-budget must be a finite number of GiB >= 0, got " + std::to_string(p_.kv_budget_gib));
   sp.kv_budget_bytes = (size_t)(p_.kv_budget_gib * 1024.0 * 1024.0 * 1024.0);
   sp.prefix_reuse = p_.prefix_reuse;
+  sp.device = p_.device;
+  sp.cuda_graphs = p_.cuda_graphs;
+  if (p_.cuda_graphs && p_.device != compute_device::cuda)
+    fail_input("[server] --cuda-graphs is an option of --device cuda");
   sched_ = std::make_unique<scheduler>(*model_, *tok_, sp);
 
   const int n_http = p_.n_http_threads > 0 ? p_.n_http_threads : p_.n_parallel + p_.n_queue + 4;
@@ -111,14 +115,17 @@ http_server::http_server(const server_params& p) : p_(p) {
       fail(errc::io, "[server] cannot bind " + p_.host + ":" + std::to_string(p_.port) + " (in use, or not a local address?)");
     port_ = p_.port;
   }
-  std::fprintf(stderr, "[server] model %s (%s), n_ctx %d per slot, %d slots, prefill chunk %d, %d tokens per step, KV cache %s\n",
-               model_id_.c_str(), model_->hparams().arch.c_str(), sp.n_ctx, sp.n_parallel, sp.n_batch, sp.n_batch_tokens,
-               sched_->cache_describe().c_str());
+  std::fprintf(stderr, "[server] model %s (%s) on %s, n_ctx %d per slot, %d slots, prefill chunk %d, %d tokens per step, KV cache %s\n",
+               model_id_.c_str(), model_->hparams().arch.c_str(), compute_device_name(sp.device), sp.n_ctx,
+               sp.n_parallel, sp.n_batch, sp.n_batch_tokens, sched_->cache_describe().c_str());
   const scheduler_metrics m0 = sched_->metrics();
+  const bool gpu = sp.device == compute_device::cuda;
   if (m0.page_size > 0)
     std::fprintf(stderr, "[server] KV pages: %d of %d tokens (%.1f MiB), prefix reuse %s\n", m0.pages_total,
                  m0.page_size, (double)m0.kv_budget_bytes / (1024.0 * 1024.0),
-                 m0.prefix_reuse ? "on" : "off (--no-prefix-reuse)");
+                 m0.prefix_reuse ? "on"
+                 : gpu           ? "off (not on the GPU: prompts are prefilled in full, docs/server.md)"
+                                 : "off (--no-prefix-reuse)");
   std::fprintf(stderr, "[server] chat template: %s\n",
                template_ ? chat_format_name(template_->format()) : template_note_.c_str());
 }

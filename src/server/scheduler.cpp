@@ -7,6 +7,7 @@
 #include "kvq/error.h"
 #include "server/api.h"
 #include "server/prefix_cache.h"
+#include "server/step_engine.h"
 
 namespace kvq::server_detail {
 
@@ -51,10 +52,11 @@ scheduler::scheduler(model& m, const tokenizer& tok, const scheduler_params& p)
   if (p_.n_batch_tokens < 1) fail_input("[server] --batch-tokens " + std::to_string(p_.n_batch_tokens) + " must be >= 1");
   if (p_.n_queue < 0) fail_input("[server] --queue " + std::to_string(p_.n_queue) + " must be >= 0");
   if (p_.kv_page < 0) fail_input("[server] --kv-page " + std::to_string(p_.kv_page) + " must be >= 0 (0: contiguous slots)");
-  if (p_.kv_budget_bytes > 0 && p_.kv_page == 0) fail_input("[server] --kv-budget needs a paged cache (--kv-page > 0)");
+  const bool gpu = p_.device == compute_device::cuda;
+  if (p_.kv_budget_bytes > 0 && p_.kv_page == 0 && !gpu)
+    fail_input("[server] --kv-budget needs a paged cache (--kv-page > 0)");
   kv_cache_params cp = m_.cache_params(p_.n_ctx, p_.cache, p_.n_parallel);
   cp.n_ubatch = std::max(cp.n_ubatch, p_.n_batch);  // sliding-window rings hold one prefill chunk
-  split_free_ = std::none_of(cp.layers.begin(), cp.layers.end(), [](const kv_layer_geometry& g) { return g.window > 0; });
   // the certified cache has no paged layout: contiguous slots unless a budget asks for pages
   cp.page_size = is_certified(cp) && p_.kv_budget_bytes == 0 ? 0 : p_.kv_page;
   auto gib = [](double b) {
@@ -62,7 +64,20 @@ scheduler::scheduler(model& m, const tokenizer& tok, const scheduler_params& p)
     std::snprintf(s, sizeof s, "%.3g GiB", b / (1024.0 * 1024.0 * 1024.0));
     return std::string(s);
   };
-  if (p_.kv_page > 0 && p_.kv_budget_bytes > 0) {
+  if (gpu) {
+    // the runner's pool: 16-position pages, as many as the budget buys (at most every slot at n_ctx)
+    const int page = 16;
+    if (p_.kv_budget_bytes > 0) {
+      cp.page_size = 0;
+      const size_t page_bytes = cuda::runner_page_bytes(m_.hparams(), cp);  // (refuses a format by name)
+      const int64_t full = (int64_t)p_.n_parallel * ((p_.n_ctx + page - 1) / page);
+      cp.n_pages = (int)std::min<int64_t>(full, (int64_t)(p_.kv_budget_bytes / page_bytes));
+      if (cp.n_pages == 0)
+        fail_input("[server] --kv-budget " + gib((double)p_.kv_budget_bytes) + " holds no GPU page of " +
+                   std::to_string(page) + " tokens (" + std::to_string(page_bytes) + " bytes each)");
+    }
+    engine_ = make_cuda_step_engine(m_, cp, std::max(p_.n_batch, p_.n_parallel), p_.cuda_graphs);
+  } else if (p_.kv_page > 0 && p_.kv_budget_bytes > 0) {
     const size_t page_bytes = kv_page_bytes(cp);
     const int64_t full = (int64_t)p_.n_parallel * ((p_.n_ctx + p_.kv_page - 1) / p_.kv_page);
     cp.n_pages = page_bytes == 0 ? 0 : (int)std::min<int64_t>(full, (int64_t)(p_.kv_budget_bytes / page_bytes));
@@ -70,23 +85,24 @@ scheduler::scheduler(model& m, const tokenizer& tok, const scheduler_params& p)
       fail_input("[server] --kv-budget " + gib((double)p_.kv_budget_bytes) + " holds no page of " +
                  std::to_string(p_.kv_page) + " tokens (" + std::to_string(page_bytes) + " bytes each)");
   }
-  cache_ = make_kv_cache(cp);
-  cache_describe_ = cache_->describe();
-  pages_ = cache_->page_info();
+  if (!engine_) engine_ = make_cpu_step_engine(m_, cp);
+  split_free_ = engine_->split_free();
+  cache_describe_ = engine_->describe();
+  pages_ = engine_->page_info();
   if (pages_.page_size > 0 && pages_.max_pages_per_seq > pages_.n_pages)
     fail_input("[server] --kv-budget " + gib((double)p_.kv_budget_bytes) + " holds " + std::to_string(pages_.n_pages) +
-               " pages of " + std::to_string(p_.kv_page) + " tokens (" + std::to_string(pages_.page_bytes) +
+               " pages of " + std::to_string(pages_.page_size) + " tokens (" + std::to_string(pages_.page_bytes) +
                " bytes each), fewer than the " + std::to_string(pages_.max_pages_per_seq) + " one sequence at -c " +
                std::to_string(p_.n_ctx) + " needs: raise --kv-budget to at least " +
                gib((double)pages_.max_pages_per_seq * pages_.page_bytes) + " or lower -c");
-  if (p_.prefix_reuse && cache_->can_save_prefix()) {
+  if (p_.prefix_reuse && engine_->cpu_cache() && engine_->cpu_cache()->can_save_prefix()) {
     // saved states outside the pool (exact rows, statistics, rings) up to a quarter of the pool
     prefix_ = std::make_unique<prefix_cache>(p_.n_batch, std::max<size_t>((size_t)pages_.n_pages * pages_.page_bytes / 4, 1u << 20));
   }
   for (int i = 0; i < p_.n_parallel; ++i) slots_.push_back(std::make_unique<slot>());
 
-  kv_bytes_ = cache_->bytes();
-  kv_bytes_used_ = cache_->bytes_used();
+  kv_bytes_ = engine_->bytes();
+  kv_bytes_used_ = engine_->bytes_used();
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -98,11 +114,12 @@ scheduler::~scheduler() {
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
   prefix_.reset();  // unpins its pages (before the cache goes)
+  engine_.reset();
 }
 
 void scheduler::publish_pages() {
   if (pages_.page_size == 0) return;
-  const kv_page_info pi = cache_->page_info();
+  const kv_page_info pi = engine_->page_info();
   pages_in_use_ = pi.n_seq_held;
   pages_cached_ = pi.n_pages - pi.n_free - pi.n_seq_held;
 }
@@ -114,23 +131,23 @@ bool scheduler::admit(int i, uint64_t order) {
   int reserve = 0;
   if (pages_.page_size > 0) {
     const int n_max = req.max_tokens >= 0 ? (int)std::min<int64_t>(p_.n_ctx, (int64_t)n_prompt + req.max_tokens) : p_.n_ctx;
-    reserve = cache_->pages_for(n_max);
+    reserve = engine_->pages_for(n_max);
     // the last prompt token always runs (its logits)
     if (prefix_ && !job->cancelled()) shared = prefix_->match(req.prompt.data(), n_prompt - 1);
     // pages the running requests may still take
     auto outstanding = [&] {
       int o = 0;
       for (int j = 0; j < p_.n_parallel; ++j)
-        if (slots_[j]->active()) o += std::max(0, slots_[j]->reserved - (int)cache_->seq_pages(j).size());
+        if (slots_[j]->active()) o += std::max(0, slots_[j]->reserved - engine_->seq_pages(j));
       return o;
     };
     const int need = reserve - (shared ? shared->n_full_pages() : 0), owed = outstanding();
-    kv_page_info pi = cache_->page_info();
+    kv_page_info pi = engine_->page_info();
     const int cached_only = pi.n_pages - pi.n_free - pi.n_seq_held;
     if (pi.n_free + cached_only - owed < need) return false;  // waits: evicting would not make room
     while (pi.n_free - owed < need) {
       if (!prefix_ || !prefix_->evict_one(shared.get())) return false;
-      pi = cache_->page_info();
+      pi = engine_->page_info();
     }
   }
   slot& s = *slots_[i];
@@ -148,13 +165,13 @@ bool scheduler::admit(int i, uint64_t order) {
   n_prompt_tokens_ += s.req.prompt.size();
   if (shared) {
     try {
-      cache_->load_prefix(i, *shared);
+      engine_->cpu_cache()->load_prefix(i, *shared);
       s.n_past = s.saved = shared->n_pos();
       ++prefix_hits_;
       prefix_hit_tokens_ += s.n_past;
     } catch (const std::exception& e) {  // (a bug: the request then runs cold)
       std::fprintf(stderr, "[server] prefix reuse failed, running the prompt cold: %s\n", e.what());
-      cache_->clear(i);
+      engine_->clear(i);
     }
   }
   return true;
@@ -228,6 +245,7 @@ void scheduler::loop() {
   std::vector<uint8_t> out;
   std::vector<int> out_slot;  // slot of each logits row
   std::vector<float> logits;
+  std::vector<int32_t> decode_ids;  // [n_decode] greedy ids from the device (step_engine::device_argmax)
   uint64_t n_admitted = 0;
 
   // Publishes new text (and the end) to the job's reader.
@@ -250,8 +268,8 @@ void scheduler::loop() {
   auto finish = [&](int i, const std::string& reason, const std::string& err = {}) {
     slot& s = *slots_[i];
     // Slot and counters first, so a reader that sees the end also sees them.
-    cache_->clear(i);
-    kv_bytes_used_ = cache_->bytes_used();
+    engine_->clear(i);
+    kv_bytes_used_ = engine_->bytes_used();
     publish_pages();
     s.reserved = 0;
     if (reason == "cancelled") ++n_cancelled_;
@@ -348,8 +366,13 @@ void scheduler::loop() {
     const int n_out = (int)out_slot.size();
     logits.resize((size_t)std::max(n_out, 1) * n_vocab);
     model_batch b{tokens, pos, seq, out};
+    // greedy ids of the decode rows from the device when every decoding sequence is greedy (only
+    // n_decode ids cross instead of n_decode logits rows; the same first maximum as sampler's)
+    bool use_ids = engine_->device_argmax() && n_decode > 0 && !p_.record_logits;
+    for (int r = 0; use_ids && r < n_decode; ++r) use_ids = slots_[out_slot[r]]->req.sampling.temp <= 0.0f;
+    decode_ids.resize(n_decode);
     try {
-      m_.forward(b, *cache_, pool_, logits.data());
+      engine_->step(b, n_decode, logits.data(), use_ids ? decode_ids.data() : nullptr, pool_);
     } catch (const std::exception& e) {
       // A failed step appends nothing (model::forward validates first) or leaves a sequence half
       // appended: end every request of the batch with the error and clear its slot.
@@ -369,7 +392,7 @@ void scheduler::loop() {
         if (chunk_len[i] == 0 || s.n_past > (int)s.req.prompt.size() || s.n_past % p_.n_batch != 0 || s.n_past <= s.saved)
           continue;
         try {
-          prefix_->insert(s.req.prompt.data(), s.n_past, [&] { return cache_->save_prefix(i); });
+          prefix_->insert(s.req.prompt.data(), s.n_past, [&] { return engine_->cpu_cache()->save_prefix(i); });
         } catch (const std::exception& e) {  // (a bug: the request goes on, its prefix is not cached)
           std::fprintf(stderr, "[server] saving a prompt prefix failed: %s\n", e.what());
         }
@@ -391,7 +414,7 @@ void scheduler::loop() {
       }
       int32_t id;
       try {
-        id = s.smp->sample(row, n_vocab);
+        id = use_ids && r < n_decode ? decode_ids[r] : s.smp->sample(row, n_vocab);
       } catch (const std::exception& e) {
         finish(i, "error", e.what());
         continue;
@@ -415,8 +438,8 @@ void scheduler::loop() {
         publish(s, false, "");
       }
     }
-    kv_bytes_used_ = cache_->bytes_used();
-    kv_bytes_ = cache_->bytes();
+    kv_bytes_used_ = engine_->bytes_used();
+    kv_bytes_ = engine_->bytes();
     publish_pages();
   }
   // Shutting down: end what is left.

@@ -51,6 +51,7 @@
 #include <thread>
 #include <vector>
 
+#include "kvq/cuda_model.h"
 #include "kvq/kv_cache.h"
 #include "kvq/model.h"
 #include "kvq/sampling.h"
@@ -60,6 +61,7 @@
 namespace kvq::server_detail {
 
 class prefix_cache;
+class step_engine;
 
 struct scheduler_params {
   int n_ctx = 0;          // positions per slot (resolved, > 0)
@@ -75,6 +77,11 @@ struct scheduler_params {
   // kv_budget_bytes / kv_page_bytes (at most n_parallel slots at n_ctx).
   size_t kv_budget_bytes = 0;
   bool prefix_reuse = true;  // start requests from saved prompt prefixes (paged caches)
+  // Where steps run (step_engine.h). cuda: cuda::model_runner, its own pool of 16-position pages
+  // (kv_page is not used; kv_budget_bytes sizes the pool, 0: every slot can hold n_ctx), pieces
+  // in whole n_batch chunks, no prefix reuse (CPU caches only).
+  compute_device device = compute_device::cpu;
+  bool cuda_graphs = false;  // cuda: decode steps as CUDA graphs (model_runner::set_cuda_graphs)
 };
 
 struct seq_request {
@@ -135,7 +142,8 @@ class scheduler {
  public:
   // Creates the cache (n_seq = n_parallel) and starts the thread. Throws invalid_input for
   // n_parallel < 1, n_batch < 1, n_batch_tokens < 1, n_queue < 0, kv_page < 0, a budget without pages or smaller than
-  // one sequence at n_ctx, and what make_kv_cache throws.
+  // one sequence at n_ctx, and what make_kv_cache throws; on cuda what make_cuda_step_engine
+  // throws (a format the GPU does not run, by name; no CUDA build or no GPU).
   scheduler(model& m, const tokenizer& tok, const scheduler_params& p);
   ~scheduler();  // stops the thread; unfinished requests end with finish_reason "cancelled"
 
@@ -160,7 +168,7 @@ class scheduler {
   model& m_;
   const tokenizer& tok_;
   scheduler_params p_;
-  std::unique_ptr<kv_cache> cache_;
+  std::unique_ptr<step_engine> engine_;
   std::unique_ptr<prefix_cache> prefix_;  // null: no prefix reuse
   std::string cache_describe_;
   thread_pool pool_;
@@ -180,7 +188,7 @@ class scheduler {
   std::atomic<uint64_t> prefix_hits_{0}, prefix_hit_tokens_{0};
   std::atomic<size_t> prefix_bytes_{0};
   kv_page_info pages_;  // the pool's shape (constant)
-  bool split_free_ = true;  // prefill results do not depend on the pieces (no sliding-window layer)
+  bool split_free_ = true;  // prefill results do not depend on the pieces (step_engine::split_free)
 };
 
 }  // namespace kvq::server_detail

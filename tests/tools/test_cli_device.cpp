@@ -36,6 +36,49 @@ TEST(CliDevice, CudaWithoutGpuIsNotSupported) {
   }
 }
 
+// kvq server --device cuda without CUDA or a GPU: the same error and exit code as the other
+// commands, before binding a port; --cuda-graphs without --device cuda is refused too.
+TEST(CliDevice, ServerCudaWithoutGpuIsNotSupported) {
+  if (cuda::available()) GTEST_SKIP() << "a GPU is visible: " << cuda::device_name();
+  KVQ_REQUIRE_DATA(model, kTinylit);
+  const test::cmd_result r = test::run_cmd({test::kvq_bin(), "server", "-m", model, "--port", "0", "--device", "cuda"});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_TRUE(r.err.find("[cuda] not supported: kvq was built without KVQ_BUILD_CUDA") != std::string::npos ||
+              r.err.find("[cuda] no GPU visible") != std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("listening"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out, "");
+  const test::cmd_result g = test::run_cmd({test::kvq_bin(), "server", "-m", model, "--port", "0", "--cuda-graphs"});
+  EXPECT_EQ(g.rc, 2) << g.err;
+  EXPECT_NE(g.err.find("--cuda-graphs is an option of --device cuda"), std::string::npos) << g.err;
+}
+
+// kvq server --device cuda refuses at start-up, by name and whatever the build (check_supported
+// runs on the host before the GPU is asked for), the formats the GPU does not run: KIVI, exact
+// windows, the V channel scale, certified attention.
+TEST(CliDevice, ServerCudaRefusesCpuOnlyCaches) {
+  KVQ_REQUIRE_DATA(model, kTinylit);
+  struct bad {
+    std::vector<std::string> kv;
+    std::string needle;
+  };
+  const std::vector<bad> cases = {
+      {{"-ctk", "kivi4", "-ctv", "kivi4"}, "cache type 'kivi4' has no GPU kernels (supported: f16, q8, q4)"},
+      {{"-ctk", "q4", "-ctv", "q4", "--kv-sink", "4"}, "exact sink / recent windows (--kv-sink 4"},
+      {{"-ctk", "q4", "-ctv", "q4", "--kv-channel-scale"}, "the V channel scale (--kv-channel-scale)"},
+      {{"-ctk", "q4", "-ctv", "q4", "--kv-certify"}, "certified attention is CPU only"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> argv{test::kvq_bin(), "server", "-m", model, "--port", "0", "--device", "cuda"};
+    argv.insert(argv.end(), c.kv.begin(), c.kv.end());
+    const test::cmd_result r = test::run_cmd(argv);
+    EXPECT_EQ(r.rc, 2) << c.needle << ": " << r.err;
+    EXPECT_NE(r.err.find("[cuda model] "), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(c.needle), std::string::npos) << "expected '" << c.needle << "' in: " << r.err;
+    EXPECT_EQ(r.out, "") << c.needle;
+  }
+}
+
 // eval-passkey --device cuda refuses, before any work and whatever the build, the cache options the
 // GPU runner does not run (KIVI and the other CPU-only types, mixed K / V types, exact windows, the
 // V channel scale), naming the option, as generate and perplexity do (cuda::check_supported).
