@@ -3,7 +3,8 @@
 // /apply-template) over one model, one KV cache of n_parallel sequence slots and one scheduler
 // thread doing continuous batching: each step is one model::forward over the tokens of every
 // active sequence (one decode token each, plus fixed-size prefill chunks of new prompts), and new
-// requests join between steps (Yu et al. 2022, "Orca", OSDI '22, §3: iteration-level scheduling).
+// requests join between steps (Yu et al. 2022, "Orca", OSDI '22, §3: iteration-level scheduling);
+// with device = cuda the steps run on the GPU (cuda::model_runner; docs/server.md, "On the GPU").
 // HTTP through cpp-httplib, JSON through nlohmann-json. The API follows OpenAI's
 // (https://platform.openai.com/docs/api-reference/completions) and llama.cpp's llama-server
 // (tools/server/README.md: top_k, min_p, /tokenize, /detokenize, /apply-template, /props).

@@ -1,7 +1,9 @@
 // Continuous batching over one KV cache of n_parallel sequence slots (Orca's iteration-level
 // scheduling, Yu et al. 2022, OSDI '22, §3): one thread runs steps; each step is ONE
 // model::forward over a batch that holds one decode token of every generating sequence and
-// prefill pieces of new prompts. A step holds at most n_batch_tokens tokens (the per-step token
+// prefill pieces of new prompts (on the GPU, scheduler_params::device = cuda, a step_engine runs
+// the same batch as one model_runner::decode of the decode tokens and one forward per piece;
+// step_engine.h). A step holds at most n_batch_tokens tokens (the per-step token
 // budget of vLLM's chunked prefill, max_num_batched_tokens; Agrawal et al. 2024, "Taming
 // throughput-latency tradeoff in LLM inference with Sarathi-Serve", OSDI '24, §4.2): the decode
 // tokens first, then prompt pieces, oldest request first, up to what the budget leaves (at least
