@@ -22,7 +22,7 @@ namespace {
 
 constexpr const char* kTinylit = "models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.gguf";
 
-#define KVQ_REQUIRE_GPU()     \
+#define KVQ_REQUIRE_GPU()        \
   if (!::kvq::cuda::available()) \
   GTEST_SKIP() << "no GPU visible (or kvq built without KVQ_BUILD_CUDA): " << ::kvq::cuda::device_name()
 
@@ -42,13 +42,25 @@ seq_update wait_done(seq_job& j) {
 
 // 16 prompts of different lengths; the last one spans several prefill chunks of 16 tokens.
 std::vector<seq_request> requests16(const tokenizer& tok, int max_tokens) {
-  std::vector<std::string> p = {"Once upon a time", "The little dog", "She looked at the sky and",
-                                "Tom had a red ball.", "One day, a girl named Lily", "The sun was",
-                                "In the forest there lived", "Mom said", "The cat and the bird were friends.",
-                                "He ran to the", "It was a cold winter day", "Ben wanted to", "The big tree",
-                                "They played in the park", "A small boat", ""};
-  p.back() = "Once upon a time, in a small town near the sea, there lived a boy who loved to build boats. Every "
-             "morning he went down to the water and watched the fishermen. One day he decided that";
+  std::vector<std::string> p = {"Once upon a time",
+                                "The little dog",
+                                "She looked at the sky and",
+                                "Tom had a red ball.",
+                                "One day, a girl named Lily",
+                                "The sun was",
+                                "In the forest there lived",
+                                "Mom said",
+                                "The cat and the bird were friends.",
+                                "He ran to the",
+                                "It was a cold winter day",
+                                "Ben wanted to",
+                                "The big tree",
+                                "They played in the park",
+                                "A small boat",
+                                ""};
+  p.back() =
+      "Once upon a time, in a small town near the sea, there lived a boy who loved to build boats. Every "
+      "morning he went down to the water and watched the fishermen. One day he decided that";
   std::vector<seq_request> reqs;
   for (const auto& s : p) {
     seq_request r;
@@ -235,7 +247,7 @@ TEST(SchedulerCuda, MatchesCpuScheduler) {
         ++same_tok;
       }
       toks += (int)ids[0][i].size();
-      if (std::string(type) == "f16") EXPECT_EQ(ids[1][i], ids[0][i]) << "request " << i;
+      if (std::string(type) == "f16") { EXPECT_EQ(ids[1][i], ids[0][i]) << "request " << i; }
     }
     std::printf("[ gpu vs cpu server %s ] %d of 16 replies identical, %d of %d tokens before the first difference\n",
                 type, same_req, same_tok, toks);
