@@ -4,6 +4,7 @@
 #include <climits>
 
 #include "cuda/common.cuh"
+#include "kvq/error.h"
 #include "model_cuda/model_kernels.h"
 
 namespace kvq::cuda::mk {
@@ -91,31 +92,63 @@ __global__ void stage_rows_kernel(const float* k, const float* v, const int32_t*
 }
 
 constexpr int kStagedThreads = 128;
+constexpr int kStagedTileFloats = 8192;  // one tile of K or V rows in shared memory (32 KB)
+constexpr int kStagedRowsPerWarp = 4;    // score rows a warp computes at once (independent reductions)
+
+// tile[0, rows * hd) = the rows [0, rows) of src (row r at src + r * dkv), float4 by all threads.
+__device__ __forceinline__ void load_staged_rows(float* tile, const float* src, int rows, int hd, int64_t dkv) {
+  const int v4 = hd / 4;  // head_dim is a multiple of 16, dkv too (16-byte aligned rows)
+  for (int i = threadIdx.x; i < rows * v4; i += kStagedThreads) {
+    const int r = i / v4, c4 = i - r * v4;
+    reinterpret_cast<float4*>(tile)[i] = *reinterpret_cast<const float4*>(src + r * dkv + 4 * c4);
+  }
+}
 
 // grid (n, n_head), block kStagedThreads: query head hh of token t (position p < n_stage) over the
-// staging rows [0, p] of its sequence, in f32 (scores, softmax, P.V), as attn_dense.
+// staging rows [0, p] of its sequence, in f32 (scores, softmax, P.V), as attn_dense. The rows pass
+// through shared memory in tiles of tile_rows (all their loads in flight at once; reading them
+// row by row from global memory left each block waiting on one load per row); every score and
+// every output takes the same operations in the same order as reading them directly (a score: lane
+// l's fmaf chain over channels l, l + 32, ..., then warp_sum; an output channel: one fmaf chain over
+// j = 0 .. p), so the result does not depend on the tiling.
 __global__ void staged_attention_kernel(const __half* q, const float* sk, const float* sv, const int32_t* seq,
                                         const int32_t* pos, int n_stage, int n_head, int n_kv_head, int hd,
-                                        float scale, __half* out) {
-  extern __shared__ float sm[];  // [hd] query, [n_stage] scores, [32] reductions
+                                        int tile_rows, float scale, __half* out) {
+  extern __shared__ float4 sm4[];  // [tile_rows][hd] K or V rows, [hd] query, [32] reductions, [n_stage] scores
   const int t = blockIdx.x, hh = blockIdx.y, p = pos[t];
   if (p >= n_stage) return;
-  float* qf = sm;
-  float* sc = sm + hd;
-  float* red = sc + n_stage;
+  float* tile = reinterpret_cast<float*>(sm4);
+  float* qf = tile + tile_rows * hd;
+  float* red = qf + hd;
+  float* sc = red + 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = kStagedThreads / 32;
   const int kvh = hh / (n_head / n_kv_head), len = p + 1;
   const int64_t dkv = (int64_t)n_kv_head * hd;
   const int64_t row0 = (int64_t)seq[t] * n_stage * dkv + (int64_t)kvh * hd;
   for (int c = threadIdx.x; c < hd; c += kStagedThreads)
     qf[c] = __half2float(q[((int64_t)t * n_head + hh) * hd + c]);
-  __syncthreads();
-  for (int j = warp; j < len; j += nw) {
-    const float* kr = sk + row0 + j * dkv;
-    float dot = 0.0f;
-    for (int c = lane; c < hd; c += 32) dot = fmaf(qf[c], kr[c], dot);
-    dot = detail::warp_sum(dot);
-    if (lane == 0) sc[j] = dot * scale;
+  for (int j0 = 0; j0 < len; j0 += tile_rows) {
+    const int rows = min(tile_rows, len - j0);
+    if (j0 > 0) __syncthreads();  // the previous tile's scores are done
+    load_staged_rows(tile, sk + row0 + j0 * dkv, rows, hd, dkv);
+    __syncthreads();
+    // warp w: rows w, w + nw, ... of the tile, kStagedRowsPerWarp at a time
+    for (int jb = warp; jb < rows; jb += nw * kStagedRowsPerWarp) {
+      float dot[kStagedRowsPerWarp];
+#pragma unroll
+      for (int u = 0; u < kStagedRowsPerWarp; ++u) {
+        const float* kr = tile + min(jb + u * nw, rows - 1) * hd;  // (a row past the tile: computed, not kept)
+        dot[u] = 0.0f;
+        for (int c = lane; c < hd; c += 32) dot[u] = fmaf(qf[c], kr[c], dot[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kStagedRowsPerWarp; ++u) dot[u] = detail::warp_sum(dot[u]);
+      if (lane == 0) {
+#pragma unroll
+        for (int u = 0; u < kStagedRowsPerWarp; ++u)
+          if (jb + u * nw < rows) sc[j0 + jb + u * nw] = dot[u] * scale;
+      }
+    }
   }
   __syncthreads();
   float m = -INFINITY;
@@ -138,11 +171,21 @@ __global__ void staged_attention_kernel(const __half* q, const float* sk, const 
   d = 0.0f;
   for (int w = 0; w < nw; ++w) d += red[w];
   const float inv = 1.0f / d;
-  for (int c = threadIdx.x; c < hd; c += kStagedThreads) {
-    float o = 0.0f;
-    for (int j = 0; j < len; ++j) o = fmaf(sc[j], sv[row0 + j * dkv + c], o);
-    out[((int64_t)t * n_head + hh) * hd + c] = __float2half_rn(o * inv);
+  // P.V: thread c owns output channels c and c + kStagedThreads (head_dim <= 2 * kStagedThreads)
+  const int c0 = threadIdx.x, c1 = threadIdx.x + kStagedThreads;
+  float o0 = 0.0f, o1 = 0.0f;
+  for (int j0 = 0; j0 < len; j0 += tile_rows) {
+    const int rows = min(tile_rows, len - j0);
+    __syncthreads();  // the tile's previous rows (K, or the last V tile) are read
+    load_staged_rows(tile, sv + row0 + j0 * dkv, rows, hd, dkv);
+    __syncthreads();
+    if (c0 < hd)
+      for (int j = 0; j < rows; ++j) o0 = fmaf(sc[j0 + j], tile[j * hd + c0], o0);
+    if (c1 < hd)
+      for (int j = 0; j < rows; ++j) o1 = fmaf(sc[j0 + j], tile[j * hd + c1], o1);
   }
+  if (c0 < hd) out[((int64_t)t * n_head + hh) * hd + c0] = __float2half_rn(o0 * inv);
+  if (c1 < hd) out[((int64_t)t * n_head + hh) * hd + c1] = __float2half_rn(o1 * inv);
 }
 
 __global__ void swiglu_kernel(const float* gu, int F, __half* act) {
@@ -277,14 +320,16 @@ void staged_attention(const uint16_t* q, const float* stage_k, const float* stag
                       const int32_t* pos, int n, int n_stage, int n_head, int n_kv_head, int hd, float scale,
                       uint16_t* out, void* stream) {
   if (n == 0) return;
-  const size_t smem = (size_t)(hd + n_stage + 32) * sizeof(float);  // query, scores, reductions
+  KVQ_ASSERT(hd % 16 == 0 && hd <= 2 * kStagedThreads);  // (paged_kv_geometry: 64, 80, 96, 128, 256)
+  const int tile_rows = std::min(kStagedTileFloats / hd, n_stage);
+  const size_t smem = (size_t)(tile_rows * hd + hd + 32 + n_stage) * sizeof(float);  // tile, query, reductions, scores
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(staged_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                (int)smem);
     detail::check(e, "model staged_attention (shared memory)");
   }
   staged_attention_kernel<<<dim3(n, n_head), kStagedThreads, smem, as_stream(stream)>>>(
-      reinterpret_cast<const __half*>(q), stage_k, stage_v, seq, pos, n_stage, n_head, n_kv_head, hd, scale,
+      reinterpret_cast<const __half*>(q), stage_k, stage_v, seq, pos, n_stage, n_head, n_kv_head, hd, tile_rows, scale,
       reinterpret_cast<__half*>(out));
   check_launch("model staged_attention");
 }

@@ -36,7 +36,10 @@ void stage_rows(const float* k, const float* v, const int32_t* seq, const int32_
 // [0, pos[t]] (f32 K/V, f32 scores and softmax, as kv_cache_quant's attend of staged queries):
 // out[t] [n_head][hd] f16 is written for those tokens only (the others keep the paged kernel's).
 // q: [n][n_head][hd] f16 (unrotated, unscaled); stage_k / stage_v as stage_rows; scale = attn_scale.
-// n_stage <= (max dynamic shared memory) / 4 - hd - 32 (check_supported keeps it <= 8192).
+// n_stage <= (max dynamic shared memory) / 4 - hd - 32 - min(8192, n_stage hd) (check_supported keeps it
+// <= 8192: 65 KB at most); hd a multiple of 16, at most 256. The rows pass through shared memory
+// in tiles (all loads of a tile in flight); each score and output takes the same operations in
+// the same order whatever the tile size.
 void staged_attention(const uint16_t* q, const float* stage_k, const float* stage_v, const int32_t* seq,
                       const int32_t* pos, int n, int n_stage, int n_head, int n_kv_head, int hd, float scale,
                       uint16_t* out, void* stream);

@@ -104,7 +104,13 @@ struct model_runner::impl {
   cudaGraphExec_t gexec = nullptr;
   std::unique_ptr<decode_plan> gplan;  // the plan whose buffers the graph reads (updated in place)
   int g_n = 0, g_n_out = 0;
-  bool g_ids = false;
+  bool g_ids = false, g_staged = false;  // (g_paged: gplan != nullptr)
+  // what this step's tokens need (run()): step_staged, a token below cal_n (staging rows and
+  // staged_attention); step_paged, a token at or past cal_n (or no channel scale: the append into
+  // the pages and the paged attention kernel). Kernels with nothing to do are not launched: below
+  // the window a q8 / q4 step launches what an f16 step does (issues 16 / 19: each launch over
+  // nothing cost a step its launch and its pass over the batch's tables).
+  bool step_staged = false, step_paged = true;
   int n_instantiated = 0, n_captured = 0;
   void* blas_ws = nullptr;
   // prompts of >= kTiledMin tokens attend through prefill_plan (set_tiled_prefill); shorter ones, and
@@ -332,6 +338,9 @@ struct model_runner::impl {
       if (h_pos[t] == cal_n - 1) h_cross.push_back(h_seq[t]);
     }
     cal_tables();
+    step_staged = false;
+    step_paged = cal_n == 0;
+    for (int t = 0; t < n && cal_n > 0; ++t) (h_pos[t] < cal_n ? step_staged : step_paged) = true;
     // a step that calibrates launches more kernels than the others: run it directly
     graph_step = graph_step && h_cross.empty();
     // a prompt chunk of one sequence (forward) through the tiled prefill kernel: one sequence whose
@@ -402,13 +411,15 @@ struct model_runner::impl {
       enqueue(nullptr, &plan, n, n_out, want_ids);
       check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before the plan's buffers go
       ++n_tiled;
-    } else if (graph_step && gexec && gplan && g_n == n && g_n_out == n_out && g_ids == want_ids &&
-        gplan->update(h_indptr.data(), h_last.data(), stream)) {
+    } else if (graph_step && gexec && g_n == n && g_n_out == n_out && g_ids == want_ids && g_staged == step_staged &&
+               (gplan != nullptr) == step_paged &&
+               (!step_paged || gplan->update(h_indptr.data(), h_last.data(), stream))) {
       // the same launches as the captured step (pointers fixed, tables and work items rewritten in
       // place): replay the graph as it is
       check_cuda(cudaGraphLaunch(gexec, stream), "cudaGraphLaunch");
     } else if (graph_step) {
-      auto plan = std::make_unique<decode_plan>(fmt, dp, h_indptr.data(), h_last.data(), n);
+      // (no paged attention when every token is staged: no plan)
+      auto plan = step_paged ? std::make_unique<decode_plan>(fmt, dp, h_indptr.data(), h_last.data(), n) : nullptr;
       cudaGraph_t g = nullptr;
       check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
       try {
@@ -445,10 +456,12 @@ struct model_runner::impl {
       g_n = n;
       g_n_out = n_out;
       g_ids = want_ids;
+      g_staged = step_staged;
       check_cuda(cudaGraphLaunch(gexec, stream), "cudaGraphLaunch");
     } else {
-      const decode_plan plan(fmt, dp, h_indptr.data(), h_last.data(), n);
-      enqueue(&plan, nullptr, n, n_out, want_ids);
+      const auto plan =
+          step_paged ? std::make_unique<decode_plan>(fmt, dp, h_indptr.data(), h_last.data(), n) : nullptr;
+      enqueue(plan.get(), nullptr, n, n_out, want_ids);
       check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before the plan's buffers go
     }
     for (int t = 0; t < n; ++t) seq_pos[h_seq[t]] = std::max(seq_pos[h_seq[t]], h_pos[t] + 1);
@@ -472,7 +485,8 @@ struct model_runner::impl {
   }
 
   // The step's kernels and products on `stream` (src/model/arch/llama.cpp's graph); attention through
-  // dplan (one page-table entry per token) or pplan (one entry: the tokens are a prompt chunk).
+  // dplan (one page-table entry per token) or pplan (one entry: the tokens are a prompt chunk), or
+  // neither when every token is staged (!step_paged: staged_attention writes every row).
   void enqueue(const decode_plan* dplan, const prefill_plan* pplan, int n, int n_out, bool want_ids) {
     const int64_t E = hp.n_embd, F = hp.n_ff;
     void* st = stream;
@@ -485,7 +499,7 @@ struct model_runner::impl {
                    k32, v32);
       paged_kv_view kv = layer_view(il, pplan ? 1 : n);
       if (cal_n > 0) {
-        append_calibrated(il, k32, v32, tok_seq, pos, slots, n, st);
+        append_calibrated(il, k32, v32, tok_seq, pos, slots, n, step_staged, step_paged, st);
         kv.k_mu = k_mu + (size_t)il * n_seq * dkv;
         kv.k_lambda = k_lam + (size_t)il * n_seq * dkv;
         kv.stat_row = tok_seq;  // per token (dplan), or tok_seq[0] = the chunk's sequence (pplan)
@@ -493,10 +507,10 @@ struct model_runner::impl {
         append_paged(kv, k16, v16, kv_elem::f16, slots, n, st);
       }
       if (pplan) pplan->run(kv, q16, attn16, st);
-      else dplan->run(kv, q16, attn16, nullptr, st);
+      else if (dplan) dplan->run(kv, q16, attn16, nullptr, st);
       // queries below the calibration positions: exact attention over the staging rows (replaces
       // what the paged kernel wrote for them from pages that may not hold those rows yet)
-      if (cal_n > 0)
+      if (cal_n > 0 && step_staged)
         mk::staged_attention(q16, stage_k(il), stage_v(il), tok_seq, pos, n, cal_n, hp.n_head, hp.n_kv_head,
                              hp.head_dim, hp.attn_scale, attn16, st);
       gemm(L.wo, E, dq, attn16, n, o);
@@ -528,11 +542,12 @@ struct model_runner::impl {
   // page slot slots[t], -1 for a staged one; device arrays) with the K channel scale: rows below
   // cal_n to the staging rows; then, for each sequence of h_cross (cal_tables uploaded), mu /
   // lambda from its staged positions [cal_skip, cal_n) and its cal_n staged rows into the pages;
-  // then the other rows into the pages.
+  // then the other rows into the pages. staged / paged: whether any row is below / at or past cal_n
+  // (the kernels of the other kind have nothing to do and are not launched).
   void append_calibrated(int il, const float* k, const float* v, const int32_t* seq, const int32_t* pos_d,
-                         const int64_t* slots_d, int n, void* st) {
+                         const int64_t* slots_d, int n, bool staged, bool paged, void* st) {
     float *sk = stage_k(il), *sv = stage_v(il);
-    mk::stage_rows(k, v, seq, pos_d, n, cal_n, (int)dkv, sk, sv, st);
+    if (staged) mk::stage_rows(k, v, seq, pos_d, n, cal_n, (int)dkv, sk, sv, st);
     paged_kv_view kv = layer_view(il, 0);
     kv.k_mu = k_mu + (size_t)il * n_seq * dkv;
     kv.k_lambda = k_lam + (size_t)il * n_seq * dkv;
@@ -544,7 +559,7 @@ struct model_runner::impl {
       append_paged(kv, sk + sq * cal_n * dkv, sv + sq * cal_n * dkv, kv_elem::f32, cal_slots + i * cal_n, cal_n, st);
     }
     kv.stat_row = seq;
-    append_paged(kv, k, v, kv_elem::f32, slots_d, n, st);
+    if (paged) append_paged(kv, k, v, kv_elem::f32, slots_d, n, st);
   }
 
   [[noreturn]] void non_finite(size_t row) const {
@@ -762,11 +777,13 @@ void model_runner::fill_synthetic(int seq_id, int n_tokens, uint64_t seed) {
                    "cudaMemcpy cal slots");
       }
     }
+    const bool staged = p0 + c0 < s.cal_n, paged = p0 + c0 + c > s.cal_n;  // the chunk's first / last position
     for (int il = 0; il < s.hp.n_layer; ++il) {
       if (cal) {
         mk::fill_uniform_f32(s.fill_k32, c * s.dkv, -2.0f, 2.0f, ++draw, nullptr);
         mk::fill_uniform_f32(s.fill_v32, c * s.dkv, -2.0f, 2.0f, ++draw, nullptr);
-        s.append_calibrated(il, s.fill_k32, s.fill_v32, s.fill_seq, s.fill_pos, s.fill_slots, c, nullptr);
+        s.append_calibrated(il, s.fill_k32, s.fill_v32, s.fill_seq, s.fill_pos, s.fill_slots, c, staged, paged,
+                            nullptr);
       } else {
         mk::fill_uniform_f16(s.fill_k, c * s.dkv, 2.0f, ++draw, nullptr);
         mk::fill_uniform_f16(s.fill_v, c * s.dkv, 2.0f, ++draw, nullptr);

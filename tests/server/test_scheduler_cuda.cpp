@@ -6,6 +6,7 @@
 // the CPU scheduler's. Skipped without a GPU (and in builds without CUDA).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <thread>
@@ -40,8 +41,9 @@ seq_update wait_done(seq_job& j) {
   }
 }
 
-// 16 prompts of different lengths; the last one spans several prefill chunks of 16 tokens.
-std::vector<seq_request> requests16(const tokenizer& tok, int max_tokens) {
+// 16 prompts of different lengths; the last one spans several prefill chunks of 16 tokens (its text
+// repeated until it holds more than min_last tokens).
+std::vector<seq_request> requests16(const tokenizer& tok, int max_tokens, size_t min_last = 0) {
   std::vector<std::string> p = {"Once upon a time",
                                 "The little dog",
                                 "She looked at the sky and",
@@ -61,6 +63,8 @@ std::vector<seq_request> requests16(const tokenizer& tok, int max_tokens) {
   p.back() =
       "Once upon a time, in a small town near the sea, there lived a boy who loved to build boats. Every "
       "morning he went down to the water and watched the fishermen. One day he decided that";
+  const std::string long_text = p.back();
+  while (tok.encode(p.back(), tok.add_bos_default(), true).size() <= min_last) p.back() += " " + long_text;
   std::vector<seq_request> reqs;
   for (const auto& s : p) {
     seq_request r;
@@ -89,14 +93,19 @@ scheduler_params gpu_params(const char* type) {
 // n_batch chunks at fixed offsets (step_engine::split_free is false), so a prompt's forward calls
 // are the same alone and together; each decode token runs in a decode() of 1 to 16 sequences.
 // Then the same requests without record_logits take the device's greedy ids: the same ids.
-void check_batch_invariance(const char* type) {
+// n_batch 16 (chunks below the tiled kernel's 64), 32, 64 (the tiled kernel); n_ctx 128, or 4 chunks.
+// With q4 every position stays below the K channel scale's window (channel_calib 256 >= n_ctx):
+// staged rows and staged_attention only.
+void check_batch_invariance(const char* type, int n_batch = 16) {
   KVQ_REQUIRE_GPU();
   KVQ_REQUIRE_DATA(path, kTinylit);
   auto m = model::load(path);
   auto tok = tokenizer::from_gguf(m->gguf());
   scheduler_params sp = gpu_params(type);
+  sp.n_batch = n_batch;
+  sp.n_ctx = std::max(128, 4 * n_batch);
   sp.record_logits = true;
-  const std::vector<seq_request> reqs = requests16(*tok, 8);
+  const std::vector<seq_request> reqs = requests16(*tok, 8, 2 * (size_t)n_batch);
   ASSERT_GT(reqs.back().prompt.size(), 2u * sp.n_batch);
   std::vector<seq_update> alone;
   {
@@ -118,8 +127,8 @@ void check_batch_invariance(const char* type) {
           same_rows += u.logits_hash[k] == alone[i].logits_hash[k];
         rows += alone[i].logits_hash.size();
       }
-      std::printf("[ gpu server %s pass %d ] %zu of %zu logits rows bit-identical to the request alone\n", type, pass,
-                  same_rows, rows);
+      std::printf("[ gpu server %s -b %d pass %d ] %zu of %zu logits rows bit-identical to the request alone\n", type,
+                  n_batch, pass, same_rows, rows);
     }
     const scheduler_metrics mt = s.metrics();
     EXPECT_EQ(mt.active, 0);
@@ -142,6 +151,10 @@ void check_batch_invariance(const char* type) {
 
 TEST(SchedulerCuda, GreedyTokensDoNotDependOnTheBatchF16) { check_batch_invariance("f16"); }
 TEST(SchedulerCuda, GreedyTokensDoNotDependOnTheBatchQ4) { check_batch_invariance("q4"); }
+TEST(SchedulerCuda, GreedyTokensDoNotDependOnTheBatchF16Chunk32) { check_batch_invariance("f16", 32); }
+TEST(SchedulerCuda, GreedyTokensDoNotDependOnTheBatchQ4Chunk32) { check_batch_invariance("q4", 32); }
+TEST(SchedulerCuda, GreedyTokensDoNotDependOnTheBatchF16Chunk64) { check_batch_invariance("f16", 64); }
+TEST(SchedulerCuda, GreedyTokensDoNotDependOnTheBatchQ4Chunk64) { check_batch_invariance("q4", 64); }
 
 // A cancelled request gives its pages back: four requests decoding (pages in use), cancelled
 // while they run: no active sequence, no page in use, zero KV bytes in use.
