@@ -32,7 +32,9 @@ max_tokens makes every request generate exactly max_tokens tokens (checked again
 kvq on the GPU: --kvq-devices cuda (or cpu,cuda: each kvq format on each device, labelled
 "kvq cuda q4" beside "kvq q4") starts kvq server --device cuda (--cuda-graphs adds that flag there);
 the budget is then the first device's f16 pool (on the GPU: pages of 16 tokens, every slot at --ctx).
-Without --llama-server (or with --llama-types "") only kvq servers run.
+Without --llama-server (or with --llama-types "") only kvq servers run. --kvq-variant adds kvq
+servers of another build or with other arguments to the same rounds (labelled "kvq cuda q4 [NAME]"):
+before / after a change, or -b 32 beside the default, measured side by side.
 
 Standard library only (http.client, one thread per client). Never builds llama.cpp: pass a built
 llama-server binary.
@@ -40,7 +42,8 @@ llama-server binary.
   python3 scripts/bench_serving.py --kvq build/kvq --llama-server PATH/llama-server \
       --model models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --threads 14 --out bench-out
   python3 scripts/bench_serving.py --kvq build/kvq --kvq-devices cuda --kvq-types f16,q8,q4 \
-      --model models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --threads 4 --out bench-gpu
+      --model models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --threads 4 --out bench-gpu \
+      --kvq-variant 'b32||f16,q4|-b 32' --kvq-variant 'before|/tmp/kvq_main|f16,q4|'
 """
 import argparse
 import http.client
@@ -52,6 +55,7 @@ import re
 import signal
 import socket
 import statistics
+import shlex
 import subprocess
 import sys
 import threading
@@ -356,6 +360,11 @@ def main():
     ap.add_argument("--kv-page", type=int, default=64, help="kvq --kv-page (default 64; the GPU's pages are 16 tokens)")
     ap.add_argument("--kvq-devices", default="cpu", help="kvq server --device of each kvq server, comma-separated: cpu, cuda (default cpu)")
     ap.add_argument("--cuda-graphs", action="store_true", help="kvq server --device cuda --cuda-graphs")
+    ap.add_argument("--kvq-variant", action="append", default=[], metavar="'NAME|BINARY|TYPES|ARGS'",
+                    help="more kvq servers in the same interleaved rounds, on the first --kvq-devices device: label "
+                         "suffix NAME, BINARY (another kvq build; empty: --kvq), TYPES (comma-separated --kvq-types "
+                         "entries), ARGS (more server arguments, e.g. '-b 64'); repeatable. For before / after builds "
+                         "and server settings side by side in one run")
     ap.add_argument("--capacity-ctx", type=int, default=4096, help="sequence length of the capacity column (default 4096)")
     ap.add_argument("--request-timeout", type=float, default=600)
     ap.add_argument("--startup-timeout", type=float, default=300)
@@ -382,12 +391,22 @@ def main():
     devices = [d for d in a.kvq_devices.split(",") if d]
     if not devices or any(d not in ("cpu", "cuda") for d in devices):
         raise SystemExit(f"error: --kvq-devices '{a.kvq_devices}' must list cpu and / or cuda")
+    variants = []
+    for v in a.kvq_variant:
+        parts = v.split("|")
+        if len(parts) != 4 or not parts[0] or not parts[2]:
+            raise SystemExit(f"error: --kvq-variant '{v}' must be 'NAME|BINARY|TYPES|ARGS' (NAME and TYPES not empty)")
+        binary = parts[1] or a.kvq
+        if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
+            raise SystemExit(f"error: --kvq-variant '{v}': '{binary}' is not an executable file")
+        variants.append({"name": parts[0], "binary": binary, "types": [t for t in parts[2].split(",") if t],
+                         "args": shlex.split(parts[3])})
     os.makedirs(a.out, exist_ok=True)
     t_start = time.monotonic()
 
-    def kvq_server(spec, budget_gib, device="cpu"):
+    def kvq_server(spec, budget_gib, device="cpu", binary=None, extra=(), tag=""):
         k, v, sink = parse_kv_type(spec)
-        cmd = [a.kvq, "server", "-m", a.model, "-c", str(a.ctx), "--parallel", str(a.parallel), "-t", str(a.threads),
+        cmd = [binary or a.kvq, "server", "-m", a.model, "-c", str(a.ctx), "--parallel", str(a.parallel), "-t", str(a.threads),
                "--host", "127.0.0.1", "--port", str(free_port()), "--kv-page", str(a.kv_page), "-ctk", k, "-ctv", v]
         if budget_gib is not None:
             cmd += ["--kv-budget", f"{budget_gib:.12f}"]
@@ -395,8 +414,10 @@ def main():
             cmd += ["--kv-sink", str(sink)]
         if device == "cuda":
             cmd += ["--device", "cuda"] + (["--cuda-graphs"] if a.cuda_graphs else [])
-        label = "kvq " + ("" if device == "cpu" else device + " ") + spec
-        name = "kvq_" + ("" if device == "cpu" else device + "_") + spec.replace("/", "_").replace("+", "_")
+        cmd += list(extra)
+        label = "kvq " + ("" if device == "cpu" else device + " ") + spec + (f" [{tag}]" if tag else "")
+        name = ("kvq_" + ("" if device == "cpu" else device + "_") + spec.replace("/", "_").replace("+", "_") +
+                ("_" + re.sub(r"[^A-Za-z0-9_.-]", "_", tag) if tag else ""))
         return Server("kvq", label, cmd, int(cmd[cmd.index("--port") + 1]), os.path.join(a.out, name + ".log"))
 
     def llama_server(t):
@@ -420,6 +441,9 @@ def main():
             for spec in kvq_types:
                 if spec != "f16" or dev != devices[0]:
                     servers.append(kvq_server(spec, budget_gib, dev))
+        for var in variants:
+            for spec in var["types"]:
+                servers.append(kvq_server(spec, budget_gib, devices[0], var["binary"], var["args"], var["name"]))
         for t in llama_types:
             servers.append(llama_server(t))
         for s in servers[1:]:
