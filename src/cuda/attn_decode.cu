@@ -81,9 +81,11 @@ struct cfg {
   static constexpr int NQS = S::NS > 0 ? S::NS : 1;  // query scales per head: one per K scale group
   static constexpr int SMEM = REGION0 + QF + QQ + kMaxGroup * NQS * 4 + kMaxGroup * S::NB * 4;
   static constexpr int MT = F == dfmt::f16 ? HD / 16 : 2 * S::NB;  // P·V m16 tiles (channels)
-  // blocks per SM the register budget is shaped for (1: the compiler's choice; 5 measured slower)
+  // blocks per SM the register budget is shaped for (1: the compiler's choice). q4 keeps the
+  // occupancy its shared memory allows up to head_dim 128: 4 blocks at head_dim 64, 3 at 96 / 128
+  // (<= 168 registers; the compiler's choice was 170 at 128, i.e. 2 blocks); 5 measured slower.
 #ifndef KVQ_CUDA_Q4_MIN_BLOCKS
-#define KVQ_CUDA_Q4_MIN_BLOCKS 1
+#define KVQ_CUDA_Q4_MIN_BLOCKS (HD <= 64 ? 4 : 3)
 #endif
   static constexpr int MIN_BLOCKS = (F == dfmt::q4 && HD <= 128) ? KVQ_CUDA_Q4_MIN_BLOCKS : 1;
 };
@@ -114,6 +116,36 @@ __device__ __forceinline__ void load_scale_words(const uint8_t* sp, uint32_t (&w
 }
 
 
+// q4 V codes in the decode kernel's P·V (its own layout; the prefill kernel uses pv_out_channels'):
+// byte b (0..3) of token A's and token B's words in the two 16-bit lanes, each byte in both halves of
+// its lane, so one permute feeds the low- and the high-nibble A rows.
+__host__ __device__ constexpr unsigned q4_pair_sel(int b) {
+  return (unsigned)(b | b << 4 | (4 + b) << 8 | (4 + b) << 12);
+}
+// Low nibble u of each 16-bit lane -> f16 (u - 8): 0x6400 | u is 1024 + u, minus 1032, exact.
+__device__ __forceinline__ uint32_t q4_lo_f16(uint32_t pr) { return hsub2_u32((pr & 0x000F000Fu) | 0x64006400u, 0x64086408u); }
+// High nibble u of each lane's low byte -> f16 (u - 8): 0x6400 | 16 u is 1024 + 16 u; times 1/16
+// (0x2C00) minus 72 (0xD480) is u - 8, exact (one fused rounding of an exact value).
+__device__ __forceinline__ uint32_t q4_hi_f16(uint32_t pr) {
+  const uint32_t x = (pr & 0x00F000F0u) | 0x64006400u;
+  const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&x), __halves2half2(__ushort_as_half(0x2C00), __ushort_as_half(0x2C00)),
+                            __halves2half2(__ushort_as_half(0xD480), __ushort_as_half(0xD480)));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+// The V channels of q4 P·V tile mt (= 2 * block + mu) in lane group g's accumulator entries (0, 1)
+// (A row g: the low nibble of byte beta = 4 (g & 3) + 2 mu + (g >> 2) of the block) and (2, 3) (row
+// g + 8: its high nibble, element beta + 16, or beta + 8 in a 16-element last block, docs/formats.md).
+// False where beta lies past a 16-element last block (head_dim % 32 == 16: bytes 0..7 only).
+template <int HD>
+__device__ __forceinline__ bool pv_out_channels_q4(int mt, int g, int& ch0, int& ch1) {
+  using S = shape<dfmt::q4, HD>;
+  const int bb = mt >> 1, mu = mt & 1;
+  const bool last_partial = S::PARTIAL && bb == S::NB - 1;
+  ch0 = 32 * bb + 4 * (g & 3) + 2 * mu + (g >> 2);
+  ch1 = ch0 + (last_partial ? 8 : 16);
+  return !last_partial || (g & 3) < 2;
+}
+
 template <dfmt F, int HD>
 __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kernel(decode_args a) {
   using S = shape<F, HD>;
@@ -140,31 +172,57 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
     return __shfl_sync(kFull, pg_cache, (i - pg_base) & 31);
   };
 
+  // Full chunks (all but an item's last) are kChunk consecutive rows of one page, so piece p (PS bytes)
+  // of a side's codes lies at byte p * PS of one range: this lane's pieces are one base address per
+  // side plus constant offsets, and a chunk adds page * page_bytes + its row offset (one 32 x 32 -> 64
+  // multiply-add). K scale pieces go to lanes [0, NSP), V scale pieces to [NSP, 2 NSP).
+  constexpr int NP = kChunk * C::PPR;       // code pieces of one side and chunk
+  constexpr int NSP = C::SCALE_BYTES / 16;  // 16-byte scale pieces of one side and chunk
+  static_assert(2 * NSP <= 32, "one scale piece per lane");
+  const uint8_t* lane_k = head_base + a.geo.k_codes + lane * C::PS;
+  const uint8_t* lane_v = head_base + a.geo.v_codes + lane * C::PS;
+  const bool lane_vs = lane >= NSP;
+  const uint8_t* lane_s = head_base + (lane_vs ? a.geo.v_scales + 16 * (lane - NSP) : a.geo.k_scales + 16 * lane);
+  const int lane_sd = 2 * kChunk * C::SR + (lane_vs ? C::SCALE_BYTES + 16 * (lane - NSP) : 16 * lane);
+  const uint32_t page_bytes = (uint32_t)a.geo.page_bytes;  // < 2^32 (paged_kv_geometry_of)
+
   // Loads this warp's i-th chunk into stage i % STAGES (one commit group, possibly empty).
   auto issue = [&](int i) {
-    const int64_t page = page_of(i);
+    const uint32_t page = (uint32_t)page_of(i);
     if (i < my_chunks) {
       const int tok = t0 + (warp + i * kWarps) * kChunk;
       const int nvalid = min(kChunk, t1 - tok);
       const int off = tok & (a.geo.page_size - 1);
-      const uint8_t* blk = head_base + page * a.geo.page_bytes;
       uint8_t* dst = wbuf + (i % C::STAGES) * C::STAGE;
-      for (int p = lane; p < kChunk * C::PPR; p += 32) {
-        const int r = p / C::PPR, j = p % C::PPR;
-        const bool ok = r < nvalid;
-        const int64_t so = (int64_t)(off + (ok ? r : 0)) * S::CB + j * C::PS;
-        cp_async<C::PS>(dst + r * C::SR + j * C::PS, blk + a.geo.k_codes + so, ok);
-        cp_async<C::PS>(dst + (kChunk + r) * C::SR + j * C::PS, blk + a.geo.v_codes + so, ok);
-      }
-      if constexpr (S::NS > 0) {
-        uint8_t* sd = dst + 2 * kChunk * C::SR;
-        const int64_t so = (int64_t)off * S::NS * 2;
-        if (nvalid == kChunk) {
-          for (int p = lane; p < C::SCALE_BYTES / 16; p += 32) {
-            cp_async<16>(sd + 16 * p, blk + a.geo.k_scales + so + 16 * p, true);
-            cp_async<16>(sd + C::SCALE_BYTES + 16 * p, blk + a.geo.v_scales + so + 16 * p, true);
+      if (nvalid == kChunk) {
+        const uint64_t co = (uint64_t)page * page_bytes + (uint32_t)(off * S::CB);
+        const uint8_t* ks = lane_k + co;
+        const uint8_t* vs = lane_v + co;
+#pragma unroll
+        for (int it = 0; it < (NP + 31) / 32; ++it) {
+          const int p = lane + 32 * it;
+          if (NP % 32 == 0 || p < NP) {
+            uint8_t* d = dst + (p / C::PPR) * C::SR + (p % C::PPR) * C::PS;
+            cp_async<C::PS>(d, ks + 32 * it * C::PS, true);
+            cp_async<C::PS>(d + kChunk * C::SR, vs + 32 * it * C::PS, true);
           }
-        } else {  // the item's last, partial chunk: plain copy, scales of missing rows zeroed
+        }
+        if constexpr (S::NS > 0) {
+          if (lane < 2 * NSP)
+            cp_async<16>(dst + lane_sd, lane_s + ((uint64_t)page * page_bytes + (uint32_t)(off * S::NS * 2)), true);
+        }
+      } else {  // the item's last, partial chunk: rows past the end zero-filled
+        const uint8_t* blk = head_base + (int64_t)page * a.geo.page_bytes;
+        for (int p = lane; p < NP; p += 32) {
+          const int r = p / C::PPR, j = p % C::PPR;
+          const bool ok = r < nvalid;
+          const int64_t so = (int64_t)(off + (ok ? r : 0)) * S::CB + j * C::PS;
+          cp_async<C::PS>(dst + r * C::SR + j * C::PS, blk + a.geo.k_codes + so, ok);
+          cp_async<C::PS>(dst + (kChunk + r) * C::SR + j * C::PS, blk + a.geo.v_codes + so, ok);
+        }
+        if constexpr (S::NS > 0) {  // plain copy, scales of missing rows zeroed
+          uint8_t* sd = dst + 2 * kChunk * C::SR;
+          const int64_t so = (int64_t)off * S::NS * 2;
           const uint16_t* ks = reinterpret_cast<const uint16_t*>(blk + a.geo.k_scales + so);
           const uint16_t* vs = reinterpret_cast<const uint16_t*>(blk + a.geo.v_scales + so);
           for (int p = lane; p < kChunk * S::NS; p += 32) {
@@ -302,9 +360,9 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
 #pragma unroll
   for (int mt = 0; mt < C::MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
   float pscale = 1.0f, inv_pscale = 1.0f;
-  // q4 rows of this thread in the P·V tiles: word j of each block, low (g < 4) or high nibbles
-  const uint32_t nib_mask = (g >> 2) ? 0x00F000F0u : 0x000F000Fu;
-  const uint32_t nib_sub = (g >> 2) ? 0x64806480u : 0x64086408u;  // f16 (1024 + 128, 1024 + 8)
+  // q4 rows of this thread in the P·V tiles (pv_out_channels_q4): byte 2 mu + (g >> 2) of word g & 3
+  // of each block, its low nibble in A row g and its high nibble in row g + 8 (one byte permute each)
+  const unsigned q4_sel[2] = {q4_pair_sel(g >> 2), q4_pair_sel(2 + (g >> 2))};
 
   for (int i = 0; i < my_chunks; ++i) {
     cp_async_wait<C::STAGES - 2>();
@@ -466,16 +524,23 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
 #pragma unroll
         for (int mu = 0; mu < 2; ++mu) {
           uint32_t x[4];
+          if constexpr (F == dfmt::q4) {
+            // one byte of tokens (2t, 2t+1) and of (8+2t, 9+2t); A rows g <- its low nibbles (x[0],
+            // x[2]), g + 8 <- its high nibbles (x[1], x[3]), both exact f16 (u - 8)
+            const uint32_t pa = __byte_perm(w[0], w[1], q4_sel[mu]), pb = __byte_perm(w[2], w[3], q4_sel[mu]);
+            x[0] = q4_lo_f16(pa);
+            x[1] = q4_hi_f16(pa);
+            x[2] = q4_lo_f16(pb);
+            x[3] = q4_hi_f16(pb);
+          } else {
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            // r: 0 = (tokens 2t, 2t+1; byte 2mu), 1 = (same tokens; byte 2mu+1), 2, 3 = tokens 8+2t, 9+2t
-            const uint32_t pr = pair_bytes(w[(r >> 1) * 2], w[(r >> 1) * 2 + 1], 2 * mu + (r & 1));
-            if constexpr (F == dfmt::q4)
-              x[r] = hsub2_u32((pr & nib_mask) | 0x64006400u, nib_sub);
-            else
+            for (int r = 0; r < 4; ++r) {
+              // r: 0 = (tokens 2t, 2t+1; byte 2mu), 1 = (same tokens; byte 2mu+1), 2, 3 = tokens 8+2t, 9+2t
+              const uint32_t pr = pair_bytes(w[(r >> 1) * 2], w[(r >> 1) * 2 + 1], 2 * mu + (r & 1));
               x[r] = hsub2_u32((pr & 0x00FF00FFu) ^ 0x64806480u, 0x64806480u);
+            }
           }
-          // A rows: g <- byte 2mu (x[0] tokens 2t.., x[2] tokens 8+2t..), g + 8 <- byte 2mu + 1
+          // A rows (q8): g <- byte 2mu (x[0] tokens 2t.., x[2] tokens 8+2t..), g + 8 <- byte 2mu + 1
           mma_f16(acc[2 * bb + mu], x[0], x[1], x[2], x[3], pb0, pb1);
         }
       }
@@ -496,7 +561,14 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
   for (int mt = 0; mt < C::MT; ++mt) {
     int ch0, ch1;
     float f;
-    if (pv_out_channels<F, HD>(mt, g, inv_pscale, ch0, ch1, f)) {
+    bool ok;
+    if constexpr (F == dfmt::q4) {
+      ok = pv_out_channels_q4<HD>(mt, g, ch0, ch1);
+      f = inv_pscale;
+    } else {
+      ok = pv_out_channels<F, HD>(mt, g, inv_pscale, ch0, ch1, f);
+    }
+    if (ok) {
       o0[ch0] = acc[mt][0] * f;
       o1[ch0] = acc[mt][1] * f;
       o0[ch1] = acc[mt][2] * f;
