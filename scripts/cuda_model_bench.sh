@@ -7,16 +7,19 @@
 # depth 4K / 32K for f16 / q8 / q4 caches, and the number of 128K-token sequences each type fits
 # (Llama shape), each step timed directly and as a CUDA graph; prefill of 4K / 32K-token prompts
 # (chunks of 512) with the tiled prefill kernel beside the per-token decode path (--prefill-per-token-max
-# caps the baseline's prompt length). Logs and JSON go to $OUT (or build-cuda-model/out).
+# caps the baseline's prompt length). --hf: also PyTorch + transformers on the same shapes in the same
+# call (scripts/hf_decode_bench.py: bf16 weights, SDPA, DynamicCache; decode at batch 1 x 4K, 16 x 32K,
+# 4 x 128K, prefill 4K / 32K) beside `kvq bench --json` rows of those shapes, and the kvq / transformers
+# ratios. Logs and JSON go to $OUT (or build-cuda-model/out).
 #   scripts/cuda_model_bench.sh [--deps DIR] [--build DIR] [--no-tests] [--no-bench] [--no-decode]
-#                               [--no-prefill] [--prefill-per-token-max N] [-n STEPS]
+#                               [--no-prefill] [--prefill-per-token-max N] [-n STEPS] [--hf]
 # --deps DIR: a prefix with the libraries the GPU machine lacks; its lib/pkgconfig/*.pc.in (prefix
 # @DEPS@) become .pc files, its bin/ and lib/ join PATH and LD_LIBRARY_PATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-build-cuda-model/out}
 mkdir -p "$out"
-deps="" tests=1 bench=1 steps=10 build=build-cuda-model decode=1 prefill=1 pt_max=32k
+deps="" tests=1 bench=1 steps=10 build=build-cuda-model decode=1 prefill=1 pt_max=32k hf=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --deps) deps=$2; shift ;;
@@ -24,6 +27,7 @@ while [ $# -gt 0 ]; do
     --no-bench) bench=0 ;;
     --no-decode) decode=0 ;;
     --no-prefill) prefill=0 ;;
+    --hf) hf=1 ;;
     --prefill-per-token-max) pt_max=$2; shift ;;
     --build) build=$2; shift ;;
     -n) steps=$2; shift ;;
@@ -69,6 +73,23 @@ if [ $bench = 1 ] && [ $decode = 1 ]; then
     -n "$steps" --no-progress 2>&1 | tee "$out/bench_llama.txt"
   $kvq bench --device cuda --shape qwen2.5-1.5b --types f16,q8,q4 --batch 1,16 --depths 4k,32k --cuda-graphs \
     -n "$steps" --no-progress 2>&1 | tee "$out/bench_qwen.txt"
+fi
+if [ $bench = 1 ] && [ $hf = 1 ]; then
+  kvq=$build/kvq
+  python3 -m pip show torch transformers optimum-quanto hqq 2>&1 | grep -E "^(Name|Version)|not found" | tee "$out/hf_packages.txt"
+  jsons=()
+  for shape in llama3.1-8b qwen2.5-1.5b; do
+    for bd in 1:4k 16:32k 4:128k; do
+      j="$out/kvq_${shape}_${bd/:/x}.json"
+      $kvq bench --device cuda --shape $shape --types f16,q8,q4 --batch ${bd%%:*} --depths ${bd##*:} --cuda-graphs \
+        -n "$steps" --no-progress --json > "$j" 2> "$j.err" && jsons+=("$j") || { echo "kvq bench $shape $bd failed"; tail -3 "$j.err"; }
+    done
+    j="$out/kvq_${shape}_prefill.json"
+    $kvq bench --device cuda --shape $shape --types f16,q8,q4 --prefill 4k,32k --prefill-chunk 512 \
+      --prefill-per-token-max 1 --no-progress --json > "$j" 2> "$j.err" && jsons+=("$j") || { echo "kvq bench $shape prefill failed"; tail -3 "$j.err"; }
+  done
+  PYTHONUNBUFFERED=1 python3 scripts/hf_decode_bench.py --steps "$steps" --json "$out/hf.json" --kvq-json "${jsons[@]}" \
+    2>&1 | tee "$out/hf.txt" | grep -v '^{'
 fi
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader | tee -a "$out/device.txt"
 exit $status
