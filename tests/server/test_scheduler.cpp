@@ -15,6 +15,7 @@
 #include "server/api.h"
 #include "server/scheduler.h"
 #include "support/data_dir.h"
+#include "support/scheduler_jobs.h"
 
 namespace kvq::server_detail {
 namespace {
@@ -22,19 +23,7 @@ namespace {
 constexpr const char* kQwen = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 constexpr const char* kGemma = "gemma-3-270m-q4_k_m.gguf";
 
-seq_update wait_done(seq_job& j) {
-  seq_update all;
-  for (;;) {
-    seq_update u = j.poll(std::chrono::milliseconds(1000));
-    all.text += u.text;
-    all.ids = u.ids;
-    all.logits_hash = u.logits_hash;
-    all.n_generated = u.n_generated;
-    all.finish_reason = u.finish_reason;
-    all.error = u.error;
-    if (u.done) return all;
-  }
-}
+using test::wait_done;
 
 std::vector<std::string> prompts16() {
   std::vector<std::string> p = {
@@ -350,21 +339,11 @@ TEST(Scheduler, KvBudgetAdmitsByPages) {
     r.ignore_eos = true;
     reqs.push_back(r);
   }
-  std::vector<seq_update> alone;
-  for (const auto& r : reqs) alone.push_back(wait_done(*s.submit(r)));
-  std::vector<std::shared_ptr<seq_job>> jobs;
-  for (const auto& r : reqs) jobs.push_back(s.submit(r));
-  int max_active = 0, max_pages = 0;
-  for (;;) {
-    const scheduler_metrics mt = s.metrics();
-    max_active = std::max(max_active, mt.active);
-    max_pages = std::max(max_pages, mt.pages_in_use);
-    if (mt.finished == 6) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(wait_done(*jobs[i]).ids, alone[i].ids) << "request " << i;
-  EXPECT_EQ(max_active, 1);
-  EXPECT_LE(max_pages, 4);
+  ASSERT_EQ(reqs.size(), 3u);
+  const test::alone_together r = test::run_alone_then_together(s, reqs, std::chrono::milliseconds(2));
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(r.together[i].ids, r.alone[i].ids) << "request " << i;
+  EXPECT_EQ(r.max_active, 1);
+  EXPECT_LE(r.max_pages, 4);
   EXPECT_EQ(s.metrics().pages_in_use, 0);
 }
 

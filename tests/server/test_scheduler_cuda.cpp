@@ -17,6 +17,7 @@
 #include "server/api.h"
 #include "server/scheduler.h"
 #include "support/data_dir.h"
+#include "support/scheduler_jobs.h"
 
 namespace kvq::server_detail {
 namespace {
@@ -27,19 +28,7 @@ constexpr const char* kTinylit = "models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.ggu
   if (!::kvq::cuda::available()) \
   GTEST_SKIP() << "no GPU visible (or kvq built without KVQ_BUILD_CUDA): " << ::kvq::cuda::device_name()
 
-seq_update wait_done(seq_job& j) {
-  seq_update all;
-  for (;;) {
-    seq_update u = j.poll(std::chrono::milliseconds(1000));
-    all.text += u.text;
-    all.ids = u.ids;
-    all.logits_hash = u.logits_hash;
-    all.n_generated = u.n_generated;
-    all.finish_reason = u.finish_reason;
-    all.error = u.error;
-    if (u.done) return all;
-  }
-}
+using test::wait_done;
 
 // 16 prompts of different lengths; the last one spans several prefill chunks of 16 tokens (its text
 // repeated until it holds more than min_last tokens).
@@ -214,21 +203,11 @@ TEST(SchedulerCuda, KvBudgetSizesTheRunnersPool) {
   std::vector<seq_request> reqs = requests16(*tok, 30);
   reqs.resize(3);
   for (const auto& r : reqs) ASSERT_LE(r.prompt.size() + 30, 48u);
-  std::vector<seq_update> alone;
-  for (const auto& r : reqs) alone.push_back(wait_done(*s.submit(r)));
-  std::vector<std::shared_ptr<seq_job>> jobs;
-  for (const auto& r : reqs) jobs.push_back(s.submit(r));
-  int max_active = 0, max_pages = 0;
-  for (;;) {
-    const scheduler_metrics mt = s.metrics();
-    max_active = std::max(max_active, mt.active);
-    max_pages = std::max(max_pages, mt.pages_in_use);
-    if (mt.finished == 6) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(wait_done(*jobs[i]).ids, alone[i].ids) << "request " << i;
-  EXPECT_LE(max_active, 2);
-  EXPECT_LE(max_pages, 8);
+  ASSERT_EQ(reqs.size(), 3u);
+  const test::alone_together r = test::run_alone_then_together(s, reqs, std::chrono::milliseconds(1));
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(r.together[i].ids, r.alone[i].ids) << "request " << i;
+  EXPECT_LE(r.max_active, 2);
+  EXPECT_LE(r.max_pages, 8);
   EXPECT_EQ(s.metrics().pages_in_use, 0);
 }
 
