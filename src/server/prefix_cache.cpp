@@ -95,14 +95,33 @@ void prefix_cache::drop(int id) {
 }
 
 bool prefix_cache::evict_one(const kv_prefix* keep) {
+  // Least recently used state first; among equal use a leaf before an inner node (its state alone
+  // serves its requests) and, along one prompt, the deeper (later made) one first. An inner node
+  // keeps its place on the path without its state: the states along one long prompt are all inner
+  // nodes but the last, and must be evictable too, or the cap does not hold (issue 16).
   int best = -1;
+  auto better = [&](const node& a, int ia, const node& b, int ib) {
+    if (a.used != b.used) return a.used < b.used;
+    if ((a.n_children == 0) != (b.n_children == 0)) return a.n_children == 0;
+    return ia > ib;
+  };
   for (size_t i = 0; i < nodes_.size(); ++i) {
     const node& n = nodes_[i];
-    if (!n.live || n.n_children > 0 || (keep && n.state.get() == keep)) continue;
-    if (best < 0 || n.used < nodes_[(size_t)best].used) best = (int)i;
+    if (!n.live || !n.state || (keep && n.state.get() == keep)) continue;
+    if (best < 0 || better(n, (int)i, nodes_[(size_t)best], best)) best = (int)i;
   }
   if (best < 0) return false;
-  drop(best);
+  node& b = nodes_[(size_t)best];
+  bytes_ -= b.state->bytes();
+  b.state.reset();  // unpins its pages unless a sequence or another holder still references them
+  // a leaf without a state serves nothing: drop it, and its parents that are left the same way
+  for (int id = best; id >= 0;) {
+    const node& n = nodes_[(size_t)id];
+    if (!n.live || n.state || n.n_children > 0) break;
+    const int parent = n.parent;
+    drop(id);
+    id = parent;
+  }
   return true;
 }
 

@@ -6,8 +6,9 @@
 // hash is trusted), and the cache's saved state of a sequence that held exactly tokens
 // [0, (j + 1) * block) (kv_cache::save_prefix: its pages, pinned, and a copy of what it keeps
 // outside pages). The block is the scheduler's prefill chunk, so a request that starts from a
-// node runs every later chunk as a cold run does. Least recently used leaves are dropped when
-// admission needs pages or the copies outside the pool exceed max_bytes.
+// node runs every later chunk as a cold run does. Least recently used states (of leaves first, then
+// of inner nodes, which stay on the path) are dropped when admission needs pages or the copies
+// outside the pool exceed max_bytes.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -31,9 +32,12 @@ class prefix_cache {
   bool contains(const int32_t* tokens, int n_tokens) const;
   // Saves the state after tokens[0, n_tokens) (a multiple of block), taken from save() unless it is
   // saved already; missing nodes on its path are added without a state. Then drops least recently
-  // used leaves (never this one) while the saved bytes exceed max_bytes.
+  // used states (never this one) while the saved bytes exceed max_bytes, so bytes() <= max_bytes
+  // unless this state alone exceeds it.
   void insert(const int32_t* tokens, int n_tokens, const std::function<std::shared_ptr<const kv_prefix>()>& save);
-  // Drops the least recently used leaf whose state is not `keep`; false when there is none.
+  // Drops the least recently used state that is not `keep` (a leaf's before an inner node's of the
+  // same use; an inner node stays on the path, a leaf left without a state goes with its bare
+  // parents); false when there is none.
   bool evict_one(const kv_prefix* keep);
   int n_nodes() const { return (int)live_; }
   size_t bytes() const { return bytes_; }  // saved state outside the page pool
