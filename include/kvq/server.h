@@ -47,9 +47,11 @@ struct server_params {
 };
 
 // A running server. create() loads the model, checks the chat template (an unknown template is an
-// unsupported error naming its first line; a model without one serves completions and answers
-// chat requests with HTTP 500 saying so), allocates the cache and binds the socket; errors are
-// kvq::error (io: cannot bind; invalid_input / unsupported: model, cache or template).
+// unsupported error naming its source, first line and the formats kvq renders; a model without one
+// serves completions and answers chat requests with HTTP 400 no_chat_template saying so), allocates
+// the cache and binds the socket (SO_REUSEADDR, not SO_REUSEPORT: a port in use is an error);
+// errors are kvq::error (io: cannot bind, "address already in use" naming host:port;
+// invalid_input / unsupported: model, cache or template).
 class server {
  public:
   static std::unique_ptr<server> create(const server_params& p);

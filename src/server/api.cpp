@@ -66,7 +66,14 @@ chat_message parse_message(const json& m, size_t i) {
     fail_request(where + ".role", where + ".role '" + r.role + "' is not supported (system, user, assistant)",
                  "invalid_value");
   if (r.role == "developer") r.role = "system";  // OpenAI's newer name for the system role
+  if (const json* tc = field(m, "tool_calls"); tc && !(tc->is_array() && tc->empty()))
+    fail_request(where + ".tool_calls", "'" + where + ".tool_calls' is not supported by kvq server (no tool calling)",
+                 "unsupported_parameter");
   const json* content = field(m, "content");
+  if (!content && r.role == "assistant") {  // OpenAI allows an assistant turn without content (null)
+    r.parts = {std::string()};
+    return r;
+  }
   if (!content) fail_request(where + ".content", where + ".content is missing", "invalid_type");
   if (content->is_string()) {
     r.parts = {content->get<std::string>()};
@@ -88,6 +95,47 @@ chat_message parse_message(const json& m, size_t i) {
                                          type_name(*content), "invalid_type");
   }
   return r;
+}
+
+// Refuses an OpenAI field kvq server does not implement unless it holds the neutral value clients
+// send by default (null always; `neutral` says which others), so that a request is never answered
+// as if the field had been applied (vLLM and llama-server refuse missing features the same way).
+void refuse_unless(const json& body, const char* key, bool (*neutral)(const json&), const char* accepted) {
+  const json* v = field(body, key);
+  if (!v || neutral(*v)) return;
+  std::string shown = v->dump();
+  if (shown.size() > 60) shown = shown.substr(0, 57) + "...";
+  fail_request(key, std::string("'") + key + "' is not supported by kvq server (got " + shown +
+                        "); leave it out or send " + accepted, "unsupported_parameter");
+}
+
+bool is_false(const json& v) { return v.is_boolean() && !v.get<bool>(); }
+bool is_zero(const json& v) { return v.is_number() && v.get<double>() == 0; }
+bool is_one(const json& v) { return v.is_number() && v.get<double>() == 1; }
+bool is_empty_object(const json& v) { return v.is_object() && v.empty(); }
+bool is_empty_array(const json& v) { return v.is_array() && v.empty(); }
+bool is_empty_string(const json& v) { return v.is_string() && v.get<std::string>().empty(); }
+bool is_text_format(const json& v) { return v.is_object() && v.value("type", json()) == "text"; }
+bool is_no_tool_choice(const json& v) { return v == "none" || v == "auto"; }
+
+// The OpenAI fields kvq server does not implement (docs/server.md, "Request fields").
+void refuse_unsupported(const json& body, bool chat) {
+  refuse_unless(body, "presence_penalty", is_zero, "0");
+  refuse_unless(body, "frequency_penalty", is_zero, "0");
+  refuse_unless(body, "logit_bias", is_empty_object, "null or {}");
+  refuse_unless(body, "logprobs", is_false, "null or false");
+  if (chat) {
+    refuse_unless(body, "top_logprobs", is_zero, "null or 0");
+    refuse_unless(body, "response_format", is_text_format, "null or {\"type\": \"text\"}");
+    refuse_unless(body, "tools", is_empty_array, "null or []");
+    refuse_unless(body, "tool_choice", is_no_tool_choice, "null, \"none\" or \"auto\"");
+    refuse_unless(body, "functions", is_empty_array, "null or []");
+    refuse_unless(body, "function_call", is_no_tool_choice, "null, \"none\" or \"auto\"");
+  } else {
+    refuse_unless(body, "echo", is_false, "null or false");
+    refuse_unless(body, "best_of", is_one, "null or 1");
+    refuse_unless(body, "suffix", is_empty_string, "null or \"\"");
+  }
 }
 
 }  // namespace
@@ -125,9 +173,12 @@ completion_request parse_completion_request(const json& body, bool chat) {
                                  " " + p->dump(), "invalid_type");
     }
   }
+  refuse_unsupported(body, chat);
+  // Chat: max_completion_tokens, OpenAI's newer name, wins over the deprecated max_tokens when both
+  // are given (as OpenAI and vLLM take them).
   const json* mt = field(body, "max_tokens");
   const char* mt_name = "max_tokens";
-  if (chat && !mt && (mt = field(body, "max_completion_tokens"))) mt_name = "max_completion_tokens";
+  if (const json* mct = chat ? field(body, "max_completion_tokens") : nullptr) mt = mct, mt_name = "max_completion_tokens";
   if (mt) {
     const int64_t v = get_int(*mt, mt_name);
     if (v < 1) fail_request(mt_name, std::string("'") + mt_name + "' must be >= 1, got " + std::to_string(v), "invalid_value");

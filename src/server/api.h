@@ -51,7 +51,13 @@ struct completion_request {
 // wrong type (max_tokens not an integer, temperature not a number, stop not a string or list of
 // strings, stream not a boolean...); max_tokens < 1; temperature < 0 or NaN; top_p outside (0, 1];
 // min_p outside [0, 1]; seed outside [0, 2^32); n != 1; more than 4 stop strings or an empty one;
-// a message without a valid role or a string / text-part content. Unknown fields are ignored.
+// a message without a valid role or a string / text-part content (an assistant's may be null: empty).
+// OpenAI fields kvq does not implement are refused (400, code "unsupported_parameter", param = the
+// field) unless they hold the neutral value clients send by default: presence_penalty /
+// frequency_penalty 0, logit_bias {}, logprobs false; completions: echo false, best_of 1, suffix "";
+// chat: top_logprobs 0, response_format {"type": "text"}, tools / functions [], tool_choice /
+// function_call "none" or "auto", a message's tool_calls []; null is neutral for all of them.
+// Chat: max_completion_tokens wins over max_tokens. Other unknown fields are ignored.
 completion_request parse_completion_request(const nlohmann::json& body, bool chat);
 
 // Parses `text` as JSON; throws api_error 400 ("invalid_json") naming the parse error's position.

@@ -40,6 +40,33 @@ std::string first_line(const std::string& text) {
   return line.size() > 80 ? line.substr(0, 80) + "..." : line;
 }
 
+// What a template that is neither ChatML nor Gemma holds: the known markers it has, and the family
+// they belong to, so that an error can say what was found.
+std::string found_markers(const std::string& text) {
+  struct marker {
+    const char* text;
+    const char* family;
+  };
+  static const marker markers[] = {
+      {"<|im_start|>", "ChatML"},          {"<|im_end|>", "ChatML"},
+      {"add_generation_prompt", ""},       {"<start_of_turn>", "Gemma"},
+      {"<end_of_turn>", "Gemma"},          {"first_user_prefix", "Gemma"},
+      {"[INST]", "Llama 2 / Mistral"},     {"<|start_header_id|>", "Llama 3"},
+      {"<|user|>", "Phi-3 / Zephyr"},      {"<|system|>", "Phi-3 / Zephyr"},
+  };
+  std::string has, families;
+  for (const marker& m : markers) {
+    if (text.find(m.text) == std::string::npos) continue;
+    has += (has.empty() ? "" : ", ") + std::string(m.text);
+    if (*m.family && families.find(m.family) == std::string::npos)
+      families += (families.empty() ? "" : " / ") + std::string(m.family);
+  }
+  if (has.empty()) return "none of the markers of a known format";
+  std::string r = "found " + has;
+  if (!families.empty()) r += " (" + families + ")";
+  return r;
+}
+
 }  // namespace
 
 const char* chat_format_name(chat_format f) {
@@ -67,9 +94,11 @@ chat_template chat_template::from_text(const std::string& text, const std::strin
     t.format_ = chat_format::gemma;
     return t;
   }
-  fail_unsupported("[chat_template] unrecognised chat template (first line: '" + first_line(text) +
-                   "'); kvq renders ChatML (Qwen2.5) and Gemma turn templates (--chat-template-file "
-                   "takes another template text)");
+  fail_unsupported("[chat_template] unrecognised chat template (first line: '" + first_line(text) + "'; " +
+                   found_markers(text) +
+                   "); kvq renders two formats, recognised by their markers: ChatML as Qwen2 / Qwen2.5 write it "
+                   "(<|im_start|>, <|im_end|> and add_generation_prompt) and Gemma's turn format (<start_of_turn>, "
+                   "<end_of_turn> and first_user_prefix)");
 }
 
 std::string chat_template::render(const std::vector<chat_message>& messages, bool add_generation_prompt) const {

@@ -1,6 +1,7 @@
 // kvq server's HTTP side (cpp-httplib): routes, authentication, OpenAI response shapes, SSE
 // streaming, Prometheus metrics. The scheduler (scheduler.h) does the model work.
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include <cerrno>
 #include <chrono>
@@ -79,8 +80,20 @@ http_server::http_server(const server_params& p) : p_(p) {
     template_text_ = *t;
   }
   const std::string bos_text = tok_->bos() >= 0 ? tok_->token_text(tok_->bos()) : "";
-  if (!template_text_.empty()) template_ = chat_template::from_text(template_text_, bos_text);  // throws for unknown
-  else template_note_ = p_.model_path + " has no tokenizer.chat_template (give one with --chat-template-file)";
+  if (!template_text_.empty()) {
+    try {
+      template_ = chat_template::from_text(template_text_, bos_text);
+    } catch (const error& e) {  // an unknown template stops the server, saying where it came from
+      if (!p_.chat_template_file.empty())
+        throw error(e.code(), "[server] --chat-template-file '" + p_.chat_template_file + "': " + e.what());
+      throw error(e.code(), "[server] the model's tokenizer.chat_template: " + std::string(e.what()) +
+                                "; give a template in one of these formats with --chat-template-file FILE");
+    }
+  }
+  else
+    template_note_ = "the model " + model_id_ + " has no chat template (no tokenizer.chat_template): use "
+                     "/v1/completions with a prompt, or start the server with --chat-template-file FILE "
+                     "(ChatML or Gemma turn format)";
 
   scheduler_params sp;
   sp.n_ctx = resolve_n_ctx(*model_, p_.n_ctx, "server");
@@ -106,15 +119,27 @@ http_server::http_server(const server_params& p) : p_(p) {
   http_.set_payload_max_length(16u << 20);
   http_.set_read_timeout(30);
   http_.set_write_timeout(30);
+  // SO_REUSEADDR (a restarted server rebinds past TIME_WAIT) but not SO_REUSEPORT, which
+  // cpp-httplib 0.11 sets by default on Linux and which lets a second server bind the same port and
+  // take half of its connections: here the second one fails with "address already in use".
+  http_.set_socket_options([](int sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
   routes();
-  if (p_.port == 0) {
-    port_ = http_.bind_to_any_port(p_.host);
-    if (port_ < 0) fail(errc::io, "[server] cannot bind " + p_.host + " (any port)");
-  } else {
-    if (!http_.bind_to_port(p_.host, p_.port))
-      fail(errc::io, "[server] cannot bind " + p_.host + ":" + std::to_string(p_.port) + " (in use, or not a local address?)");
-    port_ = p_.port;
+  errno = 0;
+  const bool bound = p_.port == 0 ? (port_ = http_.bind_to_any_port(p_.host)) >= 0 : http_.bind_to_port(p_.host, p_.port);
+  if (!bound) {
+    const int err = errno;
+    const std::string where = p_.host + ":" + (p_.port == 0 ? std::string("0 (any port)") : std::to_string(p_.port));
+    if (err == EADDRINUSE)
+      fail(errc::io, "[server] cannot listen on " + where + ": address already in use (another server on that port? "
+                     "choose another with --port)");
+    fail(errc::io, "[server] cannot listen on " + where + ": " +
+                       (err != 0 ? std::string(std::strerror(err)) : std::string("bind failed")) +
+                       " (is --host a local address?)");
   }
+  if (p_.port != 0) port_ = p_.port;
   std::fprintf(stderr, "[server] model %s (%s) on %s, n_ctx %d per slot, %d slots, prefill chunk %d, %d tokens per step, KV cache %s\n",
                model_id_.c_str(), model_->hparams().arch.c_str(), compute_device_name(sp.device), sp.n_ctx,
                sp.n_parallel, sp.n_batch, sp.n_batch_tokens, sched_->cache_describe().c_str());
@@ -207,7 +232,7 @@ void http_server::routes() {
     const json body = parse_json_body(req.body);
     if (!body.is_object() || !body.contains("content") || !body["content"].is_string())
       fail_request("content", "'content' must be a string", "invalid_type");
-    bool add_special = false, with_pieces = false;
+    bool add_special = false, with_pieces = false;  // llama-server's defaults (its /tokenize)
     if (body.contains("add_special")) {
       if (!body["add_special"].is_boolean()) fail_request("add_special", "'add_special' must be a boolean", "invalid_type");
       add_special = body["add_special"];
@@ -242,7 +267,7 @@ void http_server::routes() {
   http_.Post("/apply-template", [this](const httplib::Request& req, httplib::Response& res) {
     const json body = parse_json_body(req.body);
     const completion_request r = parse_completion_request(body, true);
-    if (!template_) throw api_error(500, template_note_, "server_error", "", "no_chat_template");
+    if (!template_) throw api_error(400, template_note_, "invalid_request_error", "", "no_chat_template");
     bool agp = true;
     if (body.contains("add_generation_prompt") && body["add_generation_prompt"].is_boolean()) agp = body["add_generation_prompt"];
     try {
@@ -259,7 +284,7 @@ void http_server::completion(const httplib::Request& req, httplib::Response& res
   const completion_request r = parse_completion_request(parse_json_body(req.body), chat);
   seq_request sr;
   if (chat) {
-    if (!template_) throw api_error(500, template_note_, "server_error", "", "no_chat_template");
+    if (!template_) throw api_error(400, template_note_, "invalid_request_error", "", "no_chat_template");
     std::string prompt;
     try {
       prompt = template_->render(r.messages, true);
@@ -315,9 +340,12 @@ void http_server::completion(const httplib::Request& req, httplib::Response& res
     // Longer: a chunked body that sends one space (JSON allows leading whitespace) per poll while
     // generating, so that a client gone (the write fails) cancels the request and frees its slot
     // and pages: cpp-httplib 0.11 cannot tell a handler that its connection closed otherwise. A
-    // failure from here on is a 200 with the error body.
+    // failure from here on is a 200 with the error body. The type carries its charset so that
+    // cpp-httplib does not compress the body for a client sending Accept-Encoding: gzip / br (the
+    // openai client does): it compresses exactly "application/json", and its compressor would
+    // hold the spaces back, so the write would never fail and the request would run to its end.
     res.set_chunked_content_provider(
-        "application/json",
+        "application/json; charset=utf-8",
         [=](size_t, httplib::DataSink& sink) {
           const seq_update u = job->poll(std::chrono::milliseconds(200));
           *text += u.text;

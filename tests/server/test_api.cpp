@@ -108,6 +108,76 @@ TEST(ServerApi, RejectsBadInputWithFieldAndStatus) {
   }
 }
 
+// OpenAI fields kvq server does not implement are refused (400, param = the field, code
+// unsupported_parameter, the message naming the field) instead of being ignored, except for the
+// neutral values clients send by default, which must keep parsing.
+TEST(ServerApi, RefusesUnsupportedFieldsButAcceptsTheirNeutralValues) {
+  struct bad { const char* body; bool chat; const char* param; };
+  const bad cases[] = {
+      {R"({"prompt":"x","logprobs":5})", false, "logprobs"},
+      {R"({"prompt":"x","logprobs":true})", false, "logprobs"},
+      {R"({"prompt":"x","echo":true})", false, "echo"},
+      {R"({"prompt":"x","presence_penalty":0.5})", false, "presence_penalty"},
+      {R"({"prompt":"x","frequency_penalty":-1})", false, "frequency_penalty"},
+      {R"({"prompt":"x","logit_bias":{"50256":-100}})", false, "logit_bias"},
+      {R"({"prompt":"x","best_of":3})", false, "best_of"},
+      {R"({"prompt":"x","suffix":"end"})", false, "suffix"},
+      {R"({"messages":[{"role":"user","content":"q"}],"presence_penalty":1})", true, "presence_penalty"},
+      {R"({"messages":[{"role":"user","content":"q"}],"frequency_penalty":0.1})", true, "frequency_penalty"},
+      {R"({"messages":[{"role":"user","content":"q"}],"logit_bias":{"1":5}})", true, "logit_bias"},
+      {R"({"messages":[{"role":"user","content":"q"}],"response_format":{"type":"json_object"}})", true, "response_format"},
+      {R"({"messages":[{"role":"user","content":"q"}],"tools":[{"type":"function","function":{"name":"f"}}]})", true, "tools"},
+      {R"({"messages":[{"role":"user","content":"q"}],"tool_choice":"required"})", true, "tool_choice"},
+      {R"({"messages":[{"role":"user","content":"q"}],"logprobs":true})", true, "logprobs"},
+      {R"({"messages":[{"role":"user","content":"q"}],"top_logprobs":2})", true, "top_logprobs"},
+      {R"({"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"a"}]}]})", true, "messages[0].tool_calls"},
+  };
+  for (const bad& c : cases) {
+    const api_error e = error_of(json::parse(c.body), c.chat);
+    EXPECT_EQ(e.status, 400) << c.body;
+    EXPECT_EQ(e.type, "invalid_request_error") << c.body;
+    EXPECT_EQ(e.param, c.param) << c.body;
+    EXPECT_EQ(e.code, "unsupported_parameter") << c.body;
+    EXPECT_NE(std::string(e.what()).find(std::string(c.param) + "' is not supported by kvq server"), std::string::npos)
+        << e.what();
+  }
+  // The defaults the official clients send (or a user spelling out "off") parse as if absent.
+  const auto comp = parse_completion_request(
+      json::parse(R"({"prompt":"x","max_tokens":3,"logprobs":null,"echo":false,"presence_penalty":0,
+                      "frequency_penalty":0.0,"logit_bias":{},"best_of":1,"suffix":null})"),
+      false);
+  EXPECT_EQ(comp.max_tokens, 3);
+  EXPECT_EQ(parse_completion_request(json::parse(R"({"prompt":"x","logit_bias":null,"logprobs":false,"suffix":""})"), false).prompt, "x");
+  const auto chat = parse_completion_request(
+      json::parse(R"({"messages":[{"role":"user","content":"q"}],"logprobs":false,"top_logprobs":null,
+                      "response_format":{"type":"text"},"tools":[],"tool_choice":"none","presence_penalty":0,
+                      "frequency_penalty":0,"logit_bias":null})"),
+      true);
+  EXPECT_EQ(chat.messages.size(), 1u);
+  EXPECT_EQ(parse_completion_request(json::parse(R"({"messages":[{"role":"user","content":"q"}],"tools":null,"top_logprobs":0})"), true).messages.size(), 1u);
+}
+
+// max_completion_tokens (OpenAI's newer name) wins over the deprecated max_tokens when a chat
+// request gives both, as OpenAI and vLLM take them; an assistant turn with content null (OpenAI
+// allows it) is an empty turn, not "content is missing".
+TEST(ServerApi, MaxCompletionTokensWinsAndAssistantContentMayBeNull) {
+  const auto both = parse_completion_request(
+      json::parse(R"({"messages":[{"role":"user","content":"q"}],"max_tokens":50,"max_completion_tokens":7})"), true);
+  EXPECT_EQ(both.max_tokens, 7);
+  const auto reversed = parse_completion_request(
+      json::parse(R"({"max_completion_tokens":9,"messages":[{"role":"user","content":"q"}],"max_tokens":2})"), true);
+  EXPECT_EQ(reversed.max_tokens, 9);
+  EXPECT_EQ(error_of(json::parse(R"({"messages":[{"role":"user","content":"q"}],"max_tokens":5,"max_completion_tokens":0})"), true).param,
+            "max_completion_tokens");
+  const auto null_content = parse_completion_request(
+      json::parse(R"({"messages":[{"role":"user","content":"a"},{"role":"assistant","content":null},{"role":"user","content":"b"}]})"),
+      true);
+  ASSERT_EQ(null_content.messages.size(), 3u);
+  EXPECT_EQ(null_content.messages[1].role, "assistant");
+  EXPECT_EQ(null_content.messages[1].parts, std::vector<std::string>{""});
+  EXPECT_EQ(error_of(json::parse(R"({"messages":[{"role":"user","content":null}]})"), true).param, "messages[0].content");
+}
+
 TEST(ServerApi, MalformedJsonAndErrorBody) {
   try {
     parse_json_body("{\"prompt\": ");

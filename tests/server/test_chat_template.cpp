@@ -84,7 +84,27 @@ TEST(ChatTemplate, UnknownTemplateIsAClearError) {
     FAIL() << "no error";
   } catch (const error& e) {
     EXPECT_EQ(e.code(), errc::unsupported);
-    EXPECT_NE(std::string(e.what()).find("[INST]"), std::string::npos) << e.what();  // names the template
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("first line: '{% for m in messages %}[INST]"), std::string::npos) << msg;  // names the template
+    // says what it found and which formats kvq renders, by the markers it recognises them by
+    EXPECT_NE(msg.find("found [INST] (Llama 2 / Mistral)"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("ChatML as Qwen2 / Qwen2.5 write it (<|im_start|>, <|im_end|> and add_generation_prompt)"),
+              std::string::npos) << msg;
+    EXPECT_NE(msg.find("Gemma's turn format (<start_of_turn>, <end_of_turn> and first_user_prefix)"), std::string::npos)
+        << msg;
+    EXPECT_EQ(msg.find("takes another template text"), std::string::npos) << msg;
+  }
+  try {  // ChatML's markers without add_generation_prompt: what it has is named
+    chat_template::from_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}", "");
+    FAIL() << "no error";
+  } catch (const error& e) {
+    EXPECT_NE(std::string(e.what()).find("found <|im_start|>, <|im_end|> (ChatML)"), std::string::npos) << e.what();
+  }
+  try {
+    chat_template::from_text("{{ messages[0].content }}", "");
+    FAIL() << "no error";
+  } catch (const error& e) {
+    EXPECT_NE(std::string(e.what()).find("none of the markers of a known format"), std::string::npos) << e.what();
   }
   EXPECT_THROW(chat_template::from_text("", ""), error);
   const chat_template t = chat_template::from_text(read_text(data_file("gemma3_chat_template.jinja")), "<bos>");

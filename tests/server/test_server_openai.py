@@ -208,6 +208,10 @@ def test_f16_with(srv, c):
         ("POST", "/v1/chat/completions", {"messages": "hi"}, None, 400, "messages"),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, None, 400, "messages[0].content"),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, None, 400, "messages[0].role"),
+        ("POST", "/v1/completions", {"prompt": "x", "logprobs": 2}, None, 400, "logprobs"),
+        ("POST", "/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, None, 400, "presence_penalty"),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                          "response_format": {"type": "json_object"}}, None, 400, "response_format"),
         ("POST", "/tokenize", {"content": 5}, None, 400, "content"),
         ("POST", "/tokenize", {"content": "x", "parse_special": 1}, None, 400, "parse_special"),
         ("POST", "/detokenize", {"tokens": [-1]}, None, 400, "tokens"),
@@ -223,6 +227,21 @@ def test_f16_with(srv, c):
         check(status == want and shaped and err.get("param") == param,
               f"{method} {path} {str(body if raw is None else raw)[:50]!r} -> {status} (want {want}), param {err.get('param')!r}")
     check(srv.proc.poll() is None, "the server survived the malformed requests")
+
+    # fields kvq does not implement: refused through the client by name, their neutral values accepted
+    try:
+        c.completions.create(model="kvq", prompt="x", max_tokens=2, logprobs=2)
+        check(False, "logprobs=2 was accepted")
+    except openai.BadRequestError as e:
+        err = e.body if isinstance(e.body, dict) else {}
+        check(err.get("param") == "logprobs" and "not supported by kvq server" in err.get("message", ""),
+              f"logprobs=2 -> 400 naming logprobs ({err})")
+    r2 = c.chat.completions.create(model="kvq", messages=msgs, max_tokens=12, temperature=0, presence_penalty=0,
+                                   frequency_penalty=0, logit_bias={}, logprobs=False,
+                                   response_format={"type": "text"}, tools=[])
+    r1 = c.chat.completions.create(model="kvq", messages=msgs, max_tokens=12, temperature=0)
+    check(r2.choices[0].message.content == r1.choices[0].message.content,
+          "chat with the neutral values of the refused fields == the same chat without them")
 
 
 def gpt2_byte_decoder():
@@ -401,11 +420,12 @@ def test_auth_queue_disconnect(srv):
         h.close()
     check(wait_idle(srv), f"after the clients hung up: sequences_active {srv.metric('sequences_active')}")
     check(srv.metric("kv_pages_in_use") == 0, f"after the clients hung up: kv_pages_in_use {srv.metric('kv_pages_in_use')}")
-    # a non-streamed request whose client hangs up is cancelled too (its body trickles spaces)
+    # a non-streamed request whose client hangs up is cancelled too (its body trickles spaces), also
+    # when the client accepts gzip as the openai client does (the body is then still sent uncompressed)
     cancelled = srv.metric("requests_cancelled_total")
     h = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
     h.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True}),
-              headers=auth)
+              headers={**auth, "Accept-Encoding": "gzip, deflate"})
     time.sleep(1.5)
     h.sock.close()
     h.close()
@@ -413,6 +433,12 @@ def test_auth_queue_disconnect(srv):
           f"non-streamed request, client gone: sequences_active {srv.metric('sequences_active')}, "
           f"requests_cancelled_total {cancelled} -> {srv.metric('requests_cancelled_total')}")
     check(srv.metric("kv_pages_in_use") == 0, f"non-streamed, client gone: kv_pages_in_use {srv.metric('kv_pages_in_use')}")
+    # a reply of several seconds through the openai client (Accept-Encoding: gzip, a 2 s timeout per
+    # read): the chunked body's spaces reach it uncompressed, so it neither times out nor fails to parse
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="secret", timeout=2.0, max_retries=0) as c:
+        r = c.completions.create(model="kvq", prompt=PROMPTS[1], max_tokens=60, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        check(r.usage.completion_tokens == 60, f"openai client, 2 s read timeout, 60 tokens: {r.usage}")
     check(srv.metric("requests_cancelled_total") >= 4, f"requests_cancelled_total {srv.metric('requests_cancelled_total')}")
     check(srv.proc.poll() is None, "the server survived the disconnects")
 

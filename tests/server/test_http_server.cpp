@@ -1,0 +1,253 @@
+// kvq server over HTTP, in-process (server::create on 127.0.0.1) and through the kvq binary: the
+// listening socket (a second server on a taken port fails instead of sharing it), cancellation of
+// a non-streamed request whose client asked for gzip and left, and chat on a model without a chat
+// template. Requests are raw HTTP/1.1 over a socket, so that the test controls every header and
+// when the connection closes.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <string>
+#include <thread>
+
+#include "kvq/error.h"
+#include "kvq/server.h"
+#include "support/data_dir.h"
+#include "support/run_cmd.h"
+
+namespace kvq {
+namespace {
+
+using nlohmann::json;
+
+constexpr const char* kTinylit = "models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.gguf";
+
+// A connected TCP socket to 127.0.0.1:port (-1 on failure).
+int connect_local(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons((uint16_t)port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd >= 0 && ::connect(fd, (sockaddr*)&a, sizeof a) == 0) return fd;
+  if (fd >= 0) ::close(fd);
+  return -1;
+}
+
+void send_all(int fd, const std::string& s) {
+  for (size_t off = 0; off < s.size();) {
+    const ssize_t n = ::send(fd, s.data() + off, s.size() - off, MSG_NOSIGNAL);
+    if (n <= 0) return;
+    off += (size_t)n;
+  }
+}
+
+std::string request_text(const std::string& method, const std::string& path, const std::string& body,
+                         const std::string& extra_headers = "") {
+  return method + " " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n" + extra_headers +
+         (body.empty() ? "" : "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n") +
+         "\r\n" + body;
+}
+
+// One request on its own connection (Connection: close): the status and the raw body.
+struct reply {
+  int status = 0;
+  std::string headers, body;
+};
+reply http(int port, const std::string& method, const std::string& path, const std::string& body = "") {
+  reply r;
+  const int fd = connect_local(port);
+  if (fd < 0) return r;
+  send_all(fd, request_text(method, path, body));
+  std::string all;
+  char buf[4096];
+  for (ssize_t n; (n = ::recv(fd, buf, sizeof buf, 0)) > 0;) all.append(buf, (size_t)n);
+  ::close(fd);
+  const size_t end = all.find("\r\n\r\n");
+  if (all.rfind("HTTP/1.1 ", 0) != 0 || end == std::string::npos) return r;
+  r.status = std::stoi(all.substr(9, 3));
+  r.headers = all.substr(0, end);
+  r.body = all.substr(end + 4);
+  return r;
+}
+
+// A gauge or counter from GET /metrics (NaN when absent).
+double metric(int port, const std::string& name) {
+  const reply r = http(port, "GET", "/metrics");
+  std::smatch m;
+  if (std::regex_search(r.body, m, std::regex("\nkvq_" + name + " (\\S+)\n"))) return std::stod(m[1].str());
+  return std::nan("");
+}
+
+// A server running on its own thread until the end of the scope.
+struct running_server {
+  std::unique_ptr<server> srv;
+  std::thread thread;
+  explicit running_server(const server_params& p) : srv(server::create(p)) {
+    thread = std::thread([this] { srv->run(); });
+    for (int i = 0; i < 200 && http(port(), "GET", "/health").status != 200; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ~running_server() {
+    srv->stop();
+    thread.join();
+  }
+  int port() const { return srv->port(); }
+};
+
+// A second server on the port of a running one fails at start-up with "address already in use"
+// naming host:port (cpp-httplib 0.11 sets SO_REUSEPORT by default, with which both would bind and
+// split the connections), in-process (kvq::error io, exit code 2 in the CLI) and through kvq server
+// against a socket of the test's own listening on that port.
+TEST(HttpServer, SecondServerOnATakenPortFails) {
+  KVQ_REQUIRE_DATA(model, kTinylit);
+  server_params p;
+  p.model_path = model;
+  p.port = 0;
+  p.n_parallel = 1;
+  p.n_ctx = 64;
+  p.n_threads = 1;
+  const std::unique_ptr<server> first = server::create(p);
+  ASSERT_GT(first->port(), 0);
+  server_params q = p;
+  q.port = first->port();
+  const std::string where = "127.0.0.1:" + std::to_string(q.port);
+  try {
+    const std::unique_ptr<server> second = server::create(q);
+    FAIL() << "a second server bound " << where << " beside the first";
+  } catch (const error& e) {
+    EXPECT_EQ(e.code(), errc::io) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cannot listen on " + where + ": address already in use"), std::string::npos)
+        << e.what();
+  }
+
+  // kvq server against a plain listening socket (SO_REUSEADDR, as most servers set): exit code 2.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  int yes = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, (sockaddr*)&a, sizeof a), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  socklen_t len = sizeof a;
+  ASSERT_EQ(getsockname(fd, (sockaddr*)&a, &len), 0);
+  const std::string port = std::to_string(ntohs(a.sin_port));
+  const test::cmd_result r =
+      test::run_cmd({test::kvq_bin(), "server", "-m", model, "--port", port, "-c", "64", "--parallel", "1", "-t", "1"});
+  ::close(fd);
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_NE(r.err.find("cannot listen on 127.0.0.1:" + port + ": address already in use"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("listening on"), std::string::npos) << r.err;
+}
+
+// A --chat-template-file kvq does not render stops the server at start-up naming the file, what the
+// template holds and the formats kvq renders (not "--chat-template-file takes another template").
+TEST(HttpServer, RejectedChatTemplateFileSaysWhatIsSupported) {
+  KVQ_REQUIRE_DATA(model, kTinylit);
+  const std::string file = ::testing::TempDir() + "kvq_llama3_template.jinja";
+  {
+    std::ofstream f(file);
+    f << "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+         "{% endfor %}";
+  }
+  server_params p;
+  p.model_path = model;
+  p.port = 0;
+  p.n_parallel = 1;
+  p.n_ctx = 64;
+  p.n_threads = 1;
+  p.chat_template_file = file;
+  try {
+    server::create(p);
+    FAIL() << "the template was accepted";
+  } catch (const error& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(e.code(), errc::unsupported) << msg;
+    EXPECT_NE(msg.find("[server] --chat-template-file '" + file + "': "), std::string::npos) << msg;
+    EXPECT_NE(msg.find("found <|start_header_id|> (Llama 3)"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("kvq renders two formats"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("takes another template text"), std::string::npos) << msg;
+  }
+  std::remove(file.c_str());
+}
+
+// A non-streamed request whose client sends Accept-Encoding: gzip (the openai client does) and
+// hangs up while it generates is cancelled and its pages freed, as without gzip: the space the
+// server writes every 200 ms must reach the socket (a compressed body would buffer it, the write
+// would never fail, and the request would run all its tokens). Reference: /metrics' counters.
+TEST(HttpServer, NonStreamedGzipClientThatLeavesIsCancelled) {
+  KVQ_REQUIRE_MODEL(model, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+  server_params p;
+  p.model_path = model;
+  p.port = 0;
+  p.n_parallel = 1;
+  p.n_ctx = 1024;
+  p.n_threads = 1;
+  running_server s(p);
+  const int max_tokens = 600;  // far more than this host generates in the test's seconds
+  const std::string body = json{{"prompt", "def fibonacci(n):"}, {"max_tokens", max_tokens}, {"ignore_eos", true}}.dump();
+  const int fd = connect_local(s.port());
+  ASSERT_GE(fd, 0);
+  send_all(fd, request_text("POST", "/v1/completions", body, "Accept-Encoding: gzip, deflate, br\r\n"));
+  // Past the first second the reply is chunked: read its headers, then hang up mid-body.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  char buf[1024];
+  const ssize_t n = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+  const std::string head = n > 0 ? std::string(buf, (size_t)n) : "";
+  EXPECT_NE(head.find("Transfer-Encoding: chunked"), std::string::npos) << head;
+  EXPECT_EQ(head.find("Content-Encoding"), std::string::npos) << head;
+  EXPECT_EQ(metric(s.port(), "sequences_active"), 1);
+  ::close(fd);
+  double cancelled = 0, active = 1;
+  for (int i = 0; i < 100 && (cancelled != 1 || active != 0); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    cancelled = metric(s.port(), "requests_cancelled_total");
+    active = metric(s.port(), "sequences_active");
+  }
+  EXPECT_EQ(cancelled, 1);
+  EXPECT_EQ(active, 0);
+  EXPECT_EQ(metric(s.port(), "requests_finished_total"), 0);
+  EXPECT_LT(metric(s.port(), "tokens_generated_total"), max_tokens);
+  EXPECT_EQ(metric(s.port(), "kv_pages_in_use"), 0);
+}
+
+// Chat on a model without a chat template (Gemma 3 270M base) is the client's error, 400
+// invalid_request_error (a 5xx would be retried by the openai client), saying how to give one; the
+// model still serves completions.
+TEST(HttpServer, ChatWithoutATemplateIs400) {
+  KVQ_REQUIRE_MODEL(model, "gemma-3-270m-q4_k_m.gguf");
+  server_params p;
+  p.model_path = model;
+  p.port = 0;
+  p.n_parallel = 1;
+  p.n_ctx = 128;
+  p.n_threads = 1;
+  running_server s(p);
+  const std::string msgs = R"({"messages":[{"role":"user","content":"hi"}],"max_tokens":2})";
+  for (const char* path : {"/v1/chat/completions", "/apply-template"}) {
+    const reply r = http(s.port(), "POST", path, msgs);
+    EXPECT_EQ(r.status, 400) << path << ": " << r.body;
+    const json e = json::parse(r.body, nullptr, false).value("error", json::object());
+    EXPECT_EQ(e.value("type", ""), "invalid_request_error") << r.body;
+    EXPECT_EQ(e.value("code", ""), "no_chat_template") << r.body;
+    const std::string msg = e.value("message", "");
+    EXPECT_NE(msg.find("has no chat template"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("--chat-template-file"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("/v1/completions"), std::string::npos) << msg;
+  }
+  const reply c = http(s.port(), "POST", "/v1/completions", R"({"prompt":"hi","max_tokens":2,"temperature":0})");
+  EXPECT_EQ(c.status, 200) << c.body;
+}
+
+}  // namespace
+}  // namespace kvq
