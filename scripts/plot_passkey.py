@@ -38,9 +38,10 @@ def panel(ax, r):
     ax.set_ylabel("context length (tokens)", fontsize=7)
     kv = r["kv_type_k"] if r["kv_type_k"] == r["kv_type_v"] else r["kv_type_k"] + "/" + r["kv_type_v"]
     dev = " (GPU)" if r.get("device", "cpu") == "cuda" else ""
-    ax.set_title("%s%s  %.0f B/tok\n%s\naccuracy %.1f %% (%s trials/cell)" %
+    n = r["trials_per_cell"]  # a count, or "2-5" for merged runs of different counts
+    ax.set_title("%s%s  %.0f B/tok\n%s\naccuracy %.1f %% (%s trial%s/cell)" %
                  (kv, dev, r["kv_bytes_per_token"], "\n".join(textwrap.wrap(r["kv_cache"], 48)), 100 * r["accuracy"],
-                  r["trials_per_cell"]), fontsize=7)
+                  n, "" if n == 1 else "s"), fontsize=7)
     return im
 
 
@@ -82,13 +83,27 @@ def group_results(results):
     return [merge(groups[k]) for k in order]
 
 
+def load(path):
+    """One eval-passkey --json result, or exit with a one-line error naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            r = json.load(f)
+    except OSError as e:
+        sys.exit("plot_passkey.py: cannot read %s: %s" % (path, e.strerror or e))
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        sys.exit("plot_passkey.py: %s is not JSON (%s); give the output of kvq eval-passkey --json" % (path, e))
+    keys = ("model", "cells", "lengths", "depths", "accuracy", "trials_per_cell", "kv_type_k", "kv_type_v", "kv_cache",
+            "kv_bytes_per_token")
+    missing = [k for k in keys if not isinstance(r, dict) or k not in r]
+    if missing:
+        sys.exit("plot_passkey.py: %s is not a kvq eval-passkey --json result (no %s)" % (path, ", ".join(missing)))
+    return r
+
+
 def main():
     if len(sys.argv) < 3:
         sys.exit(__doc__)
-    results = []
-    for path in sys.argv[1:-1]:
-        with open(path) as f:
-            results.append(json.load(f))
+    results = [load(path) for path in sys.argv[1:-1]]
     results = group_results(results)
     n = len(results)
     cols = min(n, 3)
