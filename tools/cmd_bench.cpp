@@ -129,14 +129,16 @@ double load_average() {
   return l;
 }
 
-// Runs f and re-tags a kvq::error from another layer as "[bench] <context><message>".
+// Runs f and re-tags a kvq::error from another layer as "[bench] <context><message>", except the
+// "[cuda] not supported ..." / "[cuda] no GPU visible ..." of a build or machine without a GPU,
+// which every command reports alike (README, CliDevice.CudaWithoutGpuIsNotSupported).
 template <typename F>
 auto as_bench(const std::string& context, F&& f) -> decltype(f()) {
   try {
     return f();
   } catch (const error& e) {
     std::string msg = e.what();
-    if (msg.rfind("[bench]", 0) == 0) throw;
+    if (msg.rfind("[bench]", 0) == 0 || msg.rfind("[cuda] ", 0) == 0) throw;
     if (!msg.empty() && msg[0] == '[' && msg.find("] ") != std::string::npos) msg = msg.substr(msg.find("] ") + 2);
     throw error(e.code(), "[bench] " + context + msg);
   }

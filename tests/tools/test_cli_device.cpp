@@ -1,4 +1,4 @@
-// kvq generate / perplexity / eval-passkey --device: cpu is the default engine; cuda without CUDA or
+// kvq generate / perplexity / eval-passkey / bench --device: cpu is the default engine; cuda without CUDA or
 // a GPU is a clear "not supported" error (exit 2, nothing on stdout), as is a device name kvq does
 // not know and a cache option the GPU does not run (in every build: checked on the host).
 #include <gtest/gtest.h>
@@ -23,7 +23,8 @@ TEST(CliDevice, CudaWithoutGpuIsNotSupported) {
        {std::vector<std::string>{"generate", "-m", model, "-p", "Once", "-n", "4"},
         std::vector<std::string>{"perplexity", "-m", model, "-f", text, "-c", "64", "--chunks", "1"},
         std::vector<std::string>{"eval-passkey", "-m", model, "-f", text, "--lengths", "320", "--depths", "50",
-                                 "--trials", "1", "--json"}}) {
+                                 "--trials", "1", "--json"},
+        std::vector<std::string>{"bench", "--shape", "qwen2.5-0.5b", "--shape-layers", "1"}}) {
     std::vector<std::string> argv{test::kvq_bin()};
     argv.insert(argv.end(), args.begin(), args.end());
     argv.insert(argv.end(), {"--device", "cuda"});
