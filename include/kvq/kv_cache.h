@@ -99,7 +99,8 @@ struct kv_cache_params {
   // channel_calib of each (layer, sequence), a fixed count, so that μ / λ are a function of those
   // positions only, not of how they were split into appends (-b, chunked prefill, one token at a
   // time, a loaded prefix; issue 15 item 5). Until all of them have arrived the cache keeps them as
-  // given ("staging" rows, the sides' exact element type, counted in bytes()) and compresses
+  // given ("staging" rows, the sides' exact element type, counted in bytes(); a paged cache keeps
+  // them in pages of its pool and returns those once calibrated, see stage_pages_for) and compresses
   // nothing: queries at positions below channel_calib attend them exactly. The append that brings
   // position channel_calib - 1 calibrates on positions [max(1, sink), channel_calib) (position 0
   // and the exact sink left out: on real models the attention sink's K is far from the rest) and
@@ -126,8 +127,9 @@ struct kv_cache_params {
   // one sequence for every global layer, kv head, K and V. A sequence takes pages on demand as it
   // appends and returns them on clear / truncate; pages are refcounted, so sequences can share a
   // prefix's full pages (kv_cache::save_prefix / load_prefix). Sliding-window rings, exact sink / tail rows and
-  // channel statistics stay per sequence. Attention over pages equals the contiguous cache's bit for
-  // bit. page_size 0: contiguous per-sequence storage. A KIVI side needs page_size % kivi_group == 0.
+  // channel statistics stay per sequence; the channel-calibration staging rows of the paged layers
+  // take pages of the pool (stage_pages_for), so a truncate below the calibrated positions is
+  // refused. Attention over pages equals the contiguous cache's bit for bit. page_size 0: contiguous per-sequence storage. A KIVI side needs page_size % kivi_group == 0.
   int page_size = 0;  // rows (tokens) per page; 0 = contiguous
   int n_pages = 0;    // pages in the pool; 0 = enough for every sequence at n_ctx
 };
@@ -228,6 +230,16 @@ class kv_cache {
   // Pages seq_id takes to hold n_pos positions (an upper bound: exact rows take none), at most
   // max_pages_per_seq; 0 for a contiguous cache.
   virtual int pages_for(int n_pos) const { (void)n_pos; return 0; }
+  // Staging pages: a compressed cache with channel statistics (k_channel_scale, the q8 / q4
+  // default) keeps a sequence's first channel_calib positions as given (f32) until they have all
+  // arrived (24,576 bytes a position on Qwen2.5-0.5B, twice f16's); a paged cache keeps them in
+  // pages of its pool (a page's bytes hold page_size * code bytes / f32 bytes of them: 8 positions a
+  // 64-row q4 page), taken as they arrive and returned once the sequence is calibrated, so that they
+  // come out of the pool like the body (issue 16). stage_pages_for(n): the most
+  // staging pages a sequence growing to n positions holds (the body's pages_for(n) come on top);
+  // seq_stage_pages(seq): those it holds now. 0 for caches without staging in pages.
+  virtual int stage_pages_for(int n_pos) const { (void)n_pos; return 0; }
+  virtual int seq_stage_pages(int seq_id) const { (void)seq_id; return 0; }
   // References a page from outside the sequences (a prefix cache), so that it is not reused while
   // held; unpin_page drops it (the page returns to the pool when nothing references it).
   // invalid_input for a page id out of range or not referenced by anyone (pin) / not pinned (unpin).

@@ -134,7 +134,26 @@ class kv_cache_quant final : public kv_cache {
     }
     if (p.page_size > 0) {
       const int per_seq = (body_cap + p.page_size - 1) / p.page_size;
-      pool_.init(p.page_size, p.n_pages > 0 ? p.n_pages : p.n_seq * per_seq, allocate_ ? p.n_seq : 0, per_seq);
+      // staging pages (stage_in_pages): positions per page as below, before the sides exist
+      bool any_paged = false;
+      for (bool x : paged_) any_paged = any_paged || x;
+      int ppp = 0, cal = 0;
+      {
+        const kv_format bk = fk, bv = kv_traits(fv).layout == kv_layout::per_channel ? kv_traits(fv).kivi_v : fv;
+        const bool ck = kv_traits(bk).layout != kv_layout::dense, cv = kv_traits(bv).layout != kv_layout::dense;
+        if (((p.channel_scale || k_channel_scale_) && ck) || (p.channel_scale && cv)) cal = std::min(p.channel_calib, p.n_ctx);
+        ppp = p.n_ctx;
+        for (auto [f, c] : {std::pair{bk, ck}, std::pair{bv, cv}}) {
+          const size_t eb = c ? 4 : kv_elem_bytes(elem_of(f)), frag = (size_t)p.page_size * kv_code_bytes(f, p.head_dim);
+          ppp = frag % eb == 0 ? std::min<int>(ppp, (int)(frag / ((size_t)p.head_dim * eb))) : 0;
+        }
+        if (!any_paged || cal == 0) ppp = 0;
+      }
+      stage_ppp_ = ppp;
+      const int stage_per_seq = ppp > 0 ? (cal + ppp - 1) / ppp : 0;
+      // n_pages 0: every sequence at n_ctx, and its staging pages on the way there
+      pool_.init(p.page_size, p.n_pages > 0 ? p.n_pages : p.n_seq * (per_seq + stage_per_seq), allocate_ ? p.n_seq : 0,
+                 per_seq);
     }
     init_side(k_, "K", fk, /*is_v=*/false, heads);
     init_side(v_, "V", fv, /*is_v=*/true, heads);
@@ -145,6 +164,15 @@ class kv_cache_quant final : public kv_cache {
     const bool stats = ((p.channel_scale || k_channel_scale_) && k_.compressed) || (p.channel_scale && v_.compressed);
     cal_n_ = stats ? std::min(p.channel_calib, p.n_ctx) : 0;
     staged_.assign((size_t)p.n_layer * p.n_seq, 0);
+    // staging rows of the paged layers in pages of the pool (stage_ppp_ above): a page's code bytes
+    // of a side hold P * code_row / (head_dim * element bytes) positions of that side (all kv heads),
+    // the fewer of K and V; 0 (the heap array below) when a page holds none or a paged layer's rows
+    // would not be aligned to their element
+    KVQ_ASSERT(stage_ppp_ == 0 || cal_n_ > 0);
+    for (const auto* s : {&k_, &v_})
+      for (int il = 0; il < p.n_layer; ++il)
+        if (paged_[il] && s->row0[il] * s->code_row % kv_elem_bytes(stage_elem(*s)) != 0) stage_ppp_ = 0;
+    for (int il = 0; il < p.n_layer; ++il) heap_stage_ = heap_stage_ || (cal_n_ > 0 && !stage_in_pages(il));
     for (auto* s : {&k_, &v_}) {
       s->planned += stage_bytes(*s);
       if (allocate_) s->stage.assign(stage_bytes(*s), 0);
@@ -172,7 +200,10 @@ class kv_cache_quant final : public kv_cache {
       lambda_set_[(size_t)il * p_.n_seq + seq_id] = 0;  // the next appends calibrate again
       staged_[(size_t)il * p_.n_seq + seq_id] = 0;
     }
-    if (pool_.on()) pool_.shrink(seq_id, 0);
+    if (pool_.on()) {
+      pool_.shrink(seq_id, 0);
+      pool_.stage_shrink(seq_id, 0);
+    }
   }
   kv_page_info page_info() const override { return pool_.info(page_bytes()); }
   std::vector<int> seq_pages(int seq_id) const override {
@@ -181,6 +212,13 @@ class kv_cache_quant final : public kv_cache {
   }
   // body rows <= positions (the sink and tail rows take no page)
   int pages_for(int n) const override { return pool_.pages_for(n, p_.n_ctx); }
+  int stage_pages_for(int n) const override {
+    return stage_ppp_ > 0 ? stage_pages_of(std::min({n, cal_n_, p_.n_ctx})) : 0;
+  }
+  int seq_stage_pages(int seq_id) const override {
+    check_layer_seq("seq_stage_pages", 0, seq_id);
+    return pool_.on() ? (int)pool_.stage(seq_id).size() : 0;
+  }
   void pin_page(int page) override {
     if (!pool_.on()) kv_cache::pin_page(page);
     pool_.pin(page);
@@ -193,12 +231,31 @@ class kv_cache_quant final : public kv_cache {
   std::shared_ptr<const kv_prefix> save_prefix(int seq_id) override {
     check_layer_seq("save_prefix", 0, seq_id);
     if (!can_save_prefix()) return kv_cache::save_prefix(seq_id);
+    // the staging rows are copied (the sequence goes on writing its staging pages); a loader takes
+    // as many staging pages, stage_pages_held(n_pos), before it copies them back
+    if ((int)pool_.stage(seq_id).size() != stage_pages_held(n_pos(seq_id)))
+      fail_input("[kv_cache] save_prefix: seq " + std::to_string(seq_id) + " is between layers of an append");
     return kv_save_paged_prefix(this, pool_, seq_id, n_pos(seq_id), paged_rows(seq_id), seq_regions(seq_id));
   }
   void load_prefix(int seq_id, const kv_prefix& p) override {
     check_layer_seq("load_prefix", 0, seq_id);
     if (!can_save_prefix()) kv_cache::load_prefix(seq_id, p);
-    const auto [from, to] = kv_load_paged_prefix(this, pool_, seq_id, n_pos(seq_id), p, seq_regions(seq_id));
+    const int n_stage = n_pos(seq_id) == 0 ? stage_pages_held(p.n_pos()) : 0;
+    const bool copy = p.n_full_pages() < p.n_pages();  // a partly filled last page: one more free page
+    if (n_stage > 0 && pool_.n_free() < n_stage + (copy ? 1 : 0))
+      fail_input("[kv_cache] load_prefix: seq " + std::to_string(seq_id) + " needs " + std::to_string(n_stage) +
+                 " pages for its channel-calibration rows" + (copy ? " and one for a page copy" : "") + ", the pool has " +
+                 std::to_string(pool_.n_free()) + " free");
+    const int had = (int)pool_.stage(seq_id).size();
+    pool_.stage_grow(seq_id, n_stage);
+    std::pair<int, int> ft;
+    try {
+      ft = kv_load_paged_prefix(this, pool_, seq_id, n_pos(seq_id), p, seq_regions(seq_id));
+    } catch (...) {
+      pool_.stage_shrink(seq_id, had);
+      throw;
+    }
+    const auto [from, to] = ft;
     if (from >= 0) copy_page(from, to);
     for (int il = 0; il < p_.n_layer; ++il) st(il, seq_id).fresh_id = 0;  // exact copies belong to an append of the saver
   }
@@ -234,8 +291,11 @@ class kv_cache_quant final : public kv_cache {
     for (const auto* s : {&k_, &v_})
       if (!s->lambda.empty()) b += n_set * 2 * (size_t)p_.n_kv_head * p_.head_dim * sizeof(float);
     // staging rows held (a calibrated sequence keeps its cal_n_; truncate below them needs them)
-    for (int x : staged_)
-      for (const auto* s : {&k_, &v_}) b += (size_t)x * p_.n_kv_head * p_.head_dim * kv_elem_bytes(stage_elem(*s));
+    // (those in staging pages are in n_seq_held above)
+    for (size_t i = 0; i < staged_.size(); ++i)
+      if (!stage_in_pages((int)(i / p_.n_seq)))
+        for (const auto* s : {&k_, &v_})
+          b += (size_t)staged_[i] * p_.n_kv_head * p_.head_dim * kv_elem_bytes(stage_elem(*s));
     return b;
   }
   std::string describe() const override {
@@ -361,7 +421,13 @@ class kv_cache_quant final : public kv_cache {
       r.push_back({reinterpret_cast<uint8_t*>(&staged_[(size_t)il * p_.n_seq + seq_id]), sizeof(int)});
       const size_t h0 = head_index(il, seq_id, 0);
       for (auto* s : {&k_, &v_}) {
-        if (cal_n_ > 0) r.push_back({stage_row(*s, il, seq_id, 0), stage_bytes(*s) / ((size_t)p_.n_layer * p_.n_seq)});
+        if (stage_in_pages(il)) {  // the staging pages it holds, whole
+          const size_t pos_bytes = nh * hd * kv_elem_bytes(stage_elem(*s));
+          for (size_t j = 0; j < pool_.stage(seq_id).size(); ++j)
+            r.push_back({stage_row(*s, il, seq_id, (int)j * stage_ppp_), (size_t)stage_ppp_ * pos_bytes});
+        } else if (cal_n_ > 0) {
+          r.push_back({stage_row(*s, il, seq_id, 0), stage_bytes(*s) / ((size_t)p_.n_layer * p_.n_seq)});
+        }
         if (!s->lambda.empty()) {
           r.push_back({reinterpret_cast<uint8_t*>(&s->lambda[h0 * hd]), nh * hd * sizeof(float)});
           r.push_back({reinterpret_cast<uint8_t*>(&s->mu[h0 * hd]), nh * hd * sizeof(float)});
@@ -382,13 +448,28 @@ class kv_cache_quant final : public kv_cache {
   // side stages f32: its values are as given, before centring (f16 would round a K of 210, Qwen's
   // bias, in steps of 0.125); a dense side its own element type, what it stores.
   static kv_elem stage_elem(const side_store& s) { return s.compressed ? kv_elem::f32 : s.exact_elem; }
+  // Bytes of the heap staging array (0 when every layer stages in pages).
   size_t stage_bytes(const side_store& s) const {
+    if (!heap_stage_) return 0;
     return (size_t)p_.n_layer * p_.n_seq * cal_n_ * p_.n_kv_head * p_.head_dim * kv_elem_bytes(stage_elem(s));
   }
-  // Staging row of position pos (all kv heads) of layer il, seq.
+  // Whether layer il keeps its staging rows in staging pages (a paged layer of a paged cache whose
+  // pages hold at least one position of them) rather than the heap array.
+  bool stage_in_pages(int il) const { return stage_ppp_ > 0 && paged_[il]; }
+  int stage_pages_of(int n) const { return n <= 0 ? 0 : (n + stage_ppp_ - 1) / stage_ppp_; }
+  // Staging pages a sequence of n positions holds between appends: those of its n staged positions
+  // until it is calibrated (n >= cal_n_), then none.
+  int stage_pages_held(int n) const { return stage_ppp_ > 0 && n < cal_n_ ? stage_pages_of(n) : 0; }
+  // Staging row of position pos (all kv heads, [n_kv_head, head_dim] stage_elem) of layer il, seq:
+  // in the heap array [n_layer, n_seq, cal_n_, n_kv_head, head_dim], or in staging page pos / ppp of
+  // seq, whose code bytes of layer il hold [ppp, n_kv_head, head_dim] (rows of one page contiguous).
   uint8_t* stage_row(side_store& s, int il, int seq, int pos) {
-    return s.stage.data() +
-           (((size_t)il * p_.n_seq + seq) * cal_n_ + pos) * p_.n_kv_head * p_.head_dim * kv_elem_bytes(stage_elem(s));
+    const size_t row = (size_t)p_.n_kv_head * p_.head_dim * kv_elem_bytes(stage_elem(s));
+    if (stage_in_pages(il)) {
+      const size_t pg = pool_.stage(seq)[(size_t)(pos / stage_ppp_)];
+      return s.codes.data() + (s.row0[il] + pg * p_.n_kv_head * p_.page_size) * s.code_row + (size_t)(pos % stage_ppp_) * row;
+    }
+    return s.stage.data() + (((size_t)il * p_.n_seq + seq) * cal_n_ + pos) * row;
   }
   // Positions layer il of seq holds: the staged ones until its channel statistics are calibrated,
   // then those of the store (which then holds every position, the staged ones included).
@@ -496,6 +577,8 @@ class kv_cache_quant final : public kv_cache {
   std::vector<uint8_t> lambda_set_;  // [n_layer, n_seq] channel statistics calibrated
   int cal_n_ = 0;                    // min(channel_calib, n_ctx) when there are channel statistics, else 0
   std::vector<int> staged_;          // [n_layer, n_seq] positions in the staging rows (<= cal_n_)
+  int stage_ppp_ = 0;                // staging positions per staging page (0: none in pages; stage_in_pages)
+  bool heap_stage_ = false;          // some layer stages in the heap array (side_store::stage)
   std::vector<int64_t> staged_item0_;  // attend_staged's first work item of each sequence
   // [n_seq] exact copies of the rows the latest prefill append compressed (scratch: grown on demand to
   // at most (n_ubatch + U - 2) x n_kv_head rows per side, not in bytes(), like xk_ / xv_)
@@ -668,7 +751,13 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
     }
   }
   const int m = std::min(n_tokens, cal_n_ - done);
-  for (auto* s : {&k_, &v_}) store_elems(stage_row(*s, il, seq_id, done), stage_elem(*s), s == &k_ ? k : v, m * (int)row);
+  if (stage_in_pages(il)) {  // the first layer to reach these positions takes their staging pages
+    pool_.check_stage("append", seq_id, stage_pages_of(done + m));
+    pool_.stage_grow(seq_id, stage_pages_of(done + m));
+  }
+  for (auto* s : {&k_, &v_})
+    for (int t = 0; t < m; ++t)
+      store_elems(stage_row(*s, il, seq_id, done + t), stage_elem(*s), (s == &k_ ? k : v) + (size_t)t * row, (int)row);
   if (done + m < cal_n_) {
     staged_[i] = done + m;
     return;
@@ -681,7 +770,9 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
   const int n_all = cal_n_ + n_tokens - m;
   std::vector<float> ak((size_t)n_all * row), av((size_t)n_all * row);
   for (auto [s, a] : {std::pair{&k_, &ak}, std::pair{&v_, &av}})
-    for (size_t e = 0; e < (size_t)cal_n_ * row; ++e) (*a)[e] = load_elem(stage_row(*s, il, seq_id, 0), stage_elem(*s), (int)e);
+    for (int t = 0; t < cal_n_; ++t)
+      for (size_t e = 0; e < row; ++e)
+        (*a)[(size_t)t * row + e] = load_elem(stage_row(*s, il, seq_id, t), stage_elem(*s), (int)e);
   for (side_store* s : {&k_, &v_})
     if (!s->lambda.empty())
       calibrate_channels(*s, il, seq_id, cal_n_ - skip, (s == &k_ ? ak : av).data() + (size_t)skip * row);
@@ -696,6 +787,8 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
     throw;
   }
   staged_[i] = cal_n_;
+  // the last layer calibrated: the staging pages go back to the pool (their rows are in the store now)
+  if (il == p_.n_layer - 1 && stage_ppp_ > 0) pool_.stage_shrink(seq_id, 0);
 }
 
 void kv_cache_quant::append_stored(int il, int seq_id, int n_tokens, const float* k, const float* v) {
@@ -790,7 +883,13 @@ void kv_cache_quant::truncate(int seq_id, int n_keep) {
   check_layer_seq("truncate", 0, seq_id);
   if (n_keep < 0) fail_input("[kv_cache] truncate: n_pos must be >= 0, got " + std::to_string(n_keep));
   if (cal_n_ > 0 && n_keep < cal_n_) {  // back into the calibration positions: calibrate again later
+    if (n_keep > 0 && stage_ppp_ > 0 && n_pos(seq_id) >= cal_n_)
+      fail_input("[kv_cache] truncate: seq " + std::to_string(seq_id) + " would keep " + std::to_string(n_keep) +
+                 " of the " + std::to_string(cal_n_) + " positions its channel statistics were calibrated on " +
+                 "(channel_calib), whose exact rows a paged cache returns to the pool once calibrated: truncate to 0 "
+                 "(clear) or to at least " + std::to_string(cal_n_));
     truncate_stored(seq_id, 0);
+    if (pool_.on()) pool_.stage_shrink(seq_id, stage_pages_of(n_keep));
     for (int il = 0; il < p_.n_layer; ++il) {
       int& s = staged_[(size_t)il * p_.n_seq + seq_id];
       s = std::min(s, n_keep);
@@ -904,13 +1003,27 @@ void kv_cache_quant::attend_staged(int il, const attend_seq* seqs, int n, int n_
     o.resize((size_t)ng * hd);
     sts.resize(ng);
     kv_dense_view dv;
-    dv.k = stage_row(k_, il, a.seq_id, 0) + (size_t)h * hd * kv_elem_bytes(stage_elem(k_));
-    dv.v = stage_row(v_, il, a.seq_id, 0) + (size_t)h * hd * kv_elem_bytes(stage_elem(v_));
+    dv.n_pos = std::min(n_st, a.pos0 + t + 1);
     dv.type_k = stage_elem(k_);
     dv.type_v = stage_elem(v_);
-    dv.row_stride = (int64_t)nh * hd;
     dv.pos_begin = 0;
-    dv.n_pos = std::min(n_st, a.pos0 + t + 1);
+    if (stage_in_pages(il) && dv.n_pos > stage_ppp_) {
+      // rows on several staging pages: head h's rows gathered into this thread's buffers
+      thread_local std::vector<uint8_t> gk, gv;
+      for (auto [s, g] : {std::pair{&k_, &gk}, std::pair{&v_, &gv}}) {
+        const size_t eb = (size_t)hd * kv_elem_bytes(stage_elem(*s));
+        g->resize((size_t)dv.n_pos * eb);
+        for (int r = 0; r < dv.n_pos; ++r)
+          std::memcpy(g->data() + (size_t)r * eb, stage_row(*s, il, a.seq_id, r) + (size_t)h * eb, eb);
+      }
+      dv.k = gk.data();
+      dv.v = gv.data();
+      dv.row_stride = hd;
+    } else {
+      dv.k = stage_row(k_, il, a.seq_id, 0) + (size_t)h * hd * kv_elem_bytes(stage_elem(k_));
+      dv.v = stage_row(v_, il, a.seq_id, 0) + (size_t)h * hd * kv_elem_bytes(stage_elem(v_));
+      dv.row_stride = (int64_t)nh * hd;
+    }
     dv.head_dim = hd;
     attn_query_view qv;
     qv.q = a.q + ((size_t)t * n_head + (size_t)h * ng) * hd;

@@ -35,6 +35,7 @@ class kv_page_pool {
     free_.clear();
     for (int i = n_pages - 1; i >= 0; --i) free_.push_back(i);  // lowest id taken first
     table_.assign((size_t)n_seq, {});
+    stage_.assign((size_t)n_seq, {});
   }
   bool on() const { return P_ > 0; }
   int page_size() const { return P_; }
@@ -52,6 +53,37 @@ class kv_page_pool {
   // kv_cache::pages_for: pages a sequence of n positions (at most n_ctx) holds (0 when not paged).
   int pages_for(int n, int n_ctx) const {
     return on() ? std::min(pages_for_rows(std::min(n, n_ctx)), max_per_seq_) : 0;
+  }
+  // Staging pages: pages seq holds beside its table for rows that are not body rows (a compressed
+  // cache's channel-calibration rows, kv_cache_quant), never shared or pinned; taken and dropped
+  // whole, so that they come out of the same budget as the body.
+  const std::vector<int>& stage(int seq) const { return stage_[(size_t)seq]; }
+  // invalid_input (op first) unless seq can hold n staging pages from the free pages.
+  void check_stage(const char* op, int seq, int n) const {
+    const int need = n - (int)stage(seq).size();
+    if (need > n_free())
+      fail_input(std::string("[kv_cache] ") + op + ": seq " + std::to_string(seq) + " needs " + std::to_string(need) +
+                 " more pages for its channel-calibration rows, the pool has " + std::to_string(n_free()) + " free of " +
+                 std::to_string(n_pages()) + " (raise n_pages / --kv-budget, or end sequences)");
+  }
+  // Takes pages until seq holds n staging pages (check_stage first).
+  void stage_grow(int seq, int n) {
+    auto& t = stage_[(size_t)seq];
+    while ((int)t.size() < n) {
+      KVQ_ASSERT(!free_.empty());
+      const int pg = free_.back();
+      free_.pop_back();
+      refs_[(size_t)pg] = 1;
+      t.push_back(pg);
+    }
+  }
+  // Drops seq's staging pages beyond its first n.
+  void stage_shrink(int seq, int n) {
+    auto& t = stage_[(size_t)seq];
+    while ((int)t.size() > std::max(n, 0)) {
+      unref(t.back());
+      t.pop_back();
+    }
   }
   // Pages referenced by at least one sequence (not only pinned).
   int n_seq_held() const {
@@ -158,6 +190,7 @@ class kv_page_pool {
   std::vector<int> pins_;                // [n_pages] pins
   std::vector<int> free_;                // free page ids (taken from the back)
   std::vector<std::vector<int>> table_;  // [n_seq] page ids in row order
+  std::vector<std::vector<int>> stage_;  // [n_seq] staging page ids in order
 };
 
 // The kv_prefix of the paged caches (kv_cache::save_prefix): the pages that held a sequence's first

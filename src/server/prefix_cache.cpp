@@ -70,7 +70,18 @@ void prefix_cache::insert(const int32_t* tokens, int n_tokens,
     parent = id;
   }
   if (parent < 0 || nodes_[(size_t)parent].state) return;
-  nodes_[(size_t)parent].state = save();
+  auto state = save();
+  if (state->bytes() > max_bytes_) {  // would not fit even alone: not kept (its path goes too)
+    for (int id = parent; id >= 0;) {
+      const node& n = nodes_[(size_t)id];
+      if (n.state || n.n_children > 0) break;
+      const int up = n.parent;
+      drop(id);
+      id = up;
+    }
+    return;
+  }
+  nodes_[(size_t)parent].state = std::move(state);
   bytes_ += nodes_[(size_t)parent].state->bytes();
   const kv_prefix* keep = nodes_[(size_t)parent].state.get();
   while (bytes_ > max_bytes_ && evict_one(keep)) {

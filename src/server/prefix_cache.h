@@ -33,7 +33,7 @@ class prefix_cache {
   // Saves the state after tokens[0, n_tokens) (a multiple of block), taken from save() unless it is
   // saved already; missing nodes on its path are added without a state. Then drops least recently
   // used states (never this one) while the saved bytes exceed max_bytes, so bytes() <= max_bytes
-  // unless this state alone exceeds it.
+  // always: a state larger than max_bytes alone is not kept.
   void insert(const int32_t* tokens, int n_tokens, const std::function<std::shared_ptr<const kv_prefix>()>& save);
   // Drops the least recently used state that is not `keep` (a leaf's before an inner node's of the
   // same use; an inner node stays on the path, a leaf left without a state goes with its bare

@@ -22,6 +22,7 @@ struct scheduler::slot {
   int n_generated = 0;
   uint64_t order = 0;    // admission order (prefill priority)
   int reserved = 0;      // pages its longest run may hold (paged cache)
+  int stage_reserved = 0;  // staging pages it may hold until calibrated (0 once it holds none after a step)
   int saved = 0;         // prompt positions up to which its states went to the prefix cache
   bool active() const { return job != nullptr; }
   bool prefilling() const { return n_past < (int)req.prompt.size(); }
@@ -78,9 +79,22 @@ scheduler::scheduler(model& m, const tokenizer& tok, const scheduler_params& p)
     }
     engine_ = make_cuda_step_engine(m_, cp, std::max(p_.n_batch, p_.n_parallel), p_.cuda_graphs);
   } else if (p_.kv_page > 0 && p_.kv_budget_bytes > 0) {
+    // The budget holds all of the cache: what the slots keep outside the pool (exact sink / recent
+    // rows, channel statistics, sliding-window rings: `outside`, allocated for every slot up front),
+    // the prefix store's copies of that (a 16th of the rest, when there is any), and the pool, whose
+    // pages hold the sequences' body rows and their channel-calibration rows (staging pages).
     const size_t page_bytes = kv_page_bytes(cp);
+    kv_cache_params one = cp;
+    one.n_pages = 1;
+    const size_t outside = page_bytes == 0 ? 0 : kv_bytes_at_ctx(one) - page_bytes;
+    if (outside >= p_.kv_budget_bytes)
+      fail_input("[server] --kv-budget " + gib((double)p_.kv_budget_bytes) + " is below the " + gib((double)outside) +
+                 " the " + std::to_string(p_.n_parallel) + " slots keep outside the page pool (exact rows, channel "
+                 "statistics, sliding-window rings): raise --kv-budget or lower --parallel");
+    prefix_budget_ = outside > 0 ? (p_.kv_budget_bytes - outside) / 16 : 0;
+    const size_t pool_bytes = p_.kv_budget_bytes - outside - prefix_budget_;
     const int64_t full = (int64_t)p_.n_parallel * ((p_.n_ctx + p_.kv_page - 1) / p_.kv_page);
-    cp.n_pages = page_bytes == 0 ? 0 : (int)std::min<int64_t>(full, (int64_t)(p_.kv_budget_bytes / page_bytes));
+    cp.n_pages = page_bytes == 0 ? 0 : (int)std::min<int64_t>(full, (int64_t)(pool_bytes / page_bytes));
     if (page_bytes > 0 && cp.n_pages == 0)
       fail_input("[server] --kv-budget " + gib((double)p_.kv_budget_bytes) + " holds no page of " +
                  std::to_string(p_.kv_page) + " tokens (" + std::to_string(page_bytes) + " bytes each)");
@@ -89,6 +103,15 @@ scheduler::scheduler(model& m, const tokenizer& tok, const scheduler_params& p)
   split_free_ = engine_->split_free();
   cache_describe_ = engine_->describe();
   pages_ = engine_->page_info();
+  const int seq_need = pages_.max_pages_per_seq + engine_->stage_pages_for(p_.n_ctx);
+  if (pages_.page_size > 0 && seq_need > pages_.n_pages && engine_->stage_pages_for(p_.n_ctx) > 0)
+    fail_input("[server] --kv-budget " + gib((double)p_.kv_budget_bytes) + " holds " + std::to_string(pages_.n_pages) +
+               " pages of " + std::to_string(pages_.page_size) + " tokens (" + std::to_string(pages_.page_bytes) +
+               " bytes each), fewer than the " + std::to_string(seq_need) + " one sequence at -c " +
+               std::to_string(p_.n_ctx) + " may hold (" + std::to_string(engine_->stage_pages_for(p_.n_ctx)) +
+               " of them for its channel-calibration rows): raise --kv-budget to at least " +
+               gib((double)seq_need * pages_.page_bytes + (double)(p_.kv_budget_bytes > 0 ? engine_->bytes() - (size_t)pages_.n_pages * pages_.page_bytes : 0)) +
+               " or lower -c");
   if (pages_.page_size > 0 && pages_.max_pages_per_seq > pages_.n_pages)
     fail_input("[server] --kv-budget " + gib((double)p_.kv_budget_bytes) + " holds " + std::to_string(pages_.n_pages) +
                " pages of " + std::to_string(pages_.page_size) + " tokens (" + std::to_string(pages_.page_bytes) +
@@ -97,7 +120,12 @@ scheduler::scheduler(model& m, const tokenizer& tok, const scheduler_params& p)
                gib((double)pages_.max_pages_per_seq * pages_.page_bytes) + " or lower -c");
   if (p_.prefix_reuse && engine_->cpu_cache() && engine_->cpu_cache()->can_save_prefix()) {
     // saved states outside the pool (exact rows, statistics, rings) up to a quarter of the pool
-    prefix_ = std::make_unique<prefix_cache>(p_.n_batch, std::max<size_t>((size_t)pages_.n_pages * pages_.page_bytes / 4, 1u << 20));
+    // (with --kv-budget: the share of the budget set aside above)
+    // (without: a quarter of the pool, at least two slots' state outside pages, so a state fits)
+    const size_t pool_bytes = (size_t)pages_.n_pages * pages_.page_bytes;
+    const size_t slot_outside = (engine_->bytes() - std::min(engine_->bytes(), pool_bytes)) / (size_t)p_.n_parallel;
+    const size_t cap = p_.kv_budget_bytes > 0 ? prefix_budget_ : std::max({pool_bytes / 4, (size_t)1 << 20, 2 * slot_outside});
+    prefix_ = std::make_unique<prefix_cache>(p_.n_batch, cap);
   }
   for (int i = 0; i < p_.n_parallel; ++i) slots_.push_back(std::make_unique<slot>());
 
@@ -128,20 +156,23 @@ bool scheduler::admit(int i, uint64_t order) {
   auto& [job, req] = waiting_.front();
   const int n_prompt = (int)req.prompt.size();
   std::shared_ptr<const kv_prefix> shared;  // the saved prompt prefix this request starts from
-  int reserve = 0;
+  int reserve = 0, stage = 0;
   if (pages_.page_size > 0) {
     const int n_max = req.max_tokens >= 0 ? (int)std::min<int64_t>(p_.n_ctx, (int64_t)n_prompt + req.max_tokens) : p_.n_ctx;
     reserve = engine_->pages_for(n_max);
+    stage = engine_->stage_pages_for(n_max);
     // the last prompt token always runs (its logits)
     if (prefix_ && !job->cancelled()) shared = prefix_->match(req.prompt.data(), n_prompt - 1);
     // pages the running requests may still take
     auto outstanding = [&] {
       int o = 0;
       for (int j = 0; j < p_.n_parallel; ++j)
-        if (slots_[j]->active()) o += std::max(0, slots_[j]->reserved - engine_->seq_pages(j));
+        if (slots_[j]->active())
+          o += std::max(0, slots_[j]->reserved - engine_->seq_pages(j)) +
+               std::max(0, slots_[j]->stage_reserved - engine_->seq_stage_pages(j));
       return o;
     };
-    const int need = reserve - (shared ? shared->n_full_pages() : 0), owed = outstanding();
+    const int need = reserve + stage - (shared ? shared->n_full_pages() : 0), owed = outstanding();
     kv_page_info pi = engine_->page_info();
     const int cached_only = pi.n_pages - pi.n_free - pi.n_seq_held;
     if (pi.n_free + cached_only - owed < need) return false;  // waits: evicting would not make room
@@ -159,6 +190,7 @@ bool scheduler::admit(int i, uint64_t order) {
   s.next = -1;
   s.order = order;
   s.reserved = reserve;
+  s.stage_reserved = stage;
   s.saved = 0;
   s.text = std::make_unique<text_stream>(s.req.stop);
   ++n_active_;
@@ -272,6 +304,7 @@ void scheduler::loop() {
     kv_bytes_used_ = engine_->bytes_used();
     publish_pages();
     s.reserved = 0;
+    s.stage_reserved = 0;
     if (reason == "cancelled") ++n_cancelled_;
     else if (reason == "error") ++n_failed_;
     else ++n_finished_;
@@ -384,7 +417,12 @@ void scheduler::loop() {
     ++n_steps_;
     n_batch_tokens_ += tokens.size();
     batch_tokens_max_ = std::max(batch_tokens_max_.load(), (int)tokens.size());
-    for (int i = 0; i < p_.n_parallel; ++i) slots_[i]->n_past += chunk_len[i];
+    for (int i = 0; i < p_.n_parallel; ++i) {
+      slot& s = *slots_[i];
+      s.n_past += chunk_len[i];
+      // calibrated (or started from a calibrated prefix): its staging pages are back in the pool
+      if (s.active() && s.stage_reserved > 0 && s.n_past > 0 && engine_->seq_stage_pages(i) == 0) s.stage_reserved = 0;
+    }
     // a prompt prefilled to a chunk boundary: its state goes to the prefix cache
     if (prefix_) {
       for (int i = 0; i < p_.n_parallel; ++i) {

@@ -32,7 +32,8 @@
 //
 // Paged cache (kv_page > 0): the slots share one pool of pages (--kv-budget bytes). A request is
 // admitted when a slot is free and the pool can give it the pages of its longest possible run
-// (prompt + max_tokens, or n_ctx), counting what the running requests may still take; otherwise it
+// (prompt + max_tokens, or n_ctx) and its channel-calibration staging pages (kv_cache::stage_pages_for;
+// that part ends once it holds none after a step), counting what the running requests may still take; otherwise it
 // waits in the queue (FIFO). So an admitted request never runs out of pages, and nothing is
 // preempted. Its pages go back when it ends (finished, cancelled, failed). Prefix reuse
 // (prefix_cache.h): whenever a prompt's prefill reaches a chunk boundary (a multiple of n_batch), the
@@ -191,6 +192,7 @@ class scheduler {
   std::atomic<size_t> prefix_bytes_{0};
   kv_page_info pages_;  // the pool's shape (constant)
   bool split_free_ = true;  // prefill results do not depend on the pieces (step_engine::split_free)
+  size_t prefix_budget_ = 0;  // --kv-budget's share for the prefix store's copies outside the pool
 };
 
 }  // namespace kvq::server_detail

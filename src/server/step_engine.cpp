@@ -17,6 +17,8 @@ class cpu_step_engine final : public step_engine {
   kv_page_info page_info() const override { return cache_->page_info(); }
   int pages_for(int n_pos) const override { return cache_->pages_for(n_pos); }
   int seq_pages(int seq) const override { return (int)cache_->seq_pages(seq).size(); }
+  int stage_pages_for(int n_pos) const override { return cache_->stage_pages_for(n_pos); }
+  int seq_stage_pages(int seq) const override { return cache_->seq_stage_pages(seq); }
   size_t bytes() const override { return cache_->bytes(); }
   size_t bytes_used() const override { return cache_->bytes_used(); }
   std::string describe() const override { return cache_->describe(); }

@@ -33,6 +33,10 @@ class step_engine {
   virtual kv_page_info page_info() const = 0;
   virtual int pages_for(int n_pos) const = 0;  // pages a sequence of n_pos positions holds
   virtual int seq_pages(int seq) const = 0;    // pages sequence seq holds now
+  // Staging pages (kv_cache::stage_pages_for / seq_stage_pages): beside the body's pages, the most a
+  // sequence growing to n_pos positions holds and those seq holds now; 0 on the GPU.
+  virtual int stage_pages_for(int n_pos) const { (void)n_pos; return 0; }
+  virtual int seq_stage_pages(int seq) const { (void)seq; return 0; }
   virtual size_t bytes() const = 0;            // K/V bytes allocated
   virtual size_t bytes_used() const = 0;       // K/V bytes holding stored positions
   virtual std::string describe() const = 0;

@@ -150,7 +150,7 @@ TEST(kv_cache_paged, attention_equals_the_contiguous_cache_bit_for_bit) {
       // every page of the cleared sequence went back: the pool holds the live sequences' pages only
       const kv_page_info pi = paged->page_info();
       int held = 0;
-      for (int s = 0; s < 3; ++s) held += (int)paged->seq_pages(s).size();
+      for (int s = 0; s < 3; ++s) held += (int)paged->seq_pages(s).size() + paged->seq_stage_pages(s);
       EXPECT_EQ(pi.n_pages - pi.n_free, held);
       EXPECT_EQ(pi.n_seq_held, held);
       EXPECT_EQ(pi.page_bytes, kv_page_bytes(p));
@@ -333,6 +333,77 @@ TEST(kv_cache_paged, invalid_params_are_named) {
   expect(p, errc::invalid_input, "[kv_cache] page_size 16 must be a multiple of kivi_group 32");
   p = params("certified", "certified", 256, 2, 16);
   expect(p, errc::unsupported, "[kv_cache] certified cache: paged storage (page_size 16) is not supported");
+}
+
+}  // namespace
+}  // namespace kvq
+
+namespace kvq {
+namespace {
+
+// The K channel scale's staging rows (q4's first channel_calib positions, kept as given in f32:
+// kHd * kNh * 4 bytes a position per layer and side, twice f16's) are in pages of the pool, taken
+// as the positions arrive and returned once the sequence is calibrated: the cache allocates the
+// pool and the per-sequence exact rows and statistics, nothing per sequence for staging (issue 16:
+// 6.3 MB a slot on Qwen2.5-0.5B beside the budget). A truncate back below the calibrated positions,
+// whose exact rows are gone, is refused by name.
+TEST(kv_cache_paged, staging_rows_take_pool_pages_and_return_them) {
+  auto p = params("q4", "q4", 600, 2, 64);
+  p.channel_calib = 256;
+  auto c = make_kv_cache(p);
+  const size_t stage_pos = (size_t)kNh * kHd * 4;                    // one side, one layer, f32
+  const int ppp = (int)(64 * kv_code_bytes(kv_format::q4, kHd) / (kHd * 4));  // 64 rows of 32 B hold 8 positions
+  ASSERT_EQ(ppp, 8);
+  EXPECT_EQ(c->stage_pages_for(100), 13);
+  EXPECT_EQ(c->stage_pages_for(5000), 32);
+  // what the cache allocates: the pool and the 2 sequences' statistics (μ, λ of K), no staging array
+  const kv_page_info pi0 = c->page_info();
+  const size_t stats = (size_t)2 * 2 * 2 * kNh * kHd * 4;  // layers x seqs x (μ, λ) x kv heads x head_dim x f32
+  EXPECT_EQ(c->bytes(), (size_t)pi0.n_pages * pi0.page_bytes + stats);
+  EXPECT_LT(c->bytes(), (size_t)pi0.n_pages * pi0.page_bytes + 2 * 2 * 2 * 256 * stage_pos);
+  // the default pool: every sequence at n_ctx and its staging pages on the way there
+  EXPECT_EQ(pi0.n_pages, 2 * (c->pages_for(600) + 32));
+  const stream s(11, 600);
+  for (int il = 0; il < 2; ++il) c->append(il, 0, 100, s.kp(0), s.vp(0));
+  EXPECT_EQ(c->seq_stage_pages(0), 13);
+  EXPECT_EQ(c->seq_pages(0).size(), 0u);  // nothing compressed yet
+  EXPECT_EQ(c->page_info().n_seq_held, 13);
+  EXPECT_EQ(c->bytes_used(), 13 * pi0.page_bytes);
+  c->truncate(0, 50);  // still staging: back to 7 pages
+  EXPECT_EQ(c->seq_stage_pages(0), 7);
+  for (int il = 0; il < 2; ++il) c->append(il, 0, 250, s.kp(50), s.vp(50));  // 300: calibrated
+  EXPECT_EQ(c->seq_stage_pages(0), 0);
+  EXPECT_EQ(c->seq_pages(0).size(), (size_t)c->pages_for(300));
+  EXPECT_EQ(c->page_info().n_seq_held, c->pages_for(300));
+  try {
+    c->truncate(0, 100);
+    ADD_FAILURE() << "no error for a truncate below the calibrated positions";
+  } catch (const error& e) {
+    EXPECT_NE(std::string(e.what()).find("[kv_cache] truncate: seq 0 would keep 100 of the 256 positions its channel "
+                                         "statistics were calibrated on"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(c->n_pos(0), 300);
+  c->truncate(0, 256);  // at the calibrated positions: allowed
+  EXPECT_EQ(c->n_pos(0), 256);
+  c->truncate(0, 0);
+  EXPECT_EQ(c->page_info().n_free, pi0.n_pages);
+  // an exhausted pool refuses the staging rows before anything is written
+  auto q = p;
+  q.n_pages = 10;
+  auto small = make_kv_cache(q);
+  try {
+    small->append(0, 1, 100, s.kp(0), s.vp(0));
+    ADD_FAILURE() << "no error for an exhausted pool";
+  } catch (const error& e) {
+    EXPECT_NE(std::string(e.what()).find("[kv_cache] append: seq 1 needs 13 more pages for its channel-calibration "
+                                         "rows, the pool has 10 free of 10"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(small->n_pos(1), 0);
+  EXPECT_EQ(small->page_info().n_free, 10);
 }
 
 }  // namespace

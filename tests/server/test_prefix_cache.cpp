@@ -44,6 +44,12 @@ TEST(PrefixCache, StatesAlongOnePromptStayWithinTheCap) {
   auto m = pc.match(prompt.data(), (int)prompt.size());
   ASSERT_NE(m, nullptr);
   EXPECT_EQ(m->n_pos(), n_blocks * block);
+  // a state larger than the cap alone is not kept (nor its new path), the others stay
+  std::vector<int32_t> other(block, 3);
+  pc.insert(other.data(), block, [&] { return std::make_shared<fake_prefix>(block, cap + 1); });
+  EXPECT_FALSE(pc.contains(other.data(), block));
+  EXPECT_EQ(pc.bytes(), 4 * state_bytes);
+  EXPECT_EQ(pc.match(other.data(), block), nullptr);
   // evicting everything leaves no node behind
   while (pc.evict_one(nullptr)) {
   }

@@ -347,5 +347,47 @@ TEST(Scheduler, KvBudgetAdmitsByPages) {
   EXPECT_EQ(s.metrics().pages_in_use, 0);
 }
 
+// --kv-budget bounds what the cache holds for every type: with q4's K channel scale each sequence
+// keeps its first channel_calib positions exact in f32 (24,576 bytes a position on this model, twice
+// f16's), which before issue 16's fix were allocated for every slot beside the budget (the cache
+// held 8 x 6.3 MB more than a 16 MB budget here). Now they take pages of the pool: the cache's bytes
+// and the prefix store's stay within the budget, requests run several at a time and return what they
+// return alone, and every page comes back.
+TEST(Scheduler, KvBudgetHoldsTheStagingRowsQ4) {
+  KVQ_REQUIRE_MODEL(path, kQwen);
+  auto m = model::load(path);
+  auto tok = tokenizer::from_gguf(m->gguf());
+  scheduler_params sp;
+  sp.n_ctx = 320;
+  sp.n_parallel = 8;
+  sp.n_batch = 16;
+  sp.kv_page = 16;
+  sp.n_threads = 2;
+  sp.cache.type_k = sp.cache.type_v = parse_kv_cache_type("q4");
+  sp.kv_budget_bytes = 16u << 20;
+  scheduler s(*m, *tok, sp);
+  const scheduler_metrics m0 = s.metrics();
+  EXPECT_LE(m0.kv_bytes, sp.kv_budget_bytes);
+  std::vector<seq_request> reqs;
+  for (const auto& p : prompts16()) {
+    seq_request r;
+    r.prompt = tok->encode(p, tok->add_bos_default(), true);
+    r.max_tokens = 6;
+    r.sampling.temp = 0;
+    r.ignore_eos = true;
+    reqs.push_back(r);
+    if (reqs.size() == 8) break;
+  }
+  const test::alone_together r = test::run_alone_then_together(s, reqs, std::chrono::milliseconds(2));
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(r.together[i].ids, r.alone[i].ids) << "request " << i;
+  EXPECT_GT(r.max_active, 1);
+  EXPECT_LE(r.max_pages, m0.pages_total);
+  const scheduler_metrics mt = s.metrics();
+  EXPECT_LE(mt.kv_bytes + mt.prefix_bytes, sp.kv_budget_bytes);
+  EXPECT_EQ(mt.kv_bytes, m0.kv_bytes);  // nothing allocated beside the pool as sequences came and went
+  EXPECT_EQ(mt.pages_in_use, 0);
+  EXPECT_EQ(mt.kv_bytes_used, 0u);
+}
+
 }  // namespace
 }  // namespace kvq::server_detail
