@@ -72,19 +72,24 @@ void prefix_cache::insert(const int32_t* tokens, int n_tokens,
   if (parent < 0 || nodes_[(size_t)parent].state) return;
   auto state = save();
   if (state->bytes() > max_bytes_) {  // would not fit even alone: not kept (its path goes too)
-    for (int id = parent; id >= 0;) {
-      const node& n = nodes_[(size_t)id];
-      if (n.state || n.n_children > 0) break;
-      const int up = n.parent;
-      drop(id);
-      id = up;
-    }
+    drop_bare_path(parent);
     return;
   }
   nodes_[(size_t)parent].state = std::move(state);
   bytes_ += nodes_[(size_t)parent].state->bytes();
   const kv_prefix* keep = nodes_[(size_t)parent].state.get();
   while (bytes_ > max_bytes_ && evict_one(keep)) {
+  }
+}
+
+// Drops node id and then its parents while each is a live leaf without a state (it serves nothing).
+void prefix_cache::drop_bare_path(int id) {
+  while (id >= 0) {
+    const node& n = nodes_[(size_t)id];
+    if (!n.live || n.state || n.n_children > 0) break;
+    const int parent = n.parent;
+    drop(id);
+    id = parent;
   }
 }
 
@@ -126,13 +131,7 @@ bool prefix_cache::evict_one(const kv_prefix* keep) {
   bytes_ -= b.state->bytes();
   b.state.reset();  // unpins its pages unless a sequence or another holder still references them
   // a leaf without a state serves nothing: drop it, and its parents that are left the same way
-  for (int id = best; id >= 0;) {
-    const node& n = nodes_[(size_t)id];
-    if (!n.live || n.state || n.n_children > 0) break;
-    const int parent = n.parent;
-    drop(id);
-    id = parent;
-  }
+  drop_bare_path(best);
   return true;
 }
 

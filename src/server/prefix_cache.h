@@ -54,6 +54,7 @@ class prefix_cache {
   int find(int parent, const int32_t* block) const;
   uint64_t hash(int parent, const int32_t* block) const;
   void drop(int id);
+  void drop_bare_path(int id);  // id, then its parents, while each is a live leaf without a state
 
   int block_ = 0;
   size_t max_bytes_ = 0, bytes_ = 0;

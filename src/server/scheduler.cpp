@@ -103,21 +103,22 @@ scheduler::scheduler(model& m, const tokenizer& tok, const scheduler_params& p)
   split_free_ = engine_->split_free();
   cache_describe_ = engine_->describe();
   pages_ = engine_->page_info();
-  const int seq_need = pages_.max_pages_per_seq + engine_->stage_pages_for(p_.n_ctx);
-  if (pages_.page_size > 0 && seq_need > pages_.n_pages && engine_->stage_pages_for(p_.n_ctx) > 0)
+  // one sequence at n_ctx must fit the pool: its body pages and, with channel statistics, its
+  // staging pages (plus, in the figure to raise --kv-budget to, what the slots keep outside the pool)
+  const int stage_need = engine_->stage_pages_for(p_.n_ctx);
+  const int seq_need = pages_.max_pages_per_seq + stage_need;
+  if (pages_.page_size > 0 && seq_need > pages_.n_pages) {
+    const size_t outside =
+        stage_need > 0 && p_.kv_budget_bytes > 0 ? engine_->bytes() - (size_t)pages_.n_pages * pages_.page_bytes : 0;
     fail_input("[server] --kv-budget " + gib((double)p_.kv_budget_bytes) + " holds " + std::to_string(pages_.n_pages) +
                " pages of " + std::to_string(pages_.page_size) + " tokens (" + std::to_string(pages_.page_bytes) +
                " bytes each), fewer than the " + std::to_string(seq_need) + " one sequence at -c " +
-               std::to_string(p_.n_ctx) + " may hold (" + std::to_string(engine_->stage_pages_for(p_.n_ctx)) +
-               " of them for its channel-calibration rows): raise --kv-budget to at least " +
-               gib((double)seq_need * pages_.page_bytes + (double)(p_.kv_budget_bytes > 0 ? engine_->bytes() - (size_t)pages_.n_pages * pages_.page_bytes : 0)) +
+               std::to_string(p_.n_ctx) +
+               (stage_need > 0 ? " may hold (" + std::to_string(stage_need) + " of them for its channel-calibration rows)"
+                               : std::string(" needs")) +
+               ": raise --kv-budget to at least " + gib((double)seq_need * pages_.page_bytes + (double)outside) +
                " or lower -c");
-  if (pages_.page_size > 0 && pages_.max_pages_per_seq > pages_.n_pages)
-    fail_input("[server] --kv-budget " + gib((double)p_.kv_budget_bytes) + " holds " + std::to_string(pages_.n_pages) +
-               " pages of " + std::to_string(pages_.page_size) + " tokens (" + std::to_string(pages_.page_bytes) +
-               " bytes each), fewer than the " + std::to_string(pages_.max_pages_per_seq) + " one sequence at -c " +
-               std::to_string(p_.n_ctx) + " needs: raise --kv-budget to at least " +
-               gib((double)pages_.max_pages_per_seq * pages_.page_bytes) + " or lower -c");
+  }
   if (p_.prefix_reuse && engine_->cpu_cache() && engine_->cpu_cache()->can_save_prefix()) {
     // saved states outside the pool (exact rows, statistics, rings) up to a quarter of the pool
     // (with --kv-budget: the share of the budget set aside above)
