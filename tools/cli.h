@@ -32,8 +32,9 @@ struct registrar {
 struct kv_flags {
   kv_cache_params p;  // p.sink / p.exact_recent: -1 = auto (kv_auto_windows of the parsed types)
   std::string type_k = "f16", type_v = "f16", rotation = "auto";
-  // The parsed params; auto windows resolved by kv_auto_windows, or to none when `gpu` (the CUDA model
-  // runner keeps no exact windows yet: an explicit --kv-sink / --kv-exact-recent there is refused).
+  // The parsed params; auto windows resolved by kv_auto_windows, except the recent window when `gpu`
+  // (the CUDA model runner keeps the exact sink but no exact recent window yet: auto is none there,
+  // an explicit --kv-exact-recent N > 0 is refused).
   kv_cache_params params(bool gpu = false) const;
 };
 

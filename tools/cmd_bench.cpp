@@ -57,9 +57,9 @@ std::vector<std::string> split(const std::string& s) {
 // every entry.
 kv_cache_params types_entry(const std::string& t, const kv_flags& kv, bool gpu = false) {
   kv_cache_params c = kv.p;
-  // The GPU bench keeps no exact windows (unless asked: then refused) and, unless asked, no K channel
-  // scale (--kv-k-channel-scale on): its decode cost is one multiply per query element, so the rows
-  // stay comparable with the earlier tables of docs/perf.md
+  // The GPU bench keeps no exact windows unless asked (a sink is kept, a recent window refused) and, unless asked, no K
+  // channel scale (--kv-k-channel-scale on): its decode cost is one multiply per query element, so the rows stay
+  // comparable with the earlier tables of docs/perf.md
   if (gpu) {
     c.sink = std::max(c.sink, 0);
     c.exact_recent = std::max(c.exact_recent, 0);
@@ -282,6 +282,7 @@ int run_bench_cuda(bench_opts& o) {
   std::vector<std::string> types = split(o.types);
   if (o.explicit_kv) {
     kv_cache_params c = o.kv.params(/*gpu=*/true);
+    if (o.kv.p.sink < 0) c.sink = 0;  // as types_entry: no windows unless asked
     if (!o.kv.p.k_channel_scale) c.k_channel_scale = false;
     p.formats.push_back(c);
   }

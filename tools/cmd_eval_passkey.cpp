@@ -127,7 +127,7 @@ void print_table(const passkey_opts& o, const passkey_result& r) {
 
 int run_passkey(passkey_opts& o) {
   o.p.device = parse_compute_device(o.device);
-  o.p.cache = o.kv.params(o.p.device == compute_device::cuda);  // the GPU has no exact windows yet
+  o.p.cache = o.kv.params(o.p.device == compute_device::cuda);  // the GPU: no exact recent window yet
   o.p.lengths = parse_count_list(o.lengths, "eval_passkey", "--lengths");
   o.p.depths = parse_depths(o.depths);
   if (!o.plot.empty()) check_plot_dir("eval_passkey", o.plot);

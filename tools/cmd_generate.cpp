@@ -22,7 +22,7 @@ struct generate_opts {
 
 int run_generate(generate_opts& o) {
   o.p.device = parse_compute_device(o.device);
-  o.p.cache = o.kv.params(o.p.device == compute_device::cuda);  // the GPU has no exact windows yet
+  o.p.cache = o.kv.params(o.p.device == compute_device::cuda);  // the GPU: no exact recent window yet
   auto m = model::load(o.model_path);
   auto tok = tokenizer::from_gguf(m->gguf());
   generate_result r;

@@ -23,7 +23,7 @@ struct perplexity_opts {
 
 int run_perplexity(perplexity_opts& o) {
   o.p.device = parse_compute_device(o.device);
-  o.p.cache = o.kv.params(o.p.device == compute_device::cuda);  // the GPU has no exact windows yet
+  o.p.cache = o.kv.params(o.p.device == compute_device::cuda);  // the GPU: no exact recent window yet
   if (!o.compare.empty()) o.p.compare_type = parse_kv_cache_type(o.compare);
   auto m = model::load(o.model_path);
   auto tok = tokenizer::from_gguf(m->gguf());

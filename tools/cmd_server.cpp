@@ -18,7 +18,7 @@ struct server_opts {
 
 int run_server(server_opts& o) {
   o.p.device = parse_compute_device(o.device);
-  o.p.cache = o.kv.params(o.p.device == compute_device::cuda);  // the GPU has no exact windows yet
+  o.p.cache = o.kv.params(o.p.device == compute_device::cuda);  // the GPU: no exact recent window yet
   // SIGINT / SIGTERM stop the server from a thread of their own (httplib's stop() is not
   // async-signal-safe); a client that hangs up must not kill the process with SIGPIPE.
   sigset_t set;

@@ -45,10 +45,9 @@ kv_cache_params kv_flags::params(bool gpu) const {
   c.type_k = parse_kv_cache_type(type_k, "K");
   c.type_v = parse_kv_cache_type(type_v, "V");
   c.rotation = parse_kv_rotation(rotation);
-  if (gpu) {
-    c.sink = std::max(c.sink, 0);
-    c.exact_recent = std::max(c.exact_recent, 0);
-  }
+  // the GPU model runner keeps the exact sink (auto as on the CPU) but no exact recent window yet:
+  // its auto is none there (an explicit --kv-exact-recent N > 0 is refused)
+  if (gpu) c.exact_recent = std::max(c.exact_recent, 0);
   return resolve_kv_windows(c);
 }
 

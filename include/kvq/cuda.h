@@ -103,6 +103,31 @@ struct paged_kv_view {
   const int32_t* stat_row = nullptr;
 };
 
+// Exact rows attended in f16 beside the paged body (the cache's exact sink, docs/formats.md "Exact
+// windows"), stored as the pages store their rows before quantizing: the transformed (K channel
+// scale), rotated row rounded to f16. Device k, v [n_slots][n_kv_head][cap][head_dim] f16 bits;
+// entry b of the attention (a decode sequence, a prefill sequence) reads slot slot[b] (device
+// [batch]; nullptr: slot b) and its rows [0, len[b]) (device [batch]). decode_plan::run shows a
+// query every one of them; prefill_plan::run treats row j as position j (the sink: positions [0,
+// len)) and shows a query at position p the rows j <= p.
+struct exact_window_view {
+  const uint16_t* k = nullptr;
+  const uint16_t* v = nullptr;
+  const int32_t* len = nullptr;
+  int cap = 0;                    // rows per slot, <= 1024
+  const int32_t* slot = nullptr;  // device [batch], or nullptr (entry b reads slot b)
+};
+
+// Where append_paged also writes a token's exact row (exact_window_view's layout): token i, kv head
+// h goes to row slots[i] % cap of slot slots[i] / cap of k / v (device int64 [n_tokens]; negative:
+// none). The row is the f16-rounded transformed, rotated row the codes are quantized from.
+struct exact_rows_out {
+  uint16_t* k = nullptr;  // device [n_slots][n_kv_head][cap][head_dim] f16 bits
+  uint16_t* v = nullptr;
+  const int64_t* slots = nullptr;
+  int cap = 0;
+};
+
 // Fused append: k, v device [n_tokens][n_kv_head][head_dim] f16, bf16 or f32; token i goes to slot
 // slots[i] = page * page_size + row (device int64; a negative slot skips the token). Per (token, kv
 // head, side) one warp: with the view's K channel scale (k_mu, k_lambda, stat_row[i]) K becomes
@@ -110,9 +135,10 @@ struct paged_kv_view {
 // per-group min/max -> signed f16 scale rounded up (quant.h) -> codes -> pack; f16 format stores
 // the rotated, f16-rounded row. Codes and scales equal quantize_row_ref on the same input, and a
 // kv_cache_quant's stored codes for the same f32 rows, mu and lambda (|transformed x| <= 65504
-// assumed; the CPU cache checks this, the kernel does not). One launch.
+// assumed; the CPU cache checks this, the kernel does not). With `exact` (q8 / q4 only), the tokens
+// with a page slot and a non-negative exact slot also write their exact rows there. One launch.
 void append_paged(const paged_kv_view& kv, const void* k, const void* v, kv_elem elem, const int64_t* slots,
-                  int n_tokens, void* stream = nullptr);
+                  int n_tokens, void* stream = nullptr, const exact_rows_out* exact = nullptr);
 
 // The channel statistics of kv_channel_stats_ref (include/kvq/kv_cache.h) on the device, equal to
 // it bit for bit: x device [n_tokens][n_kv_head][head_dim] f32, mu and lambda device
@@ -126,15 +152,6 @@ void channel_stats(const float* x, int n_tokens, int n_kv_head, int head_dim, fl
 // scale * (code - offset) rounded to f16, in the rotated basis as stored. One launch.
 void dequantize_paged(const paged_kv_view& src, const paged_kv_view& dst, int n_entries, void* stream = nullptr);
 
-// Optional exact rows attended in f16 beside the paged body (the cache's sink + recent window, in
-// the rotated basis): device k, v [batch][n_kv_head][cap][head_dim] f16 bits, len device [batch].
-struct exact_window_view {
-  const uint16_t* k = nullptr;
-  const uint16_t* v = nullptr;
-  const int32_t* len = nullptr;
-  int cap = 0;  // <= 1024
-};
-
 struct decode_params {
   int n_head = 0;                     // query heads; n_head / n_kv_head in [1, 8]
   // Logits = spec.logit(spec.scale * q·k) (attention.h; scale usually 1/sqrt(head_dim)). A sliding
@@ -142,6 +159,10 @@ struct decode_params {
   // (len - 1: it sees tokens [len - window, len)); refused together with an exact window, whose rows
   // carry no positions.
   attn_spec spec{0.0f};
+  // First position of the paged body of every sequence (>= 0): tokens below it are not read from
+  // the pages (the exact sink of exact_window_view holds them). The body's end is the page table's
+  // length. A sequence whose body is empty attends its exact rows only.
+  int body_lo = 0;
   kv_elem q_elem = kv_elem::f16;      // f16 or bf16 queries [batch][n_head][head_dim]
   kv_elem out_elem = kv_elem::f32;    // f32 or f16 output  [batch][n_head][head_dim]
   int split_tokens = 0;               // tokens per split-KV work item (multiple of 16); 0 = auto
@@ -190,6 +211,9 @@ struct prefill_params {
   // Logits = spec.logit(spec.scale * q·k) with full causal attention: spec.window must be 0
   // (sliding windows are refused), spec.softcap is applied.
   attn_spec spec{0.0f};
+  // Positions below body_lo (>= 0) are not read from the pages (the exact sink of the run's
+  // exact_window_view holds them); a query at p sees the pages' positions [body_lo, p].
+  int body_lo = 0;
   kv_elem q_elem = kv_elem::f16;    // f16 or bf16 queries [n_q][n_head][head_dim]
   kv_elem out_elem = kv_elem::f32;  // f32 or f16 output  [n_q][n_head][head_dim]
 };
@@ -215,8 +239,9 @@ struct prefill_params {
 class prefill_plan {
  public:
   // qo_indptr_host [batch + 1], indptr_host [batch + 1], last_page_len_host [batch]: host copies.
+  // exact_cap: the largest exact_window_view::cap run() takes (0: none; at most 1024).
   prefill_plan(const paged_kv_format& f, const prefill_params& p, const int32_t* qo_indptr_host,
-               const int32_t* indptr_host, const int32_t* last_page_len_host, int batch);
+               const int32_t* indptr_host, const int32_t* last_page_len_host, int batch, int exact_cap = 0);
   ~prefill_plan();
   prefill_plan(const prefill_plan&) = delete;
   prefill_plan& operator=(const prefill_plan&) = delete;
@@ -225,9 +250,11 @@ class prefill_plan {
   // kv: the plan's format and batch, the page table the plan was made from. With kv's K channel
   // scale (k_lambda, stat_row[b]; q8 / q4 only) the queries of sequence b are multiplied by lambda
   // in f32 before their rotation, as decode_plan::run does (invalid_input for k_lambda without
-  // stat_row or on an f16 cache). No allocation (capturable in a CUDA graph): one launch, two with
-  // split tiles.
-  void run(const paged_kv_view& kv, const void* q, void* out, void* stream = nullptr) const;
+  // stat_row or on an f16 cache). exact: the sink rows (exact_window_view; nullptr: none), merged
+  // with the body's state per query row; a plan made with exact_cap > 0 merges in a second kernel.
+  // No allocation (capturable in a CUDA graph): one launch, two with split tiles or exact rows.
+  void run(const paged_kv_view& kv, const void* q, void* out, const exact_window_view* exact = nullptr,
+           void* stream = nullptr) const;
 
   int n_tiles() const;            // query tiles of 64 rows (per kv head)
   int n_items() const;            // work items (thread blocks per kv head): tiles, or parts of split tiles

@@ -607,6 +607,7 @@ struct merge_args {
   const uint16_t* ek;   // exact window [batch][n_kv_head][cap][HD] f16
   const uint16_t* ev;
   const int32_t* elen;  // [batch] or nullptr
+  const int32_t* eslot;  // [batch] slot of each sequence's exact rows, or nullptr (slot = sequence)
   void* out;            // [batch][n_head][HD]
   int ecap;
   int q_bf16, out_f16;
@@ -654,7 +655,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(merge_args a) {
     for (int c = threadIdx.x; c < HD; c += kThreads) qf[c] = lambda_scaled(load_elem(a.q, qrow * HD + c, a.q_bf16 != 0), lam, c);
     if (a.rot_block > 1) fwht_rows_block(qf, 1, HD, a.rot_block, a.rot_scale);
     else __syncthreads();
-    const int64_t eb = ((int64_t)seq * a.n_kv_head + h) * a.ecap * HD;
+    const int64_t eb = ((int64_t)(a.eslot ? a.eslot[seq] : seq) * a.n_kv_head + h) * a.ecap * HD;
     const __half* kb = reinterpret_cast<const __half*>(a.ek) + eb;
     const __half* vb = reinterpret_cast<const __half*>(a.ev) + eb;
     for (int j = warp; j < ne; j += kWarps) {
@@ -737,7 +738,7 @@ struct decode_plan::impl {
   int dec_smem = 0, merge_smem = 0, grid = 0;
   int4* items = nullptr;
   int* item_ptr = nullptr;
-  int* seq_lo = nullptr;  // [batch] (sliding window only)
+  int* seq_lo = nullptr;  // [batch] (sliding window or body_lo only)
   float* ws_o = nullptr;
   float2* ws_md = nullptr;
   size_t ws_bytes = 0;
@@ -766,6 +767,7 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
   if (p.spec.window < 0) fail_input("[cuda attn_decode] window must be >= 0, got " + std::to_string(p.spec.window));
   if (!(p.spec.softcap >= 0.0f) || !std::isfinite(p.spec.softcap))
     fail_input("[cuda attn_decode] softcap must be finite and >= 0, got " + std::to_string(p.spec.softcap));
+  if (p.body_lo < 0) fail_input("[cuda attn_decode] body_lo must be >= 0, got " + std::to_string(p.body_lo));
   if (p.spec.window > 0 && exact_cap > 0)
     fail_unsupported("[cuda attn_decode] a sliding window (window " + std::to_string(p.spec.window) +
                      ") with an exact window view: the exact rows carry no positions");
@@ -805,7 +807,7 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
 
   // sequence lengths and the split-KV work list
   std::vector<int64_t> len(batch);   // tokens of the paged body
-  std::vector<int32_t> lo(batch, 0);  // first token the decode query sees (attn_spec::key_range)
+  std::vector<int32_t> lo(batch, p.body_lo);  // first token the decode query sees (key_range, body_lo)
   std::vector<int64_t> beg(batch, 0); // first token of the first item: lo rounded down to a chunk
   int64_t total = 0;
   for (int b = 0; b < batch; ++b) {
@@ -816,9 +818,10 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
                  " must be in [1, page_size " + std::to_string(f.page_size) + "]");
     len[b] = np > 0 ? (int64_t)(np - 1) * f.page_size + last_page_len_host[b] : 0;
     if (len[b] > INT32_MAX - 64) fail_unsupported("[cuda attn_decode] sequence " + std::to_string(b) + " is too long");
-    if (len[b] > 0) lo[b] = p.spec.key_range((int)len[b] - 1).lo;  // the query sits at the last token
+    if (len[b] > 0)
+      lo[b] = std::max(p.spec.key_range((int)len[b] - 1).lo, p.body_lo);  // the query sits at the last token
     beg[b] = lo[b] / kChunk * kChunk;
-    len[b] -= beg[b];  // from here on: the tokens the items cover
+    len[b] = lo[b] < len[b] ? len[b] - beg[b] : 0;  // from here on: the tokens the items cover
     total += len[b];
   }
   // Split-KV: the grid is persistent (at most `slots` blocks looping over (item, kv head) work), so
@@ -876,7 +879,7 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
   s.ws_bytes = n_states * (f.head_dim * sizeof(float) + sizeof(float2)) + items.size() * sizeof(int4) + (batch + 1) * sizeof(int);
   if (!items.empty()) copy_to_device(s.items, items.data(), items.size() * sizeof(int4));
   copy_to_device(s.item_ptr, item_ptr.data(), (batch + 1) * sizeof(int));
-  if (p.spec.window > 0 && batch > 0) {
+  if ((p.spec.window > 0 || p.body_lo > 0) && batch > 0) {
     check(cudaMalloc(&s.seq_lo, batch * sizeof(int)), "cudaMalloc(seq_lo)");
     copy_to_device(s.seq_lo, lo.data(), batch * sizeof(int));
     s.ws_bytes += batch * sizeof(int);
@@ -893,14 +896,16 @@ bool decode_plan::update(const int32_t* indptr_host, const int32_t* last_page_le
   for (int b = 0; b < s.batch; ++b) {
     const int32_t np = indptr_host[b + 1] - indptr_host[b];
     if (np < 0 || (np > 0 && (last_page_len_host[b] < 1 || last_page_len_host[b] > s.f.page_size))) return false;
-    const int64_t len = np > 0 ? (int64_t)(np - 1) * s.f.page_size + last_page_len_host[b] : 0;
+    const int64_t n_tok = np > 0 ? (int64_t)(np - 1) * s.f.page_size + last_page_len_host[b] : 0;
     item_ptr[b] = (int)items.size();
-    if (len == 0) continue;
-    // the constructor's items with its split (no window: every item starts at token 0)
+    // the constructor's items with its split (no window: every item starts at body_lo's chunk; seq_lo
+    // holds body_lo for every sequence, unchanged)
+    if (n_tok <= s.p.body_lo) continue;
+    const int64_t beg = s.p.body_lo / kChunk * kChunk, len = n_tok - beg;
     const int64_t n = (len + s.split - 1) / s.split;
     const int per = round16((len + n - 1) / n);
     for (int64_t t0 = 0; t0 < len; t0 += per)
-      items.push_back(make_int4(b, (int)t0, (int)std::min<int64_t>(len, t0 + per), indptr_host[b]));
+      items.push_back(make_int4(b, (int)(beg + t0), (int)(beg + std::min<int64_t>(len, t0 + per)), indptr_host[b]));
   }
   item_ptr[s.batch] = (int)items.size();
   if ((int)items.size() != s.n_items) return false;  // the launch would change: make a new plan
@@ -971,6 +976,7 @@ void decode_plan::run(const paged_kv_view& kv, const void* q, void* out, const e
     m.ev = has_exact ? exact->v : nullptr;
     m.elen = has_exact ? exact->len : nullptr;
     m.ecap = has_exact ? exact->cap : 0;
+    m.eslot = has_exact ? exact->slot : nullptr;
     m.out = out;
     m.q_bf16 = s.p.q_elem == kv_elem::bf16;
     m.out_f16 = s.p.out_elem == kv_elem::f16;

@@ -56,6 +56,7 @@ struct tile_desc {
 // A split tile: its parts are workspace slots [ws0, ws0 + n_parts).
 struct merge_desc {
   int row0, qo0, q_len, ws0, n_parts;
+  int seq, pos0;  // the sequence (exact rows, stat_row) and the position of its first query
 };
 
 struct prefill_args {
@@ -75,6 +76,7 @@ struct prefill_args {
   float rot_scale;
   const float* k_lambda;    // K channel scale [rows][n_kv_head][HD] (q becomes q * lambda), or nullptr
   const int32_t* stat_row;  // [batch] row of k_lambda
+  int body_lo;              // keys below it are masked (prefill_params::body_lo)
 };
 
 __device__ __forceinline__ float softcap_log2(float x, float c2) { return c2 > 0.0f ? c2 * tanhf(x / c2) : x; }
@@ -414,13 +416,14 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(prefill_args a) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[n][e] = softcap_log2(s[n][e], a.softcap_log2);
       }
-      if (tok + kSub - 1 > w_lo) {  // causal mask (also masks keys past kv_end: every limit is below it)
+      // causal mask (also masks keys past kv_end: every limit is below it) and the exact sink's keys
+      if (tok + kSub - 1 > w_lo || tok < a.body_lo) {
 #pragma unroll
         for (int n = 0; n < 2; ++n)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int key = tok + cols[2 * n + (e & 1)];
-            if (key > (e < 2 ? lim_a : lim_b)) s[n][e] = -INFINITY;
+            if (key > (e < 2 ? lim_a : lim_b) || key < a.body_lo) s[n][e] = -INFINITY;
           }
       }
 
@@ -594,23 +597,99 @@ struct merge_args {
   int n_head, n_kv_head, ng;
   int rot_block;
   float rot_scale;
+  // the exact sink (exact_window_view), or ek == nullptr: row j is position j
+  const uint16_t* ek;  // [n_slots][n_kv_head][ecap][HD] f16
+  const uint16_t* ev;
+  const int32_t* elen;   // [batch]
+  const int32_t* eslot;  // [batch] or nullptr
+  int ecap;
+  const void* q;  // [n_q][n_head][HD] (the exact rows' scores)
+  int q_bf16;
+  float sm_scale_log2, softcap_log2;
+  const float* k_lambda;
+  const int32_t* stat_row;
 };
 
-// One block per (split tile, kv head): attn_state::merge of its parts per row (log2 units),
-// normalisation, inverse rotation, store.
+constexpr int merge_smem_bytes(int hd) { return (kRows * hd + 2 * kRows) * 4; }
+
+// One block per (split tile, kv head): the exact rows' state per row (f32 rotated query x f16 rows,
+// one warp per row, online softmax), attn_state::merge of the tile's parts and that state per row
+// (log2 units), normalisation, inverse rotation, store.
 template <int HD>
 __global__ void __launch_bounds__(kThreads) prefill_merge_kernel(merge_args a) {
   extern __shared__ __align__(16) uint8_t smem[];
-  float* of = reinterpret_cast<float*>(smem);  // [64][HD]
+  float* of = reinterpret_cast<float*>(smem);  // [64][HD]: rotated queries, then exact o, then outputs
+  float* me = of + kRows * HD;                 // [64] exact m (log2 units)
+  float* de = me + kRows;                      // [64] exact d
   const merge_desc md = a.merges[blockIdx.x / a.n_kv_head];
   const int h = blockIdx.x % a.n_kv_head, ng = a.ng;
   const int rows_here = min(kRows, md.q_len * ng - md.row0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (a.ek) {
+    const float* lam = k_lambda_row<HD>(a.k_lambda, a.stat_row, md.seq, a.n_kv_head, h);
+    for (int i = threadIdx.x; i < kRows * HD; i += kThreads) {
+      const int r = i / HD, c = i % HD, R = md.row0 + r;
+      const int64_t qi = ((int64_t)(md.qo0 + R / ng) * a.n_head + (int64_t)h * ng + R % ng) * HD + c;
+      of[i] = r < rows_here ? lambda_scaled(load_elem(a.q, qi, a.q_bf16 != 0), lam, c) : 0.0f;
+    }
+    if (a.rot_block > 1) fwht_rows_block(of, kRows, HD, a.rot_block, a.rot_scale);
+    else __syncthreads();
+    constexpr int EPL = (HD + 31) / 32;
+    const int ne = a.elen[md.seq];
+    const int64_t eb = ((int64_t)(a.eslot ? a.eslot[md.seq] : md.seq) * a.n_kv_head + h) * a.ecap * HD;
+    const __half* kb = reinterpret_cast<const __half*>(a.ek) + eb;
+    const __half* vb = reinterpret_cast<const __half*>(a.ev) + eb;
+    for (int r = warp; r < kRows; r += kWarps) {
+      const int n_vis = r < rows_here ? min(ne, md.pos0 + (md.row0 + r) / ng + 1) : 0;  // rows j <= position
+      float qv[EPL], ov[EPL];
+#pragma unroll
+      for (int k = 0; k < EPL; ++k) {
+        const int c = k * 32 + lane;
+        qv[k] = c < HD ? of[r * HD + c] : 0.0f;
+        ov[k] = 0.0f;
+      }
+      float m = -INFINITY, d = 0.0f;
+      for (int j = 0; j < n_vis; ++j) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int k = 0; k < EPL; ++k) {
+          const int c = k * 32 + lane;
+          if (c < HD) dot = fmaf(qv[k], __half2float(kb[(int64_t)j * HD + c]), dot);
+        }
+        const float sj = softcap_log2(warp_sum(dot) * a.sm_scale_log2, a.softcap_log2);
+        const float mn = fmaxf(m, sj), al = ex2(m - mn), pj = ex2(sj - mn);
+        d = d * al + pj;
+#pragma unroll
+        for (int k = 0; k < EPL; ++k) {
+          const int c = k * 32 + lane;
+          if (c < HD) ov[k] = fmaf(pj, __half2float(vb[(int64_t)j * HD + c]), ov[k] * al);
+        }
+        m = mn;
+      }
+#pragma unroll
+      for (int k = 0; k < EPL; ++k) {
+        const int c = k * 32 + lane;
+        if (c < HD) of[r * HD + c] = ov[k];
+      }
+      if (lane == 0) {
+        me[r] = m;
+        de[r] = d;
+      }
+    }
+    __syncthreads();
+  }
   for (int i = threadIdx.x; i < kRows * HD; i += kThreads) {
     const int r = i / HD;
     float M = -INFINITY;
     for (int pp = 0; pp < md.n_parts; ++pp)
       M = fmaxf(M, a.ws_md[((int64_t)(md.ws0 + pp) * a.n_kv_head + h) * kRows + r].x);
     float o = 0.0f, d = 0.0f;
+    if (a.ek && me[r] != -INFINITY) {
+      M = fmaxf(M, me[r]);
+      const float e = ex2(me[r] - M);
+      o = of[i] * e;
+      d = de[r] * e;
+    }
     for (int pp = 0; pp < md.n_parts; ++pp) {
       const int64_t slot = (int64_t)(md.ws0 + pp) * a.n_kv_head + h;
       const float2 st = a.ws_md[slot * kRows + r];
@@ -637,7 +716,7 @@ struct prefill_plan::impl {
   paged_kv_format f;
   paged_kv_geometry geo;
   prefill_params p;
-  int batch = 0, ng = 0, n_tiles = 0, n_items = 0, n_merges = 0, n_slots = 0, smem = 0, n_q = 0;
+  int batch = 0, ng = 0, n_tiles = 0, n_items = 0, n_merges = 0, n_slots = 0, smem = 0, n_q = 0, exact_cap = 0;
   tile_desc* tiles = nullptr;  // [n_items] work items (tiles or parts of tiles), longest first
   merge_desc* merges = nullptr;
   float* ws_o = nullptr;
@@ -653,7 +732,7 @@ struct prefill_plan::impl {
 };
 
 prefill_plan::prefill_plan(const paged_kv_format& f, const prefill_params& p, const int32_t* qo_indptr_host,
-                           const int32_t* indptr_host, const int32_t* last_page_len_host, int batch)
+                           const int32_t* indptr_host, const int32_t* last_page_len_host, int batch, int exact_cap)
     : p_(std::make_unique<impl>()) {
   require();
   impl& s = *p_;
@@ -677,6 +756,10 @@ prefill_plan::prefill_plan(const paged_kv_format& f, const prefill_params& p, co
   if (p.q_elem == kv_elem::f32) fail_unsupported(op + "queries must be f16 or bf16, got f32");
   if (p.out_elem == kv_elem::bf16) fail_unsupported(op + "output must be f32 or f16, got bf16");
   if (batch < 0) fail_input(op + "batch must be >= 0, got " + std::to_string(batch));
+  if (p.body_lo < 0) fail_input(op + "body_lo must be >= 0, got " + std::to_string(p.body_lo));
+  if (exact_cap < 0 || exact_cap > 1024)
+    fail_unsupported(op + "exact window capacity must be in [0, 1024], got " + std::to_string(exact_cap));
+  s.exact_cap = exact_cap;
   if (batch > 0 && (!qo_indptr_host || !indptr_host || !last_page_len_host))
     fail_input(op + "host copies of qo_indptr, indptr and last_page_len are required");
   s.batch = batch;
@@ -707,11 +790,11 @@ prefill_plan::prefill_plan(const paged_kv_format& f, const prefill_params& p, co
       d.pg0 = indptr_host[b];
       d.pos0 = (int)(len - nq);
       d.q_len = nq;
-      d.k_begin = 0;
+      d.k_begin = p.body_lo / kKeys * kKeys;
       d.k_end = d.pos0 + (int)((std::min<int64_t>(r0 + kRows, rows) - 1) / s.ng) + 1;  // keys its rows see
       d.ws = -1;
       tiles.push_back(d);
-      cost.push_back(d.k_end);
+      cost.push_back(std::max(0, d.k_end - d.k_begin));
     }
   }
   s.n_q = batch > 0 ? qo_indptr_host[batch] : 0;
@@ -727,7 +810,8 @@ prefill_plan::prefill_plan(const paged_kv_format& f, const prefill_params& p, co
     s.smem = pcfg<F, HD>::SMEM;
     check(cudaFuncSetAttribute(prefill_kernel<F, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, s.smem),
           "cudaFuncSetAttribute(prefill)");
-    check(cudaFuncSetAttribute(prefill_merge_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kRows * HD * 4),
+    check(cudaFuncSetAttribute(prefill_merge_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               merge_smem_bytes(HD)),
           "cudaFuncSetAttribute(prefill merge)");
     check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, prefill_kernel<F, HD>, kThreads, s.smem),
           "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
@@ -750,21 +834,23 @@ prefill_plan::prefill_plan(const paged_kv_format& f, const prefill_params& p, co
   std::vector<merge_desc> merges;
   for (size_t i = 0; i < tiles.size(); ++i) {
     const tile_desc& d = tiles[i];
-    const int64_t np = T == INT64_MAX ? 1 : std::max<int64_t>(1, (d.k_end + T - 1) / T);
-    if (np == 1) {
+    const int span = std::max(0, d.k_end - d.k_begin);
+    const int64_t np = T == INT64_MAX ? 1 : std::max<int64_t>(1, (span + T - 1) / T);
+    if (np == 1 && exact_cap == 0) {
       items.push_back(d);
-      item_cost.push_back(d.k_end);
+      item_cost.push_back(span);
       continue;
     }
-    const int per = (int)(((d.k_end + np - 1) / np + 63) / 64 * 64);
-    merge_desc m{d.row0, d.qo0, d.q_len, s.n_slots, 0};
-    for (int k0 = 0; k0 < d.k_end; k0 += per) {
+    // split parts, or (exact rows) the tile as the one part whose state the merge kernel completes
+    const int per = std::max(64, (int)(((span + np - 1) / np + 63) / 64 * 64));
+    merge_desc m{d.row0, d.qo0, d.q_len, s.n_slots, 0, d.seq, d.pos0};
+    for (int k0 = d.k_begin; k0 < std::max(d.k_end, d.k_begin + 1); k0 += per) {
       tile_desc pd = d;
       pd.k_begin = k0;
       pd.k_end = std::min(d.k_end, k0 + per);
       pd.ws = s.n_slots++;
       items.push_back(pd);
-      item_cost.push_back(pd.k_end - pd.k_begin);
+      item_cost.push_back(std::max(0, pd.k_end - pd.k_begin));
       ++m.n_parts;
     }
     merges.push_back(m);
@@ -796,7 +882,8 @@ int prefill_plan::n_tiles() const { return p_->n_tiles; }
 int prefill_plan::n_items() const { return p_->n_items; }
 size_t prefill_plan::workspace_bytes() const { return p_->ws_bytes; }
 
-void prefill_plan::run(const paged_kv_view& kv, const void* q, void* out, void* stream) const {
+void prefill_plan::run(const paged_kv_view& kv, const void* q, void* out, const exact_window_view* exact,
+                       void* stream) const {
   const impl& s = *p_;
   const paged_kv_format& f = kv.format;
   if (f.format != s.f.format || f.head_dim != s.f.head_dim || f.n_kv_head != s.f.n_kv_head ||
@@ -806,6 +893,10 @@ void prefill_plan::run(const paged_kv_view& kv, const void* q, void* out, void* 
   if (!kv.pool || !kv.indices || !q || !out)
     fail_input("[cuda attn_prefill] pool, indices, q and out must be device pointers");
   check_k_lambda(kv, "[cuda attn_prefill]");
+  const bool has_exact = exact && exact->len;
+  if (has_exact && (!exact->k || !exact->v || exact->cap < 1 || exact->cap > s.exact_cap))
+    fail_input("[cuda attn_prefill] exact window: k, v required and cap in [1, plan's exact_cap " +
+               std::to_string(s.exact_cap) + "]");
   const float l2e = 1.4426950408889634f;
   dispatch_format_hd(to_dfmt(f.format), f.head_dim, [&](auto fc, auto hc) {
     constexpr dfmt F = decltype(fc)::value;
@@ -830,6 +921,7 @@ void prefill_plan::run(const paged_kv_view& kv, const void* q, void* out, void* 
     a.rot_scale = s.geo.rot_scale;
     a.k_lambda = kv.k_lambda;
     a.stat_row = kv.stat_row;
+    a.body_lo = s.p.body_lo;
     const unsigned grid = (unsigned)s.n_items * (unsigned)f.n_kv_head;
     prefill_kernel<F, HD><<<grid, kThreads, s.smem, as_stream(stream)>>>(a);
     check_launch("attn_prefill (prefill_kernel)");
@@ -845,8 +937,19 @@ void prefill_plan::run(const paged_kv_view& kv, const void* q, void* out, void* 
       m.ng = a.ng;
       m.rot_block = a.rot_block;
       m.rot_scale = a.rot_scale;
-      prefill_merge_kernel<HD><<<(unsigned)s.n_merges * (unsigned)f.n_kv_head, kThreads, kRows * HD * 4,
-                                 as_stream(stream)>>>(m);
+      m.ek = has_exact ? exact->k : nullptr;
+      m.ev = has_exact ? exact->v : nullptr;
+      m.elen = has_exact ? exact->len : nullptr;
+      m.eslot = has_exact ? exact->slot : nullptr;
+      m.ecap = has_exact ? exact->cap : 0;
+      m.q = q;
+      m.q_bf16 = a.q_bf16;
+      m.sm_scale_log2 = a.sm_scale_log2;
+      m.softcap_log2 = a.softcap_log2;
+      m.k_lambda = kv.k_lambda;
+      m.stat_row = kv.stat_row;
+      const unsigned n_blocks = (unsigned)s.n_merges * (unsigned)f.n_kv_head;
+      prefill_merge_kernel<HD><<<n_blocks, kThreads, merge_smem_bytes(HD), as_stream(stream)>>>(m);
       check_launch("attn_prefill (prefill_merge_kernel)");
     }
   });

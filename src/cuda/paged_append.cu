@@ -26,6 +26,10 @@ struct append_args {
   const int32_t* stat_row;  // [n_tokens]
   int rot_block;
   float rot_scale;
+  uint16_t* ek;  // exact rows [n_slots][n_kv_head][ecap][HD] f16 (exact_rows_out), or nullptr
+  uint16_t* ev;
+  const int64_t* eslots;  // [n_tokens]
+  int ecap;
 };
 
 __device__ __forceinline__ float load_any(const void* p, int64_t i, int elem) {
@@ -51,6 +55,12 @@ __global__ void __launch_bounds__(32 * kAppendWarps) append_kernel(append_args a
   const int64_t base = (tok * a.n_kv_head + h) * HD;
   const int64_t slot0 = a.slots[tok];
   if (slot0 < 0) return;  // warp-uniform: a token the caller keeps elsewhere (staged rows)
+  // this token's exact row (exact_rows_out), or nullptr
+  uint16_t* erow = nullptr;
+  if (a.ek) {
+    const int64_t es = a.eslots[tok];
+    if (es >= 0) erow = (side ? a.ev : a.ek) + ((es / a.ecap * a.n_kv_head + h) * a.ecap + es % a.ecap) * HD;
+  }
   // K channel scale: element c of the row becomes (x - mu_c) / lambda_c (lambda a power of two)
   const float* cmu = nullptr;
   const float* clam = nullptr;
@@ -109,6 +119,7 @@ __global__ void __launch_bounds__(32 * kAppendWarps) append_kernel(append_args a
 #pragma unroll
       for (int k = 0; k < EPL; ++k) {
         x[k] = __half2float(__float2half_rn(x[k]));  // the cache stores f16-rounded values
+        if (erow) erow[k * 32 + lane] = __half_as_ushort(__float2half_rn(x[k]));
         mx[k] = fmaxf(x[k], 0.0f);
         mn[k] = fminf(x[k], 0.0f);
       }
@@ -154,7 +165,10 @@ __global__ void __launch_bounds__(32 * kAppendWarps) append_kernel(append_args a
     constexpr float qpos = F == dfmt::q8 ? 127.0f : 7.0f, qneg = F == dfmt::q8 ? 127.0f : 8.0f;
     constexpr int offset = F == dfmt::q8 ? 0 : 8;
     uint16_t* scales = reinterpret_cast<uint16_t*>(blk + (side ? a.geo.v_scales : a.geo.k_scales)) + (int64_t)row * NG;
-    for (int i = lane; i < HD; i += 32) x[i] = __half2float(__float2half_rn(x[i]));  // the cache stores f16-rounded values
+    for (int i = lane; i < HD; i += 32) {
+      x[i] = __half2float(__float2half_rn(x[i]));  // the cache stores f16-rounded values
+      if (erow) erow[i] = __half_as_ushort(__float2half_rn(x[i]));
+    }
     __syncwarp();
 #pragma unroll
     for (int gi = 0; gi < NG; ++gi) {
@@ -303,8 +317,8 @@ void check_view(const paged_kv_view& kv, const char* op) {
 
 }  // namespace
 
-void append_paged(const paged_kv_view& kv, const void* k, const void* v, kv_elem elem, const int64_t* slots, int n_tokens,
-                  void* stream) {
+void append_paged(const paged_kv_view& kv, const void* k, const void* v, kv_elem elem, const int64_t* slots,
+                  int n_tokens, void* stream, const exact_rows_out* exact) {
   require();
   const paged_kv_geometry g = paged_kv_geometry_of(kv.format);
   if (!kv.pool) fail_input("[cuda append_paged] paged_kv_view has no pool");
@@ -315,6 +329,11 @@ void append_paged(const paged_kv_view& kv, const void* k, const void* v, kv_elem
   if (kv.k_lambda && kv.format.format == kv_format::f16)
     fail_unsupported("[cuda append_paged] K channel scale on an f16 cache (the CPU applies it to compressed K only)");
   if (n_tokens < 0) fail_input("[cuda append_paged] n_tokens must be >= 0, got " + std::to_string(n_tokens));
+  if (exact && kv.format.format == kv_format::f16)
+    fail_unsupported("[cuda append_paged] exact rows of an f16 cache (its pages hold the exact rows)");
+  if (exact && (!exact->k || !exact->v || !exact->slots || exact->cap < 1))
+    fail_input("[cuda append_paged] exact rows: k, v, slots required and cap >= 1, got cap " +
+               std::to_string(exact->cap));
   if (n_tokens == 0) return;
   if (!k || !v || !slots) fail_input("[cuda append_paged] k, v and slots must be device pointers");
   append_args a;
@@ -331,6 +350,10 @@ void append_paged(const paged_kv_view& kv, const void* k, const void* v, kv_elem
   a.stat_row = kv.stat_row;
   a.rot_block = g.rot_block;
   a.rot_scale = g.rot_scale;
+  a.ek = exact ? exact->k : nullptr;
+  a.ev = exact ? exact->v : nullptr;
+  a.eslots = exact ? exact->slots : nullptr;
+  a.ecap = exact ? exact->cap : 1;
   const int64_t blocks = (a.n_items + kAppendWarps - 1) / kAppendWarps;
   dispatch_format_hd(to_dfmt(kv.format.format), kv.format.head_dim, [&](auto fc, auto hc) {
     append_kernel<decltype(fc)::value, decltype(hc)::value>

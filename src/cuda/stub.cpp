@@ -24,7 +24,10 @@ void synchronize() { no_cuda(); }
 void memory_info(size_t*, size_t*) { no_cuda(); }
 double copy_bandwidth(size_t, int) { no_cuda(); }
 
-void append_paged(const paged_kv_view&, const void*, const void*, kv_elem, const int64_t*, int, void*) { no_cuda(); }
+void append_paged(const paged_kv_view&, const void*, const void*, kv_elem, const int64_t*, int, void*,
+                  const exact_rows_out*) {
+  no_cuda();
+}
 void channel_stats(const float*, int, int, int, float*, float*, void*) { no_cuda(); }
 void dequantize_paged(const paged_kv_view&, const paged_kv_view&, int, void*) { no_cuda(); }
 
@@ -40,12 +43,12 @@ int decode_plan::split_tokens() const { return 0; }
 size_t decode_plan::workspace_bytes() const { return 0; }
 
 struct prefill_plan::impl {};
-prefill_plan::prefill_plan(const paged_kv_format&, const prefill_params&, const int32_t*, const int32_t*, const int32_t*,
-                           int) {
+prefill_plan::prefill_plan(const paged_kv_format&, const prefill_params&, const int32_t*, const int32_t*,
+                           const int32_t*, int, int) {
   no_cuda();
 }
 prefill_plan::~prefill_plan() = default;
-void prefill_plan::run(const paged_kv_view&, const void*, void*, void*) const { no_cuda(); }
+void prefill_plan::run(const paged_kv_view&, const void*, void*, const exact_window_view*, void*) const { no_cuda(); }
 int prefill_plan::n_tiles() const { return 0; }
 int prefill_plan::n_items() const { return 0; }
 size_t prefill_plan::workspace_bytes() const { return 0; }

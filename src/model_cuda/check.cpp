@@ -22,6 +22,7 @@ namespace cuda {
 
 namespace {
 constexpr int kMaxChannelCalib = 8192;  // staged_attention keeps a query's scores in shared memory
+constexpr int kMaxSink = 1024;          // exact_window_view::cap
 [[noreturn]] void refuse(const std::string& what) { fail_unsupported("[cuda model] " + what); }
 }  // namespace
 
@@ -77,9 +78,19 @@ paged_kv_format runner_kv_format(const model_hparams& hp, const kv_cache_params&
   } else if (cp.channel_scale) {
     refuse("channel scale on an f16 cache");
   }
-  if (cp.sink > 0 || cp.exact_recent > 0)
-    refuse("exact sink / recent windows (--kv-sink " + std::to_string(cp.sink) + ", --kv-exact-recent " +
-           std::to_string(cp.exact_recent) + ") are not supported on the GPU yet");
+  // exact windows (docs/formats.md "Exact windows"): the sink of a q8 / q4 cache, not yet the recent window
+  if (cp.sink < 0 || cp.exact_recent < 0)
+    fail_input("[cuda model] --kv-sink " + std::to_string(cp.sink) + " / --kv-exact-recent " +
+               std::to_string(cp.exact_recent) + " must be >= 0");
+  if ((cp.sink > 0 || cp.exact_recent > 0) && !compressed)
+    refuse("exact windows (--kv-sink " + std::to_string(cp.sink) + ", --kv-exact-recent " +
+           std::to_string(cp.exact_recent) + ") on an f16 cache, whose positions are all exact (use 0)");
+  if (cp.exact_recent > 0)
+    refuse("exact recent windows (--kv-exact-recent " + std::to_string(cp.exact_recent) +
+           ") are not supported on the GPU yet (--kv-sink is; use --kv-exact-recent 0)");
+  if (cp.sink > kMaxSink)
+    refuse("--kv-sink " + std::to_string(cp.sink) + ": the GPU keeps at most " + std::to_string(kMaxSink) +
+           " exact sink positions");
   if (cp.certify) refuse("certified attention is CPU only");
   if (cp.attn_softcap > 0.0f) refuse("attention logit soft-capping is not supported on the GPU yet");
   paged_kv_format f;

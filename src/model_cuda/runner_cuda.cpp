@@ -73,6 +73,36 @@ struct model_runner::impl {
   int64_t* cal_slots = nullptr;             // ... staged rows: stats row and page slot
   std::vector<int32_t> h_cross, h_cal_rows;  // sequences this step calibrates
   std::vector<int64_t> h_cal_slots;
+  // Exact sink (kv_cache_params::sink; docs/formats.md "Exact windows"), as kv_cache_quant keeps it:
+  // positions [0, sink) of every sequence also stay exact, as the f16-rounded transformed rows the
+  // append quantizes (append_paged's exact_rows_out; for staged positions at calibration), and every
+  // query attends them in f16 beside the pages' body [sink, pos] (decode_params / prefill_params::
+  // body_lo). The pages still hold them quantized (unread).
+  int sink = 0;
+  uint16_t *sink_k = nullptr, *sink_v = nullptr;  // [n_layer][n_seq][n_kv_head][sink][head_dim] f16
+  int32_t* ex_len = nullptr;                      // [max_batch] exact rows each attention entry sees
+  int64_t* ex_slots = nullptr;                    // [max_batch] the step's tokens' sink rows (seq * sink + pos, or -1)
+  int64_t* cal_ex_slots = nullptr;                // [n_seq * cal_n] the calibrated sequences' staged rows' sink rows
+  std::vector<int32_t> h_ex_len;
+  std::vector<int64_t> h_ex_slots, h_cal_ex_slots;
+  int64_t* fill_ex_slots = nullptr;  // fill_synthetic's [kFillChunk]
+  exact_rows_out sink_out(int il, const int64_t* slots_d) const {
+    exact_rows_out e;
+    e.k = sink_k + (size_t)il * n_seq * dkv * sink;
+    e.v = sink_v + (size_t)il * n_seq * dkv * sink;
+    e.slots = slots_d;
+    e.cap = sink;
+    return e;
+  }
+  exact_window_view sink_view(int il) const {
+    exact_window_view w;
+    w.k = sink_k + (size_t)il * n_seq * dkv * sink;
+    w.v = sink_v + (size_t)il * n_seq * dkv * sink;
+    w.len = ex_len;
+    w.cap = sink;
+    w.slot = tok_seq;  // entry t: token t's sequence (decode_plan), entry 0: the chunk's (prefill_plan)
+    return w;
+  }
   float* stage_k(int il) const { return stage + (size_t)il * 2 * n_seq * cal_n * dkv; }
   float* stage_v(int il) const { return stage_k(il) + (size_t)n_seq * cal_n * dkv; }
 
@@ -210,7 +240,8 @@ struct model_runner::impl {
     compressed = fmt.format != kv_format::f16;
     // (check_supported refuses the V channel scale; the K one is on unless turned off, as on the CPU)
     cal_n = compressed && cp.k_channel_scale.value_or(true) ? std::min(cp.channel_calib, cp.n_ctx) : 0;
-    cal_skip = std::min(std::max(1, cp.sink), cal_n - 1);  // position 0 and the sink left out (sink 0 here)
+    cal_skip = std::min(std::max(1, cp.sink), cal_n - 1);  // position 0 and the exact sink left out
+    sink = compressed ? cp.sink : 0;                       // (runner_kv_format refuses windows on an f16 cache)
     n_ctx = cp.n_ctx;
     n_seq = cp.n_seq;
     max_batch = mb;
@@ -280,10 +311,19 @@ struct model_runner::impl {
       cal_slots = alloc<int64_t>((size_t)n_seq * cal_n);
     }
     tok_seq = alloc<int32_t>(B);
-    // tokens, pos, rows, last, tok_seq [B] + indptr [B + 1] int32; slots [B] int64; indices [B *
-    // pages_per_seq]; the calibrated sequences' rows and slots [n_seq * cal_n]
-    pin_bytes = (size_t)(6 * B + 1) * 4 + (size_t)B * 8 + (size_t)B * pages_per_seq * 4 +
-                (size_t)n_seq * cal_n * 12 + 128;
+    if (sink > 0) {
+      sink_k = alloc<uint16_t>((size_t)hp.n_layer * n_seq * dkv * sink, &kv_bytes);
+      sink_v = alloc<uint16_t>((size_t)hp.n_layer * n_seq * dkv * sink, &kv_bytes);
+      check_cuda(cudaMemset(sink_k, 0, (size_t)hp.n_layer * n_seq * dkv * sink * 2), "cudaMemset sink");
+      check_cuda(cudaMemset(sink_v, 0, (size_t)hp.n_layer * n_seq * dkv * sink * 2), "cudaMemset sink");
+      ex_len = alloc<int32_t>(B);
+      ex_slots = alloc<int64_t>(B);
+      if (cal_n > 0) cal_ex_slots = alloc<int64_t>((size_t)n_seq * cal_n);
+    }
+    // tokens, pos, rows, last, tok_seq, ex_len [B] + indptr [B + 1] int32; slots, ex_slots [B] int64;
+    // indices [B * pages_per_seq]; the calibrated sequences' rows, slots and sink slots [n_seq * cal_n]
+    pin_bytes =
+        (size_t)(7 * B + 1) * 4 + (size_t)B * 16 + (size_t)B * pages_per_seq * 4 + (size_t)n_seq * cal_n * 20 + 160;
     check_cuda(cudaMallocHost(&pin, pin_bytes), "cudaMallocHost");
   }
 
@@ -331,11 +371,13 @@ struct model_runner::impl {
     const int n_out = (int)h_rows.size();
     const int P = fmt.page_size;
     h_slots.resize(n);
+    h_ex_slots.assign(n, -1);
     h_cross.clear();
     for (int t = 0; t < n; ++t) {
       h_slots[t] = (int64_t)page_for(h_seq[t], h_pos[t]) * P + h_pos[t] % P;
       if (h_pos[t] < cal_n) h_slots[t] = -1;  // staged (append_paged skips it)
       if (h_pos[t] == cal_n - 1) h_cross.push_back(h_seq[t]);
+      if (h_pos[t] < sink) h_ex_slots[t] = (int64_t)h_seq[t] * sink + h_pos[t];  // (written with the page row)
     }
     cal_tables();
     step_staged = false;
@@ -361,10 +403,15 @@ struct model_runner::impl {
       h_indices.assign(pg.begin(), pg.begin() + np);
       h_indptr[1] = np;
       h_last[0] = len - (np - 1) * P;
+      h_ex_len.assign(1, std::min(sink, len));  // the prefill kernel shows query p the sink rows <= p
+    } else {
+      h_ex_len.resize(n);
+      for (int t = 0; t < n; ++t) h_ex_len[t] = std::min(sink, h_pos[t] + 1);
     }
     for (int t = 0; !tiled && t < n; ++t) {
-      // query t attends positions [0, pos_t] of its sequence through its pages (all of them compressed,
-      // as the CPU cache without an exact tail: kv_cache_quant's comp_rule with min_tail 0)
+      // query t attends positions [0, pos_t] of its sequence: [0, sink) exact, the rest through its
+      // pages (compressed, as the CPU cache without an exact tail: kv_cache_quant's comp_rule with
+      // min_tail 0)
       const int len = h_pos[t] + 1;
       const int np = (len + P - 1) / P;
       const std::vector<int32_t>& pg = seq_pages[h_seq[t]];
@@ -392,12 +439,18 @@ struct model_runner::impl {
     up(tok_seq, h_seq.data(), n * sizeof(int32_t));
     up(cal_rows, h_cal_rows.data(), h_cal_rows.size() * sizeof(int32_t));
     up(cal_slots, h_cal_slots.data(), h_cal_slots.size() * sizeof(int64_t));
+    if (sink > 0) {
+      up(ex_len, h_ex_len.data(), h_ex_len.size() * sizeof(int32_t));
+      up(ex_slots, h_ex_slots.data(), n * sizeof(int64_t));
+      up(cal_ex_slots, h_cal_ex_slots.data(), h_cal_ex_slots.size() * sizeof(int64_t));
+    }
 
     decode_params dp;
     dp.n_head = hp.n_head;
     dp.spec = attn_spec{hp.attn_scale};
     dp.q_elem = kv_elem::f16;
     dp.out_elem = kv_elem::f16;
+    dp.body_lo = sink;
     const bool want_ids = ids != nullptr;
 
     if (tiled) {
@@ -406,8 +459,9 @@ struct model_runner::impl {
       pp.spec = attn_spec{hp.attn_scale};
       pp.q_elem = kv_elem::f16;
       pp.out_elem = kv_elem::f16;
+      pp.body_lo = sink;
       const int32_t qo[2] = {0, n};
-      const prefill_plan plan(fmt, pp, qo, h_indptr.data(), h_last.data(), 1);
+      const prefill_plan plan(fmt, pp, qo, h_indptr.data(), h_last.data(), 1, sink);
       enqueue(nullptr, &plan, n, n_out, want_ids);
       check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before the plan's buffers go
       ++n_tiled;
@@ -419,7 +473,8 @@ struct model_runner::impl {
       check_cuda(cudaGraphLaunch(gexec, stream), "cudaGraphLaunch");
     } else if (graph_step) {
       // (no paged attention when every token is staged: no plan)
-      auto plan = step_paged ? std::make_unique<decode_plan>(fmt, dp, h_indptr.data(), h_last.data(), n) : nullptr;
+      auto plan =
+          step_paged ? std::make_unique<decode_plan>(fmt, dp, h_indptr.data(), h_last.data(), n, sink) : nullptr;
       cudaGraph_t g = nullptr;
       check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
       try {
@@ -460,7 +515,7 @@ struct model_runner::impl {
       check_cuda(cudaGraphLaunch(gexec, stream), "cudaGraphLaunch");
     } else {
       const auto plan =
-          step_paged ? std::make_unique<decode_plan>(fmt, dp, h_indptr.data(), h_last.data(), n) : nullptr;
+          step_paged ? std::make_unique<decode_plan>(fmt, dp, h_indptr.data(), h_last.data(), n, sink) : nullptr;
       enqueue(plan.get(), nullptr, n, n_out, want_ids);
       check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before the plan's buffers go
     }
@@ -499,15 +554,17 @@ struct model_runner::impl {
                    k32, v32);
       paged_kv_view kv = layer_view(il, pplan ? 1 : n);
       if (cal_n > 0) {
-        append_calibrated(il, k32, v32, tok_seq, pos, slots, n, step_staged, step_paged, st);
+        append_calibrated(il, k32, v32, tok_seq, pos, slots, ex_slots, n, step_staged, step_paged, st);
         kv.k_mu = k_mu + (size_t)il * n_seq * dkv;
         kv.k_lambda = k_lam + (size_t)il * n_seq * dkv;
         kv.stat_row = tok_seq;  // per token (dplan), or tok_seq[0] = the chunk's sequence (pplan)
       } else {
-        append_paged(kv, k16, v16, kv_elem::f16, slots, n, st);
+        const exact_rows_out pe = sink_out(il, ex_slots);
+        append_paged(kv, k16, v16, kv_elem::f16, slots, n, st, sink > 0 ? &pe : nullptr);
       }
-      if (pplan) pplan->run(kv, q16, attn16, st);
-      else if (dplan) dplan->run(kv, q16, attn16, nullptr, st);
+      const exact_window_view ew = sink_view(il);
+      if (pplan) pplan->run(kv, q16, attn16, sink > 0 ? &ew : nullptr, st);
+      else if (dplan) dplan->run(kv, q16, attn16, sink > 0 ? &ew : nullptr, st);
       // queries below the calibration positions: exact attention over the staging rows (replaces
       // what the paged kernel wrote for them from pages that may not hold those rows yet)
       if (cal_n > 0 && step_staged)
@@ -530,11 +587,13 @@ struct model_runner::impl {
   void cal_tables() {
     h_cal_rows.clear();
     h_cal_slots.clear();
+    h_cal_ex_slots.clear();
     const int P = fmt.page_size;
     for (int32_t sq : h_cross)
       for (int p = 0; p < cal_n; ++p) {
         h_cal_rows.push_back(sq);
         h_cal_slots.push_back((int64_t)seq_pages[sq][p / P] * P + p % P);
+        h_cal_ex_slots.push_back(p < sink ? (int64_t)sq * sink + p : -1);
       }
   }
 
@@ -543,9 +602,10 @@ struct model_runner::impl {
   // cal_n to the staging rows; then, for each sequence of h_cross (cal_tables uploaded), mu /
   // lambda from its staged positions [cal_skip, cal_n) and its cal_n staged rows into the pages;
   // then the other rows into the pages. staged / paged: whether any row is below / at or past cal_n
-  // (the kernels of the other kind have nothing to do and are not launched).
+  // (the kernels of the other kind have nothing to do and are not launched). ex_slots_d [n]: the
+  // rows' exact sink rows (with sink > 0; cal_ex_slots for the calibrated staged rows).
   void append_calibrated(int il, const float* k, const float* v, const int32_t* seq, const int32_t* pos_d,
-                         const int64_t* slots_d, int n, bool staged, bool paged, void* st) {
+                         const int64_t* slots_d, const int64_t* ex_slots_d, int n, bool staged, bool paged, void* st) {
     float *sk = stage_k(il), *sv = stage_v(il);
     if (staged) mk::stage_rows(k, v, seq, pos_d, n, cal_n, (int)dkv, sk, sv, st);
     paged_kv_view kv = layer_view(il, 0);
@@ -556,10 +616,13 @@ struct model_runner::impl {
       channel_stats(sk + (sq * cal_n + cal_skip) * dkv, cal_n - cal_skip, hp.n_kv_head, hp.head_dim,
                     const_cast<float*>(kv.k_mu) + sq * dkv, const_cast<float*>(kv.k_lambda) + sq * dkv, st);
       kv.stat_row = cal_rows + i * cal_n;
-      append_paged(kv, sk + sq * cal_n * dkv, sv + sq * cal_n * dkv, kv_elem::f32, cal_slots + i * cal_n, cal_n, st);
+      const exact_rows_out ce = sink_out(il, cal_ex_slots + i * cal_n);
+      append_paged(kv, sk + sq * cal_n * dkv, sv + sq * cal_n * dkv, kv_elem::f32, cal_slots + i * cal_n, cal_n, st,
+                   sink > 0 ? &ce : nullptr);
     }
     kv.stat_row = seq;
-    if (paged) append_paged(kv, k, v, kv_elem::f32, slots_d, n, st);
+    const exact_rows_out pe = sink_out(il, ex_slots_d);
+    if (paged) append_paged(kv, k, v, kv_elem::f32, slots_d, n, st, sink > 0 ? &pe : nullptr);
   }
 
   [[noreturn]] void non_finite(size_t row) const {
@@ -749,9 +812,10 @@ void model_runner::fill_synthetic(int seq_id, int n_tokens, uint64_t seed) {
       s.fill_v = s.alloc<uint16_t>((size_t)C * s.dkv);
     }
     s.fill_slots = s.alloc<int64_t>(C);
+    if (s.sink > 0) s.fill_ex_slots = s.alloc<int64_t>(C);
   }
   const int P = s.fmt.page_size;
-  std::vector<int64_t> sl(C);
+  std::vector<int64_t> sl(C), el(C);
   std::vector<int32_t> sq(C, seq_id), ps(C);
   uint64_t draw = seed * 0x9e3779b97f4a7c15ull + (uint64_t)seq_id * 0x100000001b3ull + (uint64_t)p0;
   for (int c0 = 0; c0 < n_tokens; c0 += C) {
@@ -761,10 +825,14 @@ void model_runner::fill_synthetic(int seq_id, int n_tokens, uint64_t seed) {
       const int p = p0 + c0 + i;
       sl[i] = (int64_t)s.page_for(seq_id, p) * P + p % P;
       ps[i] = p;
+      el[i] = p < s.sink ? (int64_t)seq_id * s.sink + p : -1;
       if (p < s.cal_n) sl[i] = -1;  // staged, as in run()
       if (p == s.cal_n - 1) s.h_cross.push_back(seq_id);
     }
     check_cuda(cudaMemcpy(s.fill_slots, sl.data(), c * sizeof(int64_t), cudaMemcpyHostToDevice), "cudaMemcpy slots");
+    if (s.sink > 0)
+      check_cuda(cudaMemcpy(s.fill_ex_slots, el.data(), c * sizeof(int64_t), cudaMemcpyHostToDevice),
+                 "cudaMemcpy slots");
     if (cal) {
       // the forward's path (impl::append_calibrated) with f32 rows: staging, calibration, pages
       s.cal_tables();
@@ -775,6 +843,10 @@ void model_runner::fill_synthetic(int seq_id, int n_tokens, uint64_t seed) {
                    "cudaMemcpy cal rows");
         check_cuda(cudaMemcpy(s.cal_slots, s.h_cal_slots.data(), s.h_cal_slots.size() * 8, cudaMemcpyHostToDevice),
                    "cudaMemcpy cal slots");
+        if (s.sink > 0)
+          check_cuda(
+              cudaMemcpy(s.cal_ex_slots, s.h_cal_ex_slots.data(), s.h_cal_ex_slots.size() * 8, cudaMemcpyHostToDevice),
+              "cudaMemcpy cal slots");
       }
     }
     const bool staged = p0 + c0 < s.cal_n, paged = p0 + c0 + c > s.cal_n;  // the chunk's first / last position
@@ -782,12 +854,14 @@ void model_runner::fill_synthetic(int seq_id, int n_tokens, uint64_t seed) {
       if (cal) {
         mk::fill_uniform_f32(s.fill_k32, c * s.dkv, -2.0f, 2.0f, ++draw, nullptr);
         mk::fill_uniform_f32(s.fill_v32, c * s.dkv, -2.0f, 2.0f, ++draw, nullptr);
-        s.append_calibrated(il, s.fill_k32, s.fill_v32, s.fill_seq, s.fill_pos, s.fill_slots, c, staged, paged,
-                            nullptr);
+        s.append_calibrated(il, s.fill_k32, s.fill_v32, s.fill_seq, s.fill_pos, s.fill_slots, s.fill_ex_slots, c,
+                            staged, paged, nullptr);
       } else {
         mk::fill_uniform_f16(s.fill_k, c * s.dkv, 2.0f, ++draw, nullptr);
         mk::fill_uniform_f16(s.fill_v, c * s.dkv, 2.0f, ++draw, nullptr);
-        append_paged(s.layer_view(il, 0), s.fill_k, s.fill_v, kv_elem::f16, s.fill_slots, c, nullptr);
+        const exact_rows_out fe = s.sink_out(il, s.fill_ex_slots);
+        append_paged(s.layer_view(il, 0), s.fill_k, s.fill_v, kv_elem::f16, s.fill_slots, c, nullptr,
+                     s.sink > 0 ? &fe : nullptr);
       }
     }
     check_cuda(cudaDeviceSynchronize(), "fill_synthetic");  // sl is rewritten by the next chunk
@@ -837,6 +911,7 @@ std::string model_runner::describe() const {
   const impl& s = *p_;
   std::string d = std::string(kv_traits(s.fmt.format).name) + "/" + kv_traits(s.fmt.format).name;
   if (s.compressed) d += std::string(" (") + rotation_name(s.fmt.rotation) + ", g" + std::to_string(s.geo.group) + ")";
+  if (s.sink > 0) d += ", exact sink " + std::to_string(s.sink);
   return d + ", " + std::to_string(s.fmt.page_size) + "-token pages, on " + device_name();
 }
 

@@ -21,8 +21,9 @@ constexpr double kLegacyRatio = 4.0;  // the error vs the per-head int8 query or
 
 struct exact_data {
   int cap = 0;
-  std::vector<uint16_t> k, v;  // [batch][n_kv_head][cap][hd] f16
+  std::vector<uint16_t> k, v;  // [n_slots][n_kv_head][cap][hd] f16
   std::vector<int32_t> len;    // [batch]
+  std::vector<int32_t> slot;   // [batch] slot of each sequence (exact_window_view::slot), or empty: b
 };
 
 // How the oracle quantizes the query of per-token K: as kv_cache_quant does (what the kernel must
@@ -30,9 +31,11 @@ struct exact_data {
 enum class query_quant { cache, per_head_int8 };
 
 // CPU oracle of decode_plan::run for every (sequence, query head): out [batch][n_head][hd].
-// The decode query sits at the last paged token (spec.window counts back from there).
+// The decode query sits at the last paged token (spec.window counts back from there); the body is
+// the paged tokens [body_lo, len) (decode_params::body_lo).
 std::vector<float> decode_ref(const paged_cache& c, const std::vector<uint16_t>& q, kv_elem qe, int n_head,
-                              const attn_spec& spec, const exact_data& ex, query_quant qq = query_quant::cache) {
+                              const attn_spec& spec, const exact_data& ex, query_quant qq = query_quant::cache,
+                              int body_lo = 0) {
   const int hd = c.f.head_dim, nkv = c.f.n_kv_head, ng = n_head / nkv, batch = c.batch();
   const rotation rot = rotation::make(c.f.rotation, hd, 0);
   const bool quant = c.f.format != kv_format::f16;
@@ -74,24 +77,25 @@ std::vector<float> decode_ref(const paged_cache& c, const std::vector<uint16_t>&
         qv.q8_scale_stride_t = (int64_t)ng * nqg;
         qv.q8_group = legacy ? 0 : qg;
       }
-      if (L > 0) {
+      const int lo = std::min(body_lo, L), nb = L - lo;  // the body: tokens [lo, L)
+      if (nb > 0) {
         const size_t cb = c.g.code_bytes, ns = c.g.n_scales;
-        std::vector<uint8_t> kc(L * cb), vc(L * cb);
-        std::vector<uint16_t> ks(std::max<size_t>(1, L * ns)), vs(std::max<size_t>(1, L * ns));
-        for (int j = 0; j < L; ++j) {
-          std::memcpy(&kc[j * cb], c.k_codes(b, j, h), cb);
-          std::memcpy(&vc[j * cb], c.v_codes(b, j, h), cb);
+        std::vector<uint8_t> kc(nb * cb), vc(nb * cb);
+        std::vector<uint16_t> ks(std::max<size_t>(1, nb * ns)), vs(std::max<size_t>(1, nb * ns));
+        for (int j = 0; j < nb; ++j) {
+          std::memcpy(&kc[j * cb], c.k_codes(b, lo + j, h), cb);
+          std::memcpy(&vc[j * cb], c.v_codes(b, lo + j, h), cb);
           if (ns) {
-            std::memcpy(&ks[j * ns], c.k_scales(b, j, h), 2 * ns);
-            std::memcpy(&vs[j * ns], c.v_scales(b, j, h), 2 * ns);
+            std::memcpy(&ks[j * ns], c.k_scales(b, lo + j, h), 2 * ns);
+            std::memcpy(&vs[j * ns], c.v_scales(b, lo + j, h), 2 * ns);
           }
         }
         if (quant) {
           kv_quant_view kv;
           kv.k = {c.f.format, kc.data(), (int64_t)cb, ks.data(), (int64_t)ns, c.g.group};
           kv.v = {c.f.format, vc.data(), (int64_t)cb, vs.data(), (int64_t)ns, c.g.group};
-          kv.pos_begin = 0;
-          kv.n_pos = L;
+          kv.pos_begin = lo;
+          kv.n_pos = nb;
           kv.head_dim = hd;
           attn_quant_ref(kv, qv, st.data());
         } else {
@@ -100,8 +104,8 @@ std::vector<float> decode_ref(const paged_cache& c, const std::vector<uint16_t>&
           dv.v = vc.data();
           dv.type_k = dv.type_v = kv_elem::f16;
           dv.row_stride = hd;
-          dv.pos_begin = 0;
-          dv.n_pos = L;
+          dv.pos_begin = lo;
+          dv.n_pos = nb;
           dv.head_dim = hd;
           attn_dense_ref(dv, qv, st.data());
         }
@@ -109,7 +113,7 @@ std::vector<float> decode_ref(const paged_cache& c, const std::vector<uint16_t>&
       const int ne = ex.cap ? ex.len[b] : 0;
       if (ne > 0) {
         for (int gg = 0; gg < ng; ++gg) se[gg] = attn_state::empty(&ebuf[gg * hd], hd);
-        const size_t eb = ((size_t)b * nkv + h) * ex.cap * hd;
+        const size_t eb = ((size_t)(ex.slot.empty() ? b : ex.slot[b]) * nkv + h) * ex.cap * hd;
         kv_dense_view dv;
         dv.k = &ex.k[eb];
         dv.v = &ex.v[eb];
@@ -140,6 +144,8 @@ struct decode_case {
   int split = 0;
   int window = 0;        // attn_spec::window
   float softcap = 0.0f;  // attn_spec::softcap
+  int body_lo = 0;       // decode_params::body_lo; exact rows then min(exact_cap, len) (the sink)
+  bool slots = false;    // exact rows through exact_window_view::slot (batch + 1 slots, permuted)
 };
 // Printed in test names: without it gtest prints the struct's raw bytes (padding included),
 // which changes from run to run.
@@ -175,12 +181,16 @@ case_result run_case(const decode_case& p, int64_t page_base = 0) {
   exact_data ex;
   ex.cap = p.exact_cap;
   if (ex.cap) {
-    ex.k = random_halves(rng, (size_t)p.batch * p.n_kv_head * ex.cap * hd, hd, kv_elem::f16);
-    ex.v = random_halves(rng, (size_t)p.batch * p.n_kv_head * ex.cap * hd, hd, kv_elem::f16, 0.5f);
+    const int n_slots = p.slots ? p.batch + 1 : p.batch;
+    ex.k = random_halves(rng, (size_t)n_slots * p.n_kv_head * ex.cap * hd, hd, kv_elem::f16);
+    ex.v = random_halves(rng, (size_t)n_slots * p.n_kv_head * ex.cap * hd, hd, kv_elem::f16, 0.5f);
     ex.len.resize(p.batch);
-    for (int b = 0; b < p.batch; ++b) ex.len[b] = (int)(rng() % (ex.cap + 1));
+    for (int b = 0; b < p.batch; ++b)
+      ex.len[b] = p.body_lo > 0 ? std::min(ex.cap, len[b]) : (int)(rng() % (ex.cap + 1));
+    if (p.slots)
+      for (int b = 0; b < p.batch; ++b) ex.slot.push_back((2 * b + 1) % n_slots);
   }
-  const std::vector<float> ref = decode_ref(c, q, p.qe, n_head, spec, ex);
+  const std::vector<float> ref = decode_ref(c, q, p.qe, n_head, spec, ex, query_quant::cache, p.body_lo);
 
   decode_params dp;
   dp.n_head = n_head;
@@ -188,9 +198,10 @@ case_result run_case(const decode_case& p, int64_t page_base = 0) {
   dp.q_elem = p.qe;
   dp.out_elem = kv_elem::f32;
   dp.split_tokens = p.split;
+  dp.body_lo = p.body_lo;
   decode_plan plan(f, dp, c.indptr.data(), c.last.data(), p.batch, ex.cap);
   dbuf dq = dbuf::from(q), dout(ref.size() * sizeof(float));
-  dbuf ek, ev, el;
+  dbuf ek, ev, el, es;
   exact_window_view ew;
   if (ex.cap) {
     ek = dbuf::from(ex.k);
@@ -200,6 +211,10 @@ case_result run_case(const decode_case& p, int64_t page_base = 0) {
     ew.v = ev.as<uint16_t>();
     ew.len = el.as<int32_t>();
     ew.cap = ex.cap;
+    if (p.slots) {
+      es = dbuf::from(ex.slot);
+      ew.slot = es.as<int32_t>();
+    }
   }
   case_result r;
   std::vector<float> got;
@@ -215,7 +230,7 @@ case_result run_case(const decode_case& p, int64_t page_base = 0) {
   }
   // (else the same query; with a sliding window, too few keys to tell the two queries apart)
   if (p.window == 0 && (p.format == kv_format::q8 || (p.format == kv_format::q4 && c.g.group < p.hd)))
-    r.err_legacy = rel_err(got, decode_ref(c, q, p.qe, n_head, spec, ex, query_quant::per_head_int8));
+    r.err_legacy = rel_err(got, decode_ref(c, q, p.qe, n_head, spec, ex, query_quant::per_head_int8, p.body_lo));
   r.info = "items " + std::to_string(plan.n_items()) + ", split " + std::to_string(plan.split_tokens());
   return r;
 }
@@ -243,7 +258,8 @@ std::string decode_name(const ::testing::TestParamInfo<decode_case>& i) {
          std::to_string(p.page_size) + "_b" + std::to_string(p.batch) + "_l" + std::to_string(kLengths[p.first_len]) +
          "_kv" + std::to_string(p.n_kv_head) + (p.exact_cap ? "_exact" + std::to_string(p.exact_cap) : "") +
          (p.qe == kv_elem::bf16 ? "_bf16" : "") + (p.split ? "_split" + std::to_string(p.split) : "") +
-         (p.window ? "_w" + std::to_string(p.window) : "") + (p.softcap > 0 ? "_cap" : "");
+         (p.window ? "_w" + std::to_string(p.window) : "") + (p.softcap > 0 ? "_cap" : "") +
+         (p.body_lo ? "_lo" + std::to_string(p.body_lo) : "") + (p.slots ? "_slots" : "");
 }
 
 // Sampled matrix: every head_dim x format, GQA {1, 4, 7, 8}, batch {1, 3, 17} with ragged lengths
@@ -280,6 +296,70 @@ INSTANTIATE_TEST_SUITE_P(
         decode_case{kv_format::q4, 96, 4, 64, 3, 5, 2, 32, kv_elem::f16, 0, 0, 1.5f},
         decode_case{kv_format::f16, 64, 4, 16, 1, 5, 2, 16, kv_elem::f16, 0, 0, 2.0f}),
     decode_name);
+
+// The exact sink (decode_params::body_lo + exact_window_view): the paged body starts at body_lo
+// (tokens below it are not read, a sequence of at most body_lo tokens has no body) and the exact rows
+// are the sequence's min(cap, len) sink rows, read through a permuted slot table (the model runner's
+// entry -> sequence map) or directly; body_lo 4 (inside the first 16-token chunk), 20 (past it) and
+// 70 (past a 64-token page), ragged lengths from 1 to 32768, forced splits, bf16 queries.
+INSTANTIATE_TEST_SUITE_P(
+    Sink, CudaDecode,
+    ::testing::Values(decode_case{kv_format::q4, 64, 4, 16, 17, 0, 2, 4, kv_elem::f16, 0, 0, 0.0f, 4, true},
+                      decode_case{kv_format::q4, 128, 7, 64, 17, 1, 1, 20, kv_elem::f16, 0, 0, 0.0f, 20, true},
+                      decode_case{kv_format::q4, 80, 4, 16, 3, 3, 2, 70, kv_elem::bf16, 16, 0, 0.0f, 70, false},
+                      decode_case{kv_format::q8, 128, 4, 16, 17, 2, 2, 4, kv_elem::f16, 0, 0, 0.0f, 4, true},
+                      decode_case{kv_format::q8, 96, 8, 64, 3, 4, 1, 20, kv_elem::f16, 64, 0, 0.0f, 20, true},
+                      decode_case{kv_format::q8, 256, 1, 16, 17, 5, 1, 70, kv_elem::f16, 0, 0, 0.0f, 70, true}),
+    decode_name);
+
+// decode_plan::update (a CUDA graph's next step) keeps body_lo: a plan made for lengths one shorter,
+// updated to the cache's lengths, gives the oracle's output for body_lo 20 and the sink rows.
+TEST(CudaDecodeSink, UpdateKeepsBodyLo) {
+  KVQ_REQUIRE_GPU();
+  paged_kv_format f;
+  f.format = kv_format::q4;
+  f.head_dim = 128;
+  f.n_kv_head = 2;
+  f.page_size = 16;
+  std::mt19937 rng(41);
+  paged_cache c;
+  const std::vector<int> len{1000, 30, 77, 4000};  // none crosses a page or body_lo when one shorter
+  build_cache(c, f, len, rng);
+  const int n_head = 8, hd = 128, S = 20, batch = (int)len.size();
+  attn_spec spec;
+  spec.scale = 1.0f / std::sqrt((float)hd);
+  const std::vector<uint16_t> q = random_halves(rng, (size_t)batch * n_head * hd, hd, kv_elem::f16);
+  exact_data ex;
+  ex.cap = S;
+  ex.k = random_halves(rng, (size_t)batch * f.n_kv_head * S * hd, hd, kv_elem::f16);
+  ex.v = random_halves(rng, (size_t)batch * f.n_kv_head * S * hd, hd, kv_elem::f16, 0.5f);
+  for (int b = 0; b < batch; ++b) ex.len.push_back(S);
+  const std::vector<float> ref = decode_ref(c, q, kv_elem::f16, n_head, spec, ex, query_quant::cache, S);
+  decode_params dp;
+  dp.n_head = n_head;
+  dp.spec = spec;
+  dp.body_lo = S;
+  dp.split_tokens = 256;
+  std::vector<int32_t> shorter = c.last;
+  for (int32_t& l : shorter) {
+    ASSERT_GT(l, 1);
+    --l;
+  }
+  decode_plan plan(f, dp, c.indptr.data(), shorter.data(), batch, S);
+  ASSERT_TRUE(plan.update(c.indptr.data(), c.last.data()));
+  dbuf dq = dbuf::from(q), dout(ref.size() * 4), ek = dbuf::from(ex.k), ev = dbuf::from(ex.v), el = dbuf::from(ex.len);
+  exact_window_view ew;
+  ew.k = ek.as<uint16_t>();
+  ew.v = ev.as<uint16_t>();
+  ew.len = el.as<int32_t>();
+  ew.cap = S;
+  device_fill(dout.p, 0xFF, dout.n);
+  plan.run(c.view(), dq.p, dout.p, &ew);
+  synchronize();
+  const double err = rel_err(to_host<float>(dout.p, ref.size()), ref);
+  std::printf("[ rel err  ] %.3g (updated plan, body_lo %d, %d items)\n", err, S, plan.n_items());
+  EXPECT_LE(err, 1e-3);
+}
 
 // A pool larger than 2^31 bytes whose used pages all lie past 2^31 bytes (sparse page table).
 TEST(CudaDecodeLarge, PagesPast2To31Bytes) {
@@ -388,6 +468,9 @@ TEST(CudaDecodeErrors, PlanValidates) {
   dp.spec.softcap = -1.0f;
   EXPECT_THROW(decode_plan(f, dp, indptr, last, 1), kvq::error);
   dp.spec.softcap = 0.0f;
+  dp.body_lo = -1;
+  EXPECT_THROW(decode_plan(f, dp, indptr, last, 1), kvq::error);
+  dp.body_lo = 0;
   dp.spec.window = 64;  // with an exact window: refused (its rows have no positions)
   try {
     decode_plan plan(f, dp, indptr, last, 1, 32);

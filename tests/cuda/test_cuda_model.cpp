@@ -150,7 +150,15 @@ TEST(CudaModelCheck, RefusesWhatTheGpuDoesNotRun) {
   expect_refused(*m, cp, 512, "rotation 'srht' has no GPU kernels");
   cp = cache_of(*m, kv_cache_type::q4, 256);
   cp.exact_recent = 32;
-  expect_refused(*m, cp, 512, "exact sink / recent windows");
+  expect_refused(*m, cp, 512, "exact recent windows (--kv-exact-recent 32) are not supported on the GPU yet");
+  cp = cache_of(*m, kv_cache_type::q4, 256);
+  cp.sink = 4;
+  EXPECT_NO_THROW(cuda::check_supported(*m, cp, 512)) << "the exact sink runs on the GPU";
+  cp.sink = 1025;
+  expect_refused(*m, cp, 512, "--kv-sink 1025: the GPU keeps at most 1024 exact sink positions");
+  cp = cache_of(*m, kv_cache_type::f16, 256);
+  cp.sink = 4;
+  expect_refused(*m, cp, 512, "exact windows (--kv-sink 4, --kv-exact-recent 0) on an f16 cache");
   cp = cache_of(*m, kv_cache_type::q4, 256);
   cp.certify = true;
   expect_refused(*m, cp, 512, "certified attention is CPU only");
@@ -421,6 +429,79 @@ INSTANTIATE_TEST_SUITE_P(Types, CudaModelChannelScale,
                                   std::to_string(i.param.n_prefill);
                          });
 
+// The exact sink (kv_cache_params::sink; docs/formats.md "Exact windows") against the CPU engine with
+// the same sink: positions [0, sink) attended in f16 (the f16-rounded transformed rows the append
+// quantizes) beside the compressed body [sink, pos], on the tiled prefill path (a prompt of 200 in
+// one forward), the per-token path (a prompt of 40) and decode steps (CUDA graphs on: decode_plan::
+// update keeps the body's lower bound), with the K channel scale at its default (channel_calib 64:
+// the sink rows come from the calibrating append) and off (from the token's own append).
+// Tolerances as CudaModelLogits / CudaModelChannelScale (q8 5e-3, q4 6e-2 rel RMS). With a sink of
+// 48 the q4 GPU must also be closer to the CPU with that sink than to the CPU without one (the rows
+// are attended exactly, not read from the pages).
+struct sink_case {
+  kv_cache_type type;
+  int sink, n_prefill;
+  bool channel_scale;
+  double max_rel_rms;
+};
+class CudaModelSink : public ::testing::TestWithParam<sink_case> {};
+
+TEST_P(CudaModelSink, MatchCpuEngine) {
+  KVQ_REQUIRE_GPU();
+  KVQ_REQUIRE_DATA(mp, kTinylit);
+  const sink_case tc = GetParam();
+  auto m = model::load(mp);
+  const int V = m->hparams().n_vocab, n = 320;
+  const std::vector<int32_t> ids = sample_tokens(*m, n, 23);
+  kv_cache_params cp = cache_of(*m, tc.type, 512);
+  if (tc.channel_scale) {
+    cp.k_channel_scale.reset();  // the default: on
+    cp.channel_calib = 64;
+  }
+  cp.sink = tc.sink;
+  cuda::model_runner r(*m, cp, 256);
+  r.set_cuda_graphs(true);
+  std::vector<float> gpu((size_t)n * V);
+  {
+    std::vector<uint8_t> all(tc.n_prefill, 1);
+    ASSERT_EQ(r.forward(std::span<const int32_t>(ids.data(), tc.n_prefill), 0, all, gpu.data()), tc.n_prefill);
+    for (int t = tc.n_prefill; t < n; ++t)
+      r.decode(std::vector<int32_t>{0}, std::vector<int32_t>{ids[t]}, &gpu[(size_t)t * V], nullptr);
+  }
+  EXPECT_EQ(r.tiled_prefills(), tc.n_prefill >= 64 ? 1 : 0);
+  const std::vector<float> cpu = cpu_logits(*m, cp, ids, tc.n_prefill);
+  kv_cache_params none = cp;
+  none.sink = 0;
+  const std::vector<float> cpu_none = cpu_logits(*m, none, ids, tc.n_prefill);
+  const diff d = compare(gpu, cpu, V), d_none = compare(gpu, cpu_none, V), c_none = compare(cpu, cpu_none, V);
+  std::printf(
+      "[ gpu vs cpu %s sink %d, prefill %d, channel scale %d ] %s: rel rms %.3e, max %.3e, argmax same "
+      "%d/%d; vs cpu without the sink: rel %.3e (cpu with vs without: %.3e); graphs: %d captures\n",
+      kv_cache_type_name(tc.type), tc.sink, tc.n_prefill, (int)tc.channel_scale, r.describe().c_str(),
+      d.rms / d.ref_rms, d.max_abs, d.argmax_same, d.rows, d_none.rms / d_none.ref_rms, c_none.rms / c_none.ref_rms,
+      r.graph_captures());
+  EXPECT_NE(r.describe().find("exact sink " + std::to_string(tc.sink)), std::string::npos) << r.describe();
+  EXPECT_LE(d.rms / d.ref_rms, tc.max_rel_rms);
+  if (tc.type == kv_cache_type::q4 && tc.sink >= 32) { EXPECT_LT(d.rms, d_none.rms); }
+  EXPECT_LT(r.graph_captures(), n - tc.n_prefill) << "no step was replayed";
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, CudaModelSink,
+                         ::testing::Values(sink_case{kv_cache_type::q8, 4, 200, true, 5e-3},
+                                           sink_case{kv_cache_type::q4, 4, 200, true, 6e-2},
+                                           sink_case{kv_cache_type::q8, 4, 40, true, 5e-3},
+                                           sink_case{kv_cache_type::q4, 4, 40, true, 6e-2},
+                                           sink_case{kv_cache_type::q4, 4, 200, false, 6e-2},
+                                           sink_case{kv_cache_type::q4, 4, 40, false, 6e-2},
+                                           sink_case{kv_cache_type::q4, 48, 200, false, 6e-2},
+                                           sink_case{kv_cache_type::q4, 48, 40, true, 6e-2},
+                                           sink_case{kv_cache_type::q8, 70, 200, false, 5e-3}),
+                         [](const auto& i) {
+                           return std::string(kv_cache_type_name(i.param.type)) + "_sink" +
+                                  std::to_string(i.param.sink) + "_prefill" + std::to_string(i.param.n_prefill) +
+                                  (i.param.channel_scale ? "_cs" : "");
+                         });
+
 // Prompts with the K channel scale (the default q8 / q4 cache, channel_calib 256) through the tiled
 // prefill kernel against the per-token path (the decode kernel, one "sequence" per token), same
 // runner, same prompt in chunks of 64 / 100 / the whole prompt, logits of every position: a prompt
@@ -565,6 +646,7 @@ TEST(CudaModelChannelScaleBatched, MixedStepsEqualSingleSequences) {
 struct batch_case {
   kv_cache_type type;
   double max_rel_rms;
+  int sink = 0;  // exact sink (kv_cache_params::sink): each decode entry reads its own sequence's rows
 };
 class CudaModelBatched : public ::testing::TestWithParam<batch_case> {};
 
@@ -581,7 +663,9 @@ TEST_P(CudaModelBatched, StepEqualsSingleSequenceSteps) {
 
   // B sequences in one runner: prompts one after another, then n_steps batched steps over the
   // sequences in a permuted order (pages of different sequences interleave in the pool)
-  kv_cache_params cp = m->cache_params(160, cache_of(*m, bc.type, 160), B);
+  kv_cache_params one = cache_of(*m, bc.type, 160);
+  one.sink = bc.sink;
+  kv_cache_params cp = m->cache_params(160, one, B);
   cuda::model_runner rb(*m, cp, 128);
   std::vector<float> lg((size_t)128 * V);
   for (int b = 0; b < B; ++b)
@@ -626,7 +710,7 @@ TEST_P(CudaModelBatched, StepEqualsSingleSequenceSteps) {
   }
 
   // the same sequences one at a time in a one-sequence runner
-  cuda::model_runner r1(*m, cache_of(*m, bc.type, 160), 128);
+  cuda::model_runner r1(*m, one, 128);
   double worst = 0;
   for (int b = 0; b < B; ++b) {
     r1.clear();
@@ -651,8 +735,11 @@ TEST_P(CudaModelBatched, StepEqualsSingleSequenceSteps) {
 
 INSTANTIATE_TEST_SUITE_P(Types, CudaModelBatched,
                          ::testing::Values(batch_case{kv_cache_type::f16, 1e-3}, batch_case{kv_cache_type::q8, 5e-3},
-                                           batch_case{kv_cache_type::q4, 6e-2}),
-                         [](const auto& i) { return std::string(kv_cache_type_name(i.param.type)); });
+                                           batch_case{kv_cache_type::q4, 6e-2}, batch_case{kv_cache_type::q4, 6e-2, 4}),
+                         [](const auto& i) {
+                           return std::string(kv_cache_type_name(i.param.type)) +
+                                  (i.param.sink ? "_sink" + std::to_string(i.param.sink) : "");
+                         });
 
 // fill_synthetic writes only its own sequence's pages: a sequence decoded beside a filled one gets
 // the logits it gets alone; cleared sequences return their pages.

@@ -30,9 +30,19 @@ void PrintTo(const prefill_case& c, std::ostream* os) {
   *os << kv_traits(c.format).name << "_hd" << c.hd << "_gqa" << c.ng << "_p" << c.page_size;
 }
 
-// CPU oracle: out [n_q][n_head][hd] f32.
+// The exact sink of a prefill (prefill_params::body_lo + exact_window_view): rows [0, len[b]) of
+// slot slot[b] (or b) are positions [0, len[b]).
+struct sink_data {
+  int cap = 0;
+  std::vector<uint16_t> k, v;  // [n_slots][n_kv_head][cap][hd] f16
+  std::vector<int32_t> len, slot;
+};
+
+// CPU oracle: out [n_q][n_head][hd] f32. With a sink: the pages' positions [body_lo, p] and the sink
+// rows j <= p (f32 rotated queries x f16 rows, attn_dense_ref), merged per query (attn_state).
 std::vector<float> prefill_ref(const paged_cache& c, const std::vector<uint16_t>& q, kv_elem qe, int n_head,
-                               const attn_spec& spec, const std::vector<int>& q_len) {
+                               const attn_spec& spec, const std::vector<int>& q_len, int body_lo = 0,
+                               const sink_data* sk = nullptr) {
   const int hd = c.f.head_dim, nkv = c.f.n_kv_head, ng = n_head / nkv, batch = c.batch();
   const rotation rot = rotation::make(c.f.rotation, hd, 0);
   const bool quant = c.f.format != kv_format::f16;
@@ -78,34 +88,56 @@ std::vector<float> prefill_ref(const paged_cache& c, const std::vector<uint16_t>
         qv.q8_group = qg;
       }
       const size_t cb = c.g.code_bytes, ns = c.g.n_scales;
-      std::vector<uint8_t> kc(L * cb), vc(L * cb);
-      std::vector<uint16_t> ks(std::max<size_t>(1, L * ns)), vs(std::max<size_t>(1, L * ns));
-      for (int j = 0; j < L; ++j) {
-        std::memcpy(&kc[j * cb], c.k_codes(b, j, h), cb);
-        std::memcpy(&vc[j * cb], c.v_codes(b, j, h), cb);
+      const int lo = std::min(body_lo, L), nb = L - lo;  // the pages' positions [lo, L)
+      std::vector<uint8_t> kc(std::max(nb, 1) * cb), vc(std::max(nb, 1) * cb);
+      std::vector<uint16_t> ks(std::max<size_t>(1, nb * ns)), vs(std::max<size_t>(1, nb * ns));
+      for (int j = 0; j < nb; ++j) {
+        std::memcpy(&kc[j * cb], c.k_codes(b, lo + j, h), cb);
+        std::memcpy(&vc[j * cb], c.v_codes(b, lo + j, h), cb);
         if (ns) {
-          std::memcpy(&ks[j * ns], c.k_scales(b, j, h), 2 * ns);
-          std::memcpy(&vs[j * ns], c.v_scales(b, j, h), 2 * ns);
+          std::memcpy(&ks[j * ns], c.k_scales(b, lo + j, h), 2 * ns);
+          std::memcpy(&vs[j * ns], c.v_scales(b, lo + j, h), 2 * ns);
         }
       }
-      if (quant) {
+      if (nb > 0 && quant) {
         kv_quant_view kv;
         kv.k = {c.f.format, kc.data(), (int64_t)cb, ks.data(), (int64_t)ns, c.g.group};
         kv.v = {c.f.format, vc.data(), (int64_t)cb, vs.data(), (int64_t)ns, c.g.group};
-        kv.pos_begin = 0;
-        kv.n_pos = L;
+        kv.pos_begin = lo;
+        kv.n_pos = nb;
         kv.head_dim = hd;
         attn_quant_ref(kv, qv, st.data());
-      } else {
+      } else if (nb > 0) {
         kv_dense_view dv;
         dv.k = kc.data();
         dv.v = vc.data();
         dv.type_k = dv.type_v = kv_elem::f16;
         dv.row_stride = hd;
-        dv.pos_begin = 0;
-        dv.n_pos = L;
+        dv.pos_begin = lo;
+        dv.n_pos = nb;
         dv.head_dim = hd;
         attn_dense_ref(dv, qv, st.data());
+      }
+      if (sk && sk->len[b] > 0) {
+        std::vector<float> ebuf(qr.size());
+        std::vector<attn_state> se(st.size());
+        for (size_t i = 0; i < se.size(); ++i) se[i] = attn_state::empty(&ebuf[i * hd], hd);
+        const size_t eb = ((size_t)(sk->slot.empty() ? b : sk->slot[b]) * nkv + h) * sk->cap * hd;
+        kv_dense_view dv;
+        dv.k = &sk->k[eb];
+        dv.v = &sk->v[eb];
+        dv.type_k = dv.type_v = kv_elem::f16;
+        dv.row_stride = hd;
+        dv.pos_begin = 0;  // row j is position j: causal against the queries' positions
+        dv.n_pos = sk->len[b];
+        dv.head_dim = hd;
+        attn_query_view qe32 = qv;
+        qe32.q = qr.data();  // the exact rows see the f32 rotated queries
+        qe32.q8 = nullptr;
+        qe32.q16 = nullptr;
+        qe32.q8_scale = nullptr;
+        attn_dense_ref(dv, qe32, se.data());
+        for (size_t i = 0; i < st.size(); ++i) st[i].merge(se[i]);
       }
       for (int t = 0; t < nq; ++t)
         for (int gg = 0; gg < ng; ++gg) {
@@ -257,6 +289,120 @@ INSTANTIATE_TEST_SUITE_P(
         prefill_case{kv_format::q8, 128, 1, 1, 16, V{2500}, V{64}, kv_elem::f16, kv_elem::f16}),
     prefill_name);
 
+// The exact sink on the prefill path: prefill_params::body_lo masks the pages' positions below it and
+// the run's exact_window_view adds the sink rows j <= each query's position (row j = position j),
+// merged per query row in the second kernel (every tile takes the split path's merge). Against the
+// oracle (rel <= 1e-3, the worst row <= 1e-2): chunks at position 0 whose first queries see only the
+// sink, chunks past a history, body_lo 4 / 70 (past a 64-key tile), a long history split over the
+// keys, several sequences reading permuted slots, q8 / q4, GQA 1 / 4 / 7.
+struct prefill_sink_case {
+  kv_format format;
+  int hd, ng, n_kv_head, page_size;
+  std::vector<int> kv_len, q_len;
+  int body_lo;
+  bool slots;
+};
+void PrintTo(const prefill_sink_case& c, std::ostream* os) {
+  *os << kv_traits(c.format).name << "_hd" << c.hd << "_gqa" << c.ng << "_lo" << c.body_lo;
+}
+class CudaPrefillSink : public ::testing::TestWithParam<prefill_sink_case> {};
+
+TEST_P(CudaPrefillSink, MatchesCpuReference) {
+  KVQ_REQUIRE_GPU();
+  const prefill_sink_case& p = GetParam();
+  paged_kv_format f;
+  f.format = p.format;
+  f.head_dim = p.hd;
+  f.n_kv_head = p.n_kv_head;
+  f.page_size = p.page_size;
+  f.rotation = rotation_kind::hadamard;
+  std::mt19937 rng(2027 * p.hd + 41 * p.ng + p.kv_len[0] + p.body_lo);
+  paged_cache c;
+  build_cache(c, f, p.kv_len, rng, kv_elem::f16);
+  const int n_head = p.ng * p.n_kv_head, hd = p.hd, batch = (int)p.kv_len.size(), S = p.body_lo;
+  std::vector<int32_t> qo{0};
+  for (int l : p.q_len) qo.push_back(qo.back() + l);
+  attn_spec spec;
+  spec.scale = 1.0f / std::sqrt((float)hd);
+  const std::vector<uint16_t> q = random_halves(rng, (size_t)qo.back() * n_head * hd, hd, kv_elem::f16);
+  sink_data sk;
+  sk.cap = S;
+  const int n_slots = p.slots ? batch + 2 : batch;
+  sk.k = random_halves(rng, (size_t)n_slots * p.n_kv_head * S * hd, hd, kv_elem::f16);
+  sk.v = random_halves(rng, (size_t)n_slots * p.n_kv_head * S * hd, hd, kv_elem::f16, 0.5f);
+  for (int b = 0; b < batch; ++b) {
+    sk.len.push_back(std::min(S, p.kv_len[b]));
+    if (p.slots) sk.slot.push_back((3 * b + 2) % n_slots);
+  }
+  const std::vector<float> ref = prefill_ref(c, q, kv_elem::f16, n_head, spec, p.q_len, S, &sk);
+
+  prefill_params pp;
+  pp.n_head = n_head;
+  pp.spec = spec;
+  pp.body_lo = S;
+  prefill_plan plan(f, pp, qo.data(), c.indptr.data(), c.last.data(), batch, S);
+  dbuf dq = dbuf::from(q), dout(ref.size() * 4), ek = dbuf::from(sk.k), ev = dbuf::from(sk.v), el = dbuf::from(sk.len),
+       es;
+  exact_window_view ew;
+  ew.k = ek.as<uint16_t>();
+  ew.v = ev.as<uint16_t>();
+  ew.len = el.as<int32_t>();
+  ew.cap = S;
+  if (p.slots) {
+    es = dbuf::from(sk.slot);
+    ew.slot = es.as<int32_t>();
+  }
+  std::vector<float> got;
+  double err = 0.0;
+  for (int rep = 0; rep < 2; ++rep) {  // twice: poisoned output each time
+    device_fill(dout.p, 0xFF, dout.n);
+    plan.run(c.view(), dq.p, dout.p, &ew);
+    synchronize();
+    got = to_host<float>(dout.p, ref.size());
+    size_t bad = 0;
+    for (float x : got) bad += !std::isfinite(x);
+    ASSERT_EQ(bad, 0u) << "non-finite (unwritten?) outputs";
+    err = std::max(err, rel_err(got, ref));
+  }
+  double worst_row = 0.0;
+  for (size_t r = 0; r < ref.size() / hd; ++r) {
+    const std::vector<float> gr(got.begin() + r * hd, got.begin() + (r + 1) * hd),
+        rr(ref.begin() + r * hd, ref.begin() + (r + 1) * hd);
+    worst_row = std::max(worst_row, rel_err(gr, rr));
+  }
+  // without the sink rows (a run with no exact view) the output must be far off: the rows are used
+  device_fill(dout.p, 0xFF, dout.n);
+  plan.run(c.view(), dq.p, dout.p);
+  synchronize();
+  const double err_none = rel_err(to_host<float>(dout.p, ref.size()), ref);
+  std::printf("[ prefill sink ] rel err %.3g, worst row %.3g (without the sink rows %.3g), %d tiles, %d items\n", err,
+              worst_row, err_none, plan.n_tiles(), plan.n_items());
+  EXPECT_LE(err, 1e-3);
+  EXPECT_LE(worst_row, 1e-2);
+  EXPECT_GT(err_none, 10 * err);
+}
+
+std::string prefill_sink_name(const ::testing::TestParamInfo<prefill_sink_case>& i) {
+  const prefill_sink_case& p = i.param;
+  std::string s = std::string(kv_traits(p.format).name) + "_hd" + std::to_string(p.hd) + "_gqa" + std::to_string(p.ng) +
+                  "_kv" + std::to_string(p.n_kv_head) + "_p" + std::to_string(p.page_size) + "_lo" +
+                  std::to_string(p.body_lo);
+  for (size_t b = 0; b < p.kv_len.size(); ++b)
+    s += "_" + std::to_string(p.kv_len[b]) + "q" + std::to_string(p.q_len[b]);
+  return s + (p.slots ? "_slots" : "");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sink, CudaPrefillSink,
+    ::testing::Values(prefill_sink_case{kv_format::q4, 64, 4, 2, 16, V{200}, V{200}, 4, false},
+                      prefill_sink_case{kv_format::q4, 128, 7, 1, 16, V{1000, 3}, V{97, 3}, 4, true},
+                      prefill_sink_case{kv_format::q4, 80, 1, 2, 64, V{300}, V{130}, 70, false},
+                      prefill_sink_case{kv_format::q4, 128, 4, 1, 16, V{5000}, V{9}, 4, true},
+                      prefill_sink_case{kv_format::q8, 128, 4, 2, 16, V{150}, V{150}, 70, true},
+                      prefill_sink_case{kv_format::q8, 96, 7, 1, 64, V{2500, 66}, V{64, 66}, 4, false},
+                      prefill_sink_case{kv_format::q8, 256, 1, 1, 16, V{333}, V{111}, 20, true}),
+    prefill_sink_name);
+
 TEST(CudaPrefillErrors, PlanValidates) {
   KVQ_REQUIRE_GPU();
   paged_kv_format f;
@@ -296,6 +442,15 @@ TEST(CudaPrefillErrors, PlanValidates) {
   expect_error(pp, qo_bad, indptr, last, errc::invalid_input, "qo_indptr[0]");
   const int32_t bad_last[1] = {17};
   expect_error(pp, qo, indptr, bad_last, errc::invalid_input, "last_page_len[0] = 17");
+  p = pp;
+  p.body_lo = -1;
+  expect_error(p, qo, indptr, last, errc::invalid_input, "body_lo must be >= 0");
+  try {
+    prefill_plan plan(f, pp, qo, indptr, last, 1, 1025);
+    ADD_FAILURE() << "no error: exact_cap 1025";
+  } catch (const kvq::error& e) {
+    EXPECT_NE(std::string(e.what()).find("exact window capacity"), std::string::npos) << e.what();
+  }
   f.head_dim = 72;
   expect_error(pp, qo, indptr, last, errc::unsupported, "head_dim 72");
 }

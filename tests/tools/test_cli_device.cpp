@@ -56,7 +56,7 @@ TEST(CliDevice, ServerCudaWithoutGpuIsNotSupported) {
 
 // kvq server --device cuda refuses at start-up, by name and whatever the build (check_supported
 // runs on the host before the GPU is asked for), the formats the GPU does not run: KIVI, exact
-// windows, the V channel scale, certified attention.
+// recent windows, windows on an f16 cache, the V channel scale, certified attention.
 TEST(CliDevice, ServerCudaRefusesCpuOnlyCaches) {
   KVQ_REQUIRE_DATA(model, kTinylit);
   struct bad {
@@ -65,7 +65,8 @@ TEST(CliDevice, ServerCudaRefusesCpuOnlyCaches) {
   };
   const std::vector<bad> cases = {
       {{"-ctk", "kivi4", "-ctv", "kivi4"}, "cache type 'kivi4' has no GPU kernels (supported: f16, q8, q4)"},
-      {{"-ctk", "q4", "-ctv", "q4", "--kv-sink", "4"}, "exact sink / recent windows (--kv-sink 4"},
+      {{"-ctk", "q4", "-ctv", "q4", "--kv-exact-recent", "32"}, "exact recent windows (--kv-exact-recent 32) are not"},
+      {{"--kv-sink", "4"}, "exact windows (--kv-sink 4, --kv-exact-recent 0) on an f16 cache"},
       {{"-ctk", "q4", "-ctv", "q4", "--kv-channel-scale"}, "the V channel scale (--kv-channel-scale)"},
       {{"-ctk", "q4", "-ctv", "q4", "--kv-certify"}, "certified attention is CPU only"},
   };
@@ -81,8 +82,9 @@ TEST(CliDevice, ServerCudaRefusesCpuOnlyCaches) {
 }
 
 // eval-passkey --device cuda refuses, before any work and whatever the build, the cache options the
-// GPU runner does not run (KIVI and the other CPU-only types, mixed K / V types, exact windows, the
-// V channel scale), naming the option, as generate and perplexity do (cuda::check_supported).
+// GPU runner does not run (KIVI and the other CPU-only types, mixed K / V types, a sink beyond the
+// GPU's limit, exact recent windows, the V channel scale), naming the option, as generate and perplexity do
+// (cuda::check_supported).
 TEST(CliDevice, EvalPasskeyCudaRefusesCpuOnlyCaches) {
   KVQ_REQUIRE_DATA(model, kTinylit);
   KVQ_REQUIRE_DATA(text, "data/tinylit-hd64-gqa4-heldout/heldout.txt");
@@ -93,7 +95,7 @@ TEST(CliDevice, EvalPasskeyCudaRefusesCpuOnlyCaches) {
   const std::vector<bad> cases = {
       {{"-ctk", "kivi4", "-ctv", "kivi4"}, "cache type 'kivi4' has no GPU kernels (supported: f16, q8, q4)"},
       {{"-ctk", "kivi4", "-ctv", "q4a", "--kv-sink", "4"}, "-ctk kivi4 -ctv q4a: K and V must have the same type"},
-      {{"-ctk", "q4", "-ctv", "q4", "--kv-sink", "4"}, "exact sink / recent windows (--kv-sink 4"},
+      {{"-ctk", "q4", "-ctv", "q4", "--kv-sink", "2000"}, "--kv-sink 2000: the GPU keeps at most 1024"},
       {{"-ctk", "q8", "-ctv", "q8", "--kv-exact-recent", "128"}, "--kv-exact-recent 128) are not supported on the GPU"},
       {{"-ctk", "q4", "-ctv", "q4", "--kv-channel-scale"}, "--kv-channel-scale"},
   };
