@@ -58,6 +58,7 @@ class http_server final : public server {
   std::unique_ptr<scheduler> sched_;
   httplib::Server http_;
   int port_ = 0;
+  int listen_sock_ = -1;  // the socket cpp-httplib binds (the last one it creates)
   std::atomic<uint64_t> next_id_{1};
   std::atomic<uint64_t> http_requests_{0}, http_errors_{0};
 };
@@ -122,9 +123,10 @@ http_server::http_server(const server_params& p) : p_(p) {
   // SO_REUSEADDR (a restarted server rebinds past TIME_WAIT) but not SO_REUSEPORT, which
   // cpp-httplib 0.11 sets by default on Linux and which lets a second server bind the same port and
   // take half of its connections: here the second one fails with "address already in use".
-  http_.set_socket_options([](int sock) {
+  http_.set_socket_options([this](int sock) {
     int yes = 1;
     setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    listen_sock_ = sock;
   });
   routes();
   errno = 0;
@@ -140,6 +142,11 @@ http_server::http_server(const server_params& p) : p_(p) {
                        " (is --host a local address?)");
   }
   if (p_.port != 0) port_ = p_.port;
+  // Debian's cpp-httplib 0.11 is a compiled library that listens with a backlog of 5
+  // (CPPHTTPLIB_LISTEN_BACKLOG): a burst of connections (32 streaming clients starting at once on a
+  // busy host) overflowed it and clients were reset or waited for SYN retries. Calling listen()
+  // again on a listening socket sets its backlog (Linux); SOMAXCONN is capped by net.core.somaxconn.
+  if (listen_sock_ >= 0) ::listen(listen_sock_, SOMAXCONN);
   std::fprintf(stderr, "[server] model %s (%s) on %s, n_ctx %d per slot, %d slots, prefill chunk %d, %d tokens per step, KV cache %s\n",
                model_id_.c_str(), model_->hparams().arch.c_str(), compute_device_name(sp.device), sp.n_ctx,
                sp.n_parallel, sp.n_batch, sp.n_batch_tokens, sched_->cache_describe().c_str());

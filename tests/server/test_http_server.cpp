@@ -6,12 +6,14 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -148,6 +150,48 @@ TEST(HttpServer, SecondServerOnATakenPortFails) {
   EXPECT_EQ(r.rc, 2) << r.err;
   EXPECT_NE(r.err.find("cannot listen on 127.0.0.1:" + port + ": address already in use"), std::string::npos) << r.err;
   EXPECT_EQ(r.err.find("listening on"), std::string::npos) << r.err;
+}
+
+// The most connections waiting to be accepted on this process's socket listening on 127.0.0.1:port
+// (TCP_INFO of a listening socket: tcpi_sacked is its backlog on Linux); -1 when none is found.
+int listen_backlog(int port) {
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    int fd = -1;
+    try {
+      fd = std::stoi(e.path().filename().string());
+    } catch (...) { continue; }
+    int acc = 0;
+    socklen_t len = sizeof acc;
+    sockaddr_in a{};
+    socklen_t alen = sizeof a;
+    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &acc, &len) != 0 || !acc) continue;
+    if (getsockname(fd, (sockaddr*)&a, &alen) != 0 || a.sin_family != AF_INET || ntohs(a.sin_port) != port) continue;
+    tcp_info ti{};
+    socklen_t tlen = sizeof ti;
+    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &tlen) != 0) return -1;
+    return (int)ti.tcpi_sacked;
+  }
+  return -1;
+}
+
+// The server listens with a backlog for a burst of clients: cpp-httplib 0.11 (Debian's compiled
+// library) listens with 5, and 32 streaming clients connecting at once on a busy host overflowed it
+// (connections reset or waiting for SYN retries; issue 16's load run). At least --parallel 32 +
+// --queue 64 connections can wait (net.core.somaxconn permitting).
+TEST(HttpServer, ListenBacklogHoldsABurstOfClients) {
+  KVQ_REQUIRE_DATA(model, kTinylit);
+  server_params p;
+  p.model_path = model;
+  p.port = 0;
+  p.n_parallel = 1;
+  p.n_ctx = 64;
+  p.n_threads = 1;
+  const std::unique_ptr<server> srv = server::create(p);
+  int somaxconn = 4096;
+  std::ifstream("/proc/sys/net/core/somaxconn") >> somaxconn;
+  const int backlog = listen_backlog(srv->port());
+  ASSERT_GE(backlog, 0) << "no listening socket on port " << srv->port();
+  EXPECT_GE(backlog, std::min(100, somaxconn));
 }
 
 // A --chat-template-file kvq does not render stops the server at start-up naming the file, what the
