@@ -13,6 +13,7 @@
 #include <optional>
 #include <sstream>
 
+#include "core/gguf_prefault.h"
 #include "kvq/error.h"
 #include "kvq/generate.h"
 #include "kvq/server.h"
@@ -65,6 +66,9 @@ class http_server final : public server {
 
 http_server::http_server(const server_params& p) : p_(p) {
   model_ = model::load(p_.model_path);
+  // The weights are mapped from the file; the first forward would page in most of them and the
+  // token embedding's rows would follow with new tokens: resident from the start instead (issue 16).
+  const size_t weight_bytes = gguf_prefault(model_->gguf());
   tok_ = tokenizer::from_gguf(model_->gguf());
   model_id_ = p_.model_alias.empty() ? std::filesystem::path(p_.model_path).filename().string() : p_.model_alias;
 
@@ -158,6 +162,8 @@ http_server::http_server(const server_params& p) : p_(p) {
                  m0.prefix_reuse ? "on"
                  : gpu           ? "off (not on the GPU: prompts are prefilled in full, docs/server.md)"
                                  : "off (--no-prefix-reuse)");
+  std::fprintf(stderr, "[server] weights: %.1f MiB mapped from %s, paged in at start\n",
+               (double)weight_bytes / (1024.0 * 1024.0), p_.model_path.c_str());
   std::fprintf(stderr, "[server] chat template: %s\n",
                template_ ? chat_format_name(template_->format()) : template_note_.c_str());
 }

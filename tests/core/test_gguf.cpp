@@ -4,11 +4,14 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
+#include "core/gguf_prefault.h"
 #include "kvq/error.h"
 #include "kvq/gguf.h"
-#include "support/data_dir.h"
 #include "kvq/gguf_writer.h"
+#include "support/data_dir.h"
 
 namespace kvq {
 namespace {
@@ -267,6 +270,49 @@ TEST(gguf, custom_alignment) {
   float x;
   std::memcpy(&x, f->tensor("b").data + 4, 4);
   EXPECT_EQ(x, 5.0f);
+}
+
+// Resident bytes (Rss in /proc/self/smaps) of the mapping that holds address p; -1 when none does.
+int64_t resident_bytes_at(const void* p) {
+  std::ifstream f("/proc/self/smaps");
+  const uintptr_t a = (uintptr_t)p;
+  bool in = false;
+  for (std::string line; std::getline(f, line);) {
+    uintptr_t lo = 0, hi = 0;
+    char dash = 0;
+    std::istringstream ls(line);
+    if (line.find(':') > line.find(' ') && (ls >> std::hex >> lo >> dash >> hi) && dash == '-') {
+      in = lo <= a && a < hi;  // a mapping's header line: "lo-hi perms offset dev inode path"
+    } else if (in && line.rfind("Rss:", 0) == 0) {
+      return std::stoll(line.substr(4)) * 1024;  // "Rss:   123 kB"
+    }
+  }
+  return -1;
+}
+
+// gguf_prefault maps every page of the tensor data into the process (what kvq server does before it
+// listens, issue 16): opening touches the header and metadata only, so a large tensor is not
+// resident until it is read; after gguf_prefault the whole mapping is.
+TEST(gguf, prefault_maps_every_tensor_page) {
+  gguf_writer w;
+  w.set_str("general.architecture", "llama");
+  const size_t n_bytes = 16u << 20;  // 16 MiB of q8_0 blocks (34 bytes per 32 values)
+  const size_t n_blocks = n_bytes / 34;
+  std::vector<uint8_t> blocks(n_blocks * 34);
+  for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = (uint8_t)(i * 131);
+  w.add_tensor("t.q8_0", ggml_type::q8_0, {(int64_t)n_blocks * 32}, blocks);
+  auto f = round_trip(w, "prefault");
+  const gguf_tensor_info& t = f->tensor("t.q8_0");
+  const int64_t page = ::sysconf(_SC_PAGESIZE);
+  const int64_t before = resident_bytes_at(t.data);
+  ASSERT_GE(before, 0) << "no mapping holds the tensor";
+  EXPECT_LT(before, (int64_t)blocks.size() / 4) << "the tensor was resident before prefault";
+  EXPECT_EQ(gguf_prefault(*f), blocks.size());  // the one tensor's bytes
+  // the mapping holds the header page(s) before the tensor and the tensor's pages: all resident
+  const int64_t end = (int64_t)(((uintptr_t)t.data + blocks.size() + page - 1) & ~(uintptr_t)(page - 1));
+  const int64_t first = (int64_t)((uintptr_t)t.data & ~(uintptr_t)(page - 1));
+  EXPECT_GE(resident_bytes_at(t.data), end - first);
+  EXPECT_EQ(t.data[12345], blocks[12345]);  // the data is unchanged
 }
 
 TEST(gguf, type_names_and_blocks) {
