@@ -77,14 +77,36 @@ inline int kv_elem_bytes(kv_elem e) { return e == kv_elem::f32 ? 4 : 2; }
 
 // A dense K/V view of one kv head (STYLE.md habit 3: kernels take views). Row p (p in
 // [0, n_pos)) of K is at k + p * row_stride elements; same for V. Position of row p is pos_begin + p.
+// Paged rows (page_rows > 0; a paged cache's pages read in place, after FlashInfer's paged_kv_t):
+// row p of K is row x % page_rows of page x / page_rows, x = page_row0 + p, whose row 0 is at
+// k_pages[x / page_rows] (rows row_stride elements apart within a page); V alike through v_pages;
+// k and v are then unused. Every tier's result depends on the rows' values and the view's bounds
+// only, never on where the rows lie: a paged view gives bit for bit what the same rows gathered
+// into one contiguous view give.
 struct kv_dense_view {
   const void* k = nullptr;
   const void* v = nullptr;
   kv_elem type_k = kv_elem::f32, type_v = kv_elem::f32;
-  int64_t row_stride = 0;  // elements between consecutive positions
+  int64_t row_stride = 0;  // elements between consecutive positions (within a page when paged)
   int pos_begin = 0;       // absolute position of row 0
   int n_pos = 0;           // rows in this view
   int head_dim = 0;
+  const void* const* k_pages = nullptr;  // [(page_row0 + n_pos - 1) / page_rows + 1] when paged
+  const void* const* v_pages = nullptr;  // alike
+  int page_rows = 0;                     // rows per page; 0: not paged (k / v)
+  int page_row0 = 0;                     // row of the first page that holds view row 0, < page_rows
+
+  // K (V: v_row) row p's first element (the row's address; bytes of its element type).
+  const void* k_row(int p) const { return row_at(k, k_pages, type_k, p); }
+  const void* v_row(int p) const { return row_at(v, v_pages, type_v, p); }
+
+ private:
+  const void* row_at(const void* base, const void* const* pages, kv_elem e, int p) const {
+    const int eb = kv_elem_bytes(e);
+    if (page_rows <= 0) return static_cast<const char*>(base) + (int64_t)p * row_stride * eb;
+    const int x = page_row0 + p;
+    return static_cast<const char*>(pages[x / page_rows]) + (int64_t)(x % page_rows) * row_stride * eb;
+  }
 };
 
 // Key positions [lo, hi) (absolute, tokens).

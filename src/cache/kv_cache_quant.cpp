@@ -1007,22 +1007,24 @@ void kv_cache_quant::attend_staged(int il, const attend_seq* seqs, int n, int n_
     dv.type_k = stage_elem(k_);
     dv.type_v = stage_elem(v_);
     dv.pos_begin = 0;
+    dv.row_stride = (int64_t)nh * hd;
     if (stage_in_pages(il) && dv.n_pos > stage_ppp_) {
-      // rows on several staging pages: head h's rows gathered into this thread's buffers
-      thread_local std::vector<uint8_t> gk, gv;
-      for (auto [s, g] : {std::pair{&k_, &gk}, std::pair{&v_, &gv}}) {
-        const size_t eb = (size_t)hd * kv_elem_bytes(stage_elem(*s));
-        g->resize((size_t)dv.n_pos * eb);
-        for (int r = 0; r < dv.n_pos; ++r)
-          std::memcpy(g->data() + (size_t)r * eb, stage_row(*s, il, a.seq_id, r) + (size_t)h * eb, eb);
+      // rows on several staging pages: a paged view of head h's rows, read in place
+      thread_local std::vector<const void*> pk, pv;
+      const int n_pg = stage_pages_of(dv.n_pos);
+      pk.resize(n_pg);
+      pv.resize(n_pg);
+      for (int j = 0; j < n_pg; ++j) {
+        pk[j] = stage_row(k_, il, a.seq_id, j * stage_ppp_) + (size_t)h * hd * kv_elem_bytes(stage_elem(k_));
+        pv[j] = stage_row(v_, il, a.seq_id, j * stage_ppp_) + (size_t)h * hd * kv_elem_bytes(stage_elem(v_));
       }
-      dv.k = gk.data();
-      dv.v = gv.data();
-      dv.row_stride = hd;
+      dv.k_pages = pk.data();
+      dv.v_pages = pv.data();
+      dv.page_rows = stage_ppp_;
+      dv.page_row0 = 0;
     } else {
       dv.k = stage_row(k_, il, a.seq_id, 0) + (size_t)h * hd * kv_elem_bytes(stage_elem(k_));
       dv.v = stage_row(v_, il, a.seq_id, 0) + (size_t)h * hd * kv_elem_bytes(stage_elem(v_));
-      dv.row_stride = (int64_t)nh * hd;
     }
     dv.head_dim = hd;
     attn_query_view qv;

@@ -33,7 +33,7 @@ void attn_dense_ref(const kv_dense_view& kv, const attn_query_view& qv, attn_sta
   for (int p0 = lo_min; p0 < max_limit; p0 += kBlock) {
     const int n = std::min(kBlock, max_limit - p0);
     for (int j = 0; j < n; ++j)
-      for (int i = 0; i < hd; ++i) rows[(size_t)j * hd + i] = load_elem(kv.k, kv.type_k, (int64_t)(p0 + j) * kv.row_stride + i);
+      for (int i = 0; i < hd; ++i) rows[(size_t)j * hd + i] = load_elem(kv.k_row(p0 + j), kv.type_k, i);
     for (int t = 0; t < qv.n_tokens; ++t) {
       const int j0 = std::clamp(span[t].lo - p0, 0, n), nt = std::clamp(span[t].hi - p0, 0, n);
       for (int g = 0; g < ng; ++g) {
@@ -56,7 +56,7 @@ void attn_dense_ref(const kv_dense_view& kv, const attn_query_view& qv, attn_sta
       }
     }
     for (int j = 0; j < n; ++j)
-      for (int i = 0; i < hd; ++i) rows[(size_t)j * hd + i] = load_elem(kv.v, kv.type_v, (int64_t)(p0 + j) * kv.row_stride + i);
+      for (int i = 0; i < hd; ++i) rows[(size_t)j * hd + i] = load_elem(kv.v_row(p0 + j), kv.type_v, i);
     for (int t = 0; t < qv.n_tokens; ++t) {
       const int j0 = std::clamp(span[t].lo - p0, 0, n), nt = std::clamp(span[t].hi - p0, 0, n);
       for (int g = 0; g < ng; ++g) {

@@ -8,7 +8,9 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -269,6 +271,124 @@ TEST(attn_variants, dense_tiers_honour_window_and_softcap_vs_float64) {
       }
     }
   std::printf("[variants] dense tiers: worst relative error vs float64 %.3g\n", worst);
+}
+
+// Paged dense views (kv_dense_view::page_rows) against the same rows gathered into one contiguous
+// view: every tier must give the same states bit for bit (m, d and o), whatever the page size,
+// the view's first row on its page, the pages' order in memory, the rows' stride within a page
+// (the other kv heads' rows between them, NaN here, so that a row read from the wrong place
+// shows), windows and soft-cap.
+TEST(attn_variants, paged_dense_views_equal_contiguous_bit_for_bit) {
+  std::mt19937 rng(14);
+  struct dense_tier {
+    const char* name;
+    bool available;
+    void (*fn)(const kv_dense_view&, const attn_query_view&, attn_state*);
+  };
+  const dense_tier tiers[] = {{"ref", true, attn_dense_ref},
+                              {"dispatch", true, attn_dense},
+                              {"avx2", best_isa() >= isa::avx2, attn_dense_avx2},
+                              {"avx512", best_isa() >= isa::avx512, attn_dense_avx512}};
+  auto bits = [](float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    return u;
+  };
+  int cases = 0, runs = 0;
+  for (kv_elem e : {kv_elem::f32, kv_elem::f16, kv_elem::bf16})
+    for (int hd : {64, 80})
+      for (int n_pos : {1, 17, 97, 200}) {
+        const int eb = kv_elem_bytes(e), nh = 2, h = (cases % 2);  // the view's kv head of nh
+        std::normal_distribution<float> nd(0.f, 2.f);
+        // contiguous rows [n_pos, hd]
+        std::vector<uint8_t> kc((size_t)n_pos * hd * eb), vc(kc.size());
+        for (auto* c : {&kc, &vc})
+          for (size_t i = 0; i < (size_t)n_pos * hd; ++i) {
+            const float x = nd(rng);
+            if (e == kv_elem::f32) std::memcpy(c->data() + i * 4, &x, 4);
+            else {
+              const uint16_t y = e == kv_elem::f16 ? f32_to_f16(x) : f32_to_bf16(x);
+              std::memcpy(c->data() + i * 2, &y, 2);
+            }
+          }
+        for (int page_rows : {1, 5, 8, 16, 33, 64})
+          for (int row0 : std::set<int>{0, page_rows / 2, page_rows - 1}) {
+            ++cases;
+            // pages of [page_rows, nh, hd], NaN everywhere but head h's rows, stored in reverse order
+            const int n_pages = (row0 + n_pos + page_rows - 1) / page_rows;
+            const size_t page_bytes = (size_t)page_rows * nh * hd * eb;
+            std::vector<uint8_t> kp(n_pages * page_bytes), vp(kp.size());
+            const uint16_t nan16 = e == kv_elem::f16 ? 0x7e00 : 0x7fc0;
+            const float nan32 = std::nanf("");
+            for (auto* b : {&kp, &vp})
+              for (size_t i = 0; i < b->size() / eb; ++i) {
+                if (e == kv_elem::f32) std::memcpy(b->data() + i * 4, &nan32, 4);
+                else std::memcpy(b->data() + i * 2, &nan16, 2);
+              }
+            std::vector<const void*> kpt(n_pages), vpt(n_pages);
+            for (int j = 0; j < n_pages; ++j) {
+              const size_t at = (size_t)(n_pages - 1 - j) * page_bytes + (size_t)h * hd * eb;
+              kpt[j] = kp.data() + at;
+              vpt[j] = vp.data() + at;
+            }
+            for (int p = 0; p < n_pos; ++p) {
+              const int x = row0 + p;
+              const size_t off = (size_t)(x % page_rows) * nh * hd * eb;
+              std::memcpy((uint8_t*)kpt[x / page_rows] + off, kc.data() + (size_t)p * hd * eb, (size_t)hd * eb);
+              std::memcpy((uint8_t*)vpt[x / page_rows] + off, vc.data() + (size_t)p * hd * eb, (size_t)hd * eb);
+            }
+            kv_dense_view dc, dp;
+            dc.type_k = dc.type_v = e;
+            dc.pos_begin = 7;
+            dc.n_pos = n_pos;
+            dc.head_dim = hd;
+            dp = dc;
+            dc.k = kc.data();
+            dc.v = vc.data();
+            dc.row_stride = hd;
+            dp.k_pages = kpt.data();
+            dp.v_pages = vpt.data();
+            dp.page_rows = page_rows;
+            dp.page_row0 = row0;
+            dp.row_stride = (int64_t)nh * hd;
+            const int ng = 1 + cases % 7, n_tok = cases % 3 == 0 ? 5 : 1;
+            std::vector<float> q((size_t)n_tok * ng * hd);
+            for (auto& x : q) x = nd(rng);
+            attn_query_view qv;
+            qv.q = q.data();
+            qv.stride_t = (int64_t)ng * hd;
+            qv.n_tokens = n_tok;
+            qv.n_group = ng;
+            qv.head_dim = hd;
+            qv.pos0 = 7 + n_pos - n_tok;
+            qv.spec.scale = 1.0f / std::sqrt((float)hd);
+            for (int w : kWindows)
+              for (float cap : {0.0f, 4.0f}) {
+                qv.spec.window = w;
+                qv.spec.softcap = cap;
+                const int nq = n_tok * ng;
+                for (const dense_tier& tier : tiers) {
+                  if (!tier.available) continue;
+                  std::vector<float> oc((size_t)nq * hd), op(oc.size());
+                  std::vector<attn_state> sc(nq), sp(nq);
+                  for (int i = 0; i < nq; ++i) {
+                    sc[i] = attn_state::empty(&oc[(size_t)i * hd], hd);
+                    sp[i] = attn_state::empty(&op[(size_t)i * hd], hd);
+                  }
+                  tier.fn(dc, qv, sc.data());
+                  tier.fn(dp, qv, sp.data());
+                  ++runs;
+                  bool same = true;
+                  for (int i = 0; i < nq; ++i) same = same && bits(sc[i].m) == bits(sp[i].m) && bits(sc[i].d) == bits(sp[i].d);
+                  for (size_t i = 0; i < oc.size(); ++i) same = same && bits(oc[i]) == bits(op[i]) && !std::isnan(op[i]);
+                  EXPECT_TRUE(same) << tier.name << " elem " << (int)e << " hd " << hd << " n_pos " << n_pos
+                                    << " page_rows " << page_rows << " row0 " << row0 << " window " << w << " cap "
+                                    << cap << " tokens " << n_tok << " group " << ng;
+                }
+              }
+          }
+      }
+  std::printf("[variants] paged dense views: %d layouts, %d tier runs equal to contiguous\n", cases, runs);
 }
 
 // A window that ends before the view, or a view wholly before the window: no key, state empty.
