@@ -132,25 +132,25 @@ class kv_cache_quant final : public kv_cache {
       ring_.push_back(ring);
       paged_.push_back(p.page_size > 0 && w == 0);
     }
+    // channel statistics wait for the first cal_n_ positions, kept as given until then; the sides'
+    // stored formats and whether they are compressed, as init_side sets them (asserted below)
+    const kv_format bk = fk, bv = kv_traits(fv).layout == kv_layout::per_channel ? kv_traits(fv).kivi_v : fv;
+    const bool ck = kv_traits(bk).layout != kv_layout::dense, cv = kv_traits(bv).layout != kv_layout::dense;
+    const bool stats = ((p.channel_scale || k_channel_scale_) && ck) || (p.channel_scale && cv);
+    cal_n_ = stats ? std::min(p.channel_calib, p.n_ctx) : 0;
     if (p.page_size > 0) {
       const int per_seq = (body_cap + p.page_size - 1) / p.page_size;
       // staging pages (stage_in_pages): positions per page as below, before the sides exist
       bool any_paged = false;
       for (bool x : paged_) any_paged = any_paged || x;
-      int ppp = 0, cal = 0;
-      {
-        const kv_format bk = fk, bv = kv_traits(fv).layout == kv_layout::per_channel ? kv_traits(fv).kivi_v : fv;
-        const bool ck = kv_traits(bk).layout != kv_layout::dense, cv = kv_traits(bv).layout != kv_layout::dense;
-        if (((p.channel_scale || k_channel_scale_) && ck) || (p.channel_scale && cv)) cal = std::min(p.channel_calib, p.n_ctx);
-        ppp = p.n_ctx;
-        for (auto [f, c] : {std::pair{bk, ck}, std::pair{bv, cv}}) {
-          const size_t eb = c ? 4 : kv_elem_bytes(elem_of(f)), frag = (size_t)p.page_size * kv_code_bytes(f, p.head_dim);
-          ppp = frag % eb == 0 ? std::min<int>(ppp, (int)(frag / ((size_t)p.head_dim * eb))) : 0;
-        }
-        if (!any_paged || cal == 0) ppp = 0;
+      int ppp = p.n_ctx;
+      for (auto [f, c] : {std::pair{bk, ck}, std::pair{bv, cv}}) {
+        const size_t eb = c ? 4 : kv_elem_bytes(elem_of(f)), frag = (size_t)p.page_size * kv_code_bytes(f, p.head_dim);
+        ppp = frag % eb == 0 ? std::min<int>(ppp, (int)(frag / ((size_t)p.head_dim * eb))) : 0;
       }
+      if (!any_paged || cal_n_ == 0) ppp = 0;
       stage_ppp_ = ppp;
-      const int stage_per_seq = ppp > 0 ? (cal + ppp - 1) / ppp : 0;
+      const int stage_per_seq = ppp > 0 ? (cal_n_ + ppp - 1) / ppp : 0;
       // n_pages 0: every sequence at n_ctx, and its staging pages on the way there
       pool_.init(p.page_size, p.n_pages > 0 ? p.n_pages : p.n_seq * (per_seq + stage_per_seq), allocate_ ? p.n_seq : 0,
                  per_seq);
@@ -160,9 +160,7 @@ class kv_cache_quant final : public kv_cache {
     state_.assign((size_t)p.n_layer * p.n_seq, {});
     fresh_.resize(allocate_ ? p.n_seq : 0);
     lambda_set_.assign((size_t)p.n_layer * p.n_seq, 0);
-    // channel statistics wait for the first cal_n_ positions, kept as given until then
-    const bool stats = ((p.channel_scale || k_channel_scale_) && k_.compressed) || (p.channel_scale && v_.compressed);
-    cal_n_ = stats ? std::min(p.channel_calib, p.n_ctx) : 0;
+    KVQ_ASSERT(k_.format == bk && k_.compressed == ck && v_.format == bv && v_.compressed == cv);
     staged_.assign((size_t)p.n_layer * p.n_seq, 0);
     // staging rows of the paged layers in pages of the pool (stage_ppp_ above): a page's code bytes
     // of a side hold P * code_row / (head_dim * element bytes) positions of that side (all kv heads),
