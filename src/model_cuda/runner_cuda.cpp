@@ -86,6 +86,8 @@ struct model_runner::impl {
   std::vector<int32_t> h_ex_len;
   std::vector<int64_t> h_ex_slots, h_cal_ex_slots;
   int64_t* fill_ex_slots = nullptr;  // fill_synthetic's [kFillChunk]
+  // The sink row of position pos of sequence seq in a layer's [n_seq][sink] rows, or -1 past the sink.
+  int64_t sink_slot(int seq, int pos) const { return pos < sink ? (int64_t)seq * sink + pos : -1; }
   exact_rows_out sink_out(int il, const int64_t* slots_d) const {
     exact_rows_out e;
     e.k = sink_k + (size_t)il * n_seq * dkv * sink;
@@ -371,13 +373,13 @@ struct model_runner::impl {
     const int n_out = (int)h_rows.size();
     const int P = fmt.page_size;
     h_slots.resize(n);
-    h_ex_slots.assign(n, -1);
+    h_ex_slots.resize(n);
     h_cross.clear();
     for (int t = 0; t < n; ++t) {
       h_slots[t] = (int64_t)page_for(h_seq[t], h_pos[t]) * P + h_pos[t] % P;
       if (h_pos[t] < cal_n) h_slots[t] = -1;  // staged (append_paged skips it)
       if (h_pos[t] == cal_n - 1) h_cross.push_back(h_seq[t]);
-      if (h_pos[t] < sink) h_ex_slots[t] = (int64_t)h_seq[t] * sink + h_pos[t];  // (written with the page row)
+      h_ex_slots[t] = sink_slot(h_seq[t], h_pos[t]);  // (written with the page row)
     }
     cal_tables();
     step_staged = false;
@@ -593,7 +595,7 @@ struct model_runner::impl {
       for (int p = 0; p < cal_n; ++p) {
         h_cal_rows.push_back(sq);
         h_cal_slots.push_back((int64_t)seq_pages[sq][p / P] * P + p % P);
-        h_cal_ex_slots.push_back(p < sink ? (int64_t)sq * sink + p : -1);
+        h_cal_ex_slots.push_back(sink_slot(sq, p));
       }
   }
 
@@ -825,7 +827,7 @@ void model_runner::fill_synthetic(int seq_id, int n_tokens, uint64_t seed) {
       const int p = p0 + c0 + i;
       sl[i] = (int64_t)s.page_for(seq_id, p) * P + p % P;
       ps[i] = p;
-      el[i] = p < s.sink ? (int64_t)seq_id * s.sink + p : -1;
+      el[i] = s.sink_slot(seq_id, p);
       if (p < s.cal_n) sl[i] = -1;  // staged, as in run()
       if (p == s.cal_n - 1) s.h_cross.push_back(seq_id);
     }
