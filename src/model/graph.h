@@ -30,6 +30,7 @@ struct graph_scratch {
   std::vector<float> q, attn;         // [n, n_head, head_dim]
   std::vector<float> k, v;            // [n, n_kv_head, head_dim]
   std::vector<float> gate, up, act;   // [n, n_ff]
+  std::vector<float> rope_cs;         // [n, n_rot]: cos / sin of each token's RoPE angles
   std::vector<attend_seq> seqs;       // one per sequence of the batch
   std::vector<seq_run> runs;
   std::vector<int32_t> out_rows;      // batch rows whose logits are written
@@ -64,11 +65,12 @@ rope_table make_rope(const model_hparams& hp, const layer_hparams& lp, std::span
 // x[t] = tok_embd[tokens[t]] * scale. x: [n, n_embd].
 void embed(const graph_ctx& g, const weight_view& tok_embd, float scale, float* x);
 
-// RMSNorm of n_rows rows of n elements (out may alias x).
-void norm(const float* x, const float* w, int64_t n_rows, int64_t n, float eps, float* out);
+// RMSNorm of n_rows rows of n elements (out may alias x); rows split over the pool when large
+// enough to pay for it (every row's bits are the same either way).
+void norm(thread_pool& pool, const float* x, const float* w, int64_t n_rows, int64_t n, float eps, float* out);
 
-// x[i] += y[i] for i < n.
-void add(float* x, const float* y, int64_t n);
+// x[i] += y[i] for i < n, split over the pool when large enough.
+void add(thread_pool& pool, float* x, const float* y, int64_t n);
 
 // Throws invalid_input "[model] non-finite activation (NaN/Inf) in <what> of layer il ..." unless
 // every x[i] (i < n) is finite.

@@ -26,11 +26,18 @@ void geglu_tanh(const float* gate, const float* up, int64_t n, float* out) {
   }
 }
 
-void rope(float* x, int n_rot, const float* inv_freq, int pos, bool neox) {
+void rope_angles(int n_rot, const float* inv_freq, int pos, float* cs) {
+  for (int i = 0; i < n_rot / 2; ++i) {
+    const float theta = (float)pos * inv_freq[i];
+    cs[2 * i] = std::cos(theta);
+    cs[2 * i + 1] = std::sin(theta);
+  }
+}
+
+void rope_apply(float* x, int n_rot, const float* cs, bool neox) {
   const int half = n_rot / 2;
   for (int i = 0; i < half; ++i) {
-    const float theta = (float)pos * inv_freq[i];
-    const float c = std::cos(theta), s = std::sin(theta);
+    const float c = cs[2 * i], s = cs[2 * i + 1];
     const int a = neox ? i : 2 * i;
     const int b = neox ? i + half : 2 * i + 1;
     const float x0 = x[a], x1 = x[b];

@@ -279,6 +279,8 @@ void scheduler::loop() {
   std::vector<int> out_slot;  // slot of each logits row
   std::vector<float> logits;
   std::vector<int32_t> decode_ids;  // [n_decode] greedy ids from the device (step_engine::device_argmax)
+  std::vector<int32_t> sampled;     // [n_out] the sampled id of each output row
+  std::vector<std::string> sample_error;  // [n_out] why a row's sampling failed ("": it did not)
   uint64_t n_admitted = 0;
 
   // Publishes new text (and the end) to the job's reader.
@@ -440,6 +442,21 @@ void scheduler::loop() {
       prefix_bytes_ = prefix_->bytes();
     }
 
+    // Sample every row on the pool: rows are independent (each slot has its own sampler and RNG), and
+    // a greedy scan of the vocabulary (or a top-p sort of it) costs a serial millisecond a row.
+    sampled.assign(n_out, -1);
+    sample_error.assign(n_out, std::string());
+    pool_.parallel_for(n_out, (int64_t)n_out * n_vocab, [&](int64_t r, int) {
+      if (use_ids && r < n_decode) {
+        sampled[r] = decode_ids[r];
+        return;
+      }
+      try {
+        sampled[r] = slots_[out_slot[r]]->smp->sample(logits.data() + (size_t)r * n_vocab, n_vocab);
+      } catch (const std::exception& e) {
+        sample_error[r] = e.what();
+      }
+    });
     for (int r = 0; r < n_out; ++r) {
       const int i = out_slot[r];
       slot& s = *slots_[i];
@@ -451,13 +468,11 @@ void scheduler::loop() {
         std::lock_guard lk(s.job->mu_);
         s.job->pending_.logits_hash.push_back(h);
       }
-      int32_t id;
-      try {
-        id = use_ids && r < n_decode ? decode_ids[r] : s.smp->sample(row, n_vocab);
-      } catch (const std::exception& e) {
-        finish(i, "error", e.what());
+      if (!sample_error[r].empty()) {
+        finish(i, "error", sample_error[r]);
         continue;
       }
+      const int32_t id = sampled[r];
       if (!s.req.ignore_eos && tok_.is_eog(id)) {
         finish(i, "stop");
         continue;

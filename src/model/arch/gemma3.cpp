@@ -85,14 +85,14 @@ class arch_gemma3 final : public model_arch {
       aw.wq = &L.wq, aw.wk = &L.wk, aw.wv = &L.wv, aw.wo = &L.wo;
       aw.q_norm = L.q_norm.data(), aw.k_norm = L.k_norm.data();
       aw.rope = &L.rope;
-      build::norm(x, L.attn_norm.data(), n, E, hp.rms_eps, h);
+      build::norm(g.pool, x, L.attn_norm.data(), n, E, hp.rms_eps, h);
       build::attention(g, il, aw, h, o);
-      build::norm(o, L.attn_post_norm.data(), n, E, hp.rms_eps, o);
-      build::add(x, o, n * E);
-      build::norm(x, L.ffn_norm.data(), n, E, hp.rms_eps, h);
+      build::norm(g.pool, o, L.attn_post_norm.data(), n, E, hp.rms_eps, o);
+      build::add(g.pool, x, o, n * E);
+      build::norm(g.pool, x, L.ffn_norm.data(), n, E, hp.rms_eps, h);
       build::ffn(g, {&L.w_gate, &L.w_up, &L.w_down, ffn_type::geglu}, h, o);
-      build::norm(o, L.ffn_post_norm.data(), n, E, hp.rms_eps, o);
-      build::add(x, o, n * E);
+      build::norm(g.pool, o, L.ffn_post_norm.data(), n, E, hp.rms_eps, o);
+      build::add(g.pool, x, o, n * E);
       build::check_finite(g, x, n * E, "the residual stream", il);
     }
     build::output(g, x, io_.output_norm.data(), io_.output, logits);

@@ -51,12 +51,12 @@ class arch_llama final : public model_arch {
     build::embed(g, io_.tok_embd, 1.0f, s.x.data());  // x: [n, n_embd]
     for (int il = 0; il < hp.n_layer; ++il) {
       const layer& L = layers_[il];
-      build::norm(s.x.data(), L.attn_norm.data(), n, E, hp.rms_eps, s.h.data());
+      build::norm(g.pool, s.x.data(), L.attn_norm.data(), n, E, hp.rms_eps, s.h.data());
       build::attention(g, il, attn_of(L), s.h.data(), s.o.data());
-      build::add(s.x.data(), s.o.data(), n * E);
-      build::norm(s.x.data(), L.ffn_norm.data(), n, E, hp.rms_eps, s.h.data());
+      build::add(g.pool, s.x.data(), s.o.data(), n * E);
+      build::norm(g.pool, s.x.data(), L.ffn_norm.data(), n, E, hp.rms_eps, s.h.data());
       build::ffn(g, {&L.w_gate, &L.w_up, &L.w_down, ffn_type::swiglu}, s.h.data(), s.o.data());
-      build::add(s.x.data(), s.o.data(), n * E);
+      build::add(g.pool, s.x.data(), s.o.data(), n * E);
       build::check_finite(g, s.x.data(), n * E, "the residual stream", il);
     }
     build::output(g, s.x.data(), io_.output_norm.data(), io_.output, logits);
