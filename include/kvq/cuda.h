@@ -56,12 +56,23 @@ double copy_bandwidth(size_t bytes, int repeats = 10);
 // page_size], row j % page_size; the sequence holds (indptr[b+1] - indptr[b] - 1) * page_size +
 // last_page_len[b] tokens (0 when it has no page). All offsets are 64-bit (a pool may exceed 2^31
 // bytes); page ids are int32.
+//
+// kivi4 pages (the CPU's -ctk kivi4 -ctv q4a / kivi4; KIVI, Liu et al. 2024, arXiv:2402.02750, §3.2):
+// K per-channel asymmetric 4-bit over groups of kivi_group = 32 consecutive page rows, never rotated;
+// V per-token asymmetric q4a (group 32), rotated by `rotation`. A (page, kv head) block holds
+//     K codes  [page_size][head_dim / 2]                 (q4a code rows, docs/formats.md)
+//     V codes  [page_size][head_dim / 2]
+//     K scales [page_size / 32][2][head_dim] f16         (per group: the channel scales, then zeros)
+//     V scales [page_size][2][head_dim / 32] f16         (per row: scales, then zeros)
+// page_size 32 or 64 (whole groups), head_dim % 32 == 0. The pages hold the compressed body only;
+// the exact sink and residual rows live in exact_window_view rows (docs/cuda.md "KIVI").
 struct paged_kv_format {
-  kv_format format = kv_format::q4;  // q8, q4 (rotated, per-token symmetric) or f16
-  int head_dim = 128;                // 64, 80, 96, 128 or 256
+  kv_format format = kv_format::q4;  // q8, q4 (rotated, per-token symmetric), f16 or kivi4
+  int head_dim = 128;                // 64, 80, 96, 128 or 256 (kivi4: 64, 96, 128, 256)
   int n_kv_head = 1;
-  int page_size = 16;                // 16 or 64 tokens
-  rotation_kind rotation = rotation_kind::hadamard;  // none or hadamard (block = largest 2^k | head_dim)
+  int page_size = 16;                                // 16 or 64 tokens (kivi4: 32 or 64)
+  rotation_kind rotation = rotation_kind::hadamard;  // none or hadamard (block = largest 2^k | head_dim);
+                                                     // kivi4: V's rotation (K is never rotated)
 };
 
 struct paged_kv_geometry {
@@ -71,6 +82,7 @@ struct paged_kv_geometry {
   int64_t k_codes = 0, v_codes = 0, k_scales = 0, v_scales = 0;  // section offsets in a block
   int64_t head_bytes = 0;   // one (page, kv head) block
   int64_t page_bytes = 0;   // one page = n_kv_head * head_bytes
+  int kivi_group = 0;       // kivi4: rows per K scale group (32); 0 otherwise
   int rot_block = 0;        // Hadamard block (0: no rotation)
   float rot_scale = 1.0f;   // 1 / sqrt(rot_block), as kvq::fwht_radix2 rounds it
 
@@ -79,6 +91,10 @@ struct paged_kv_geometry {
   int64_t v_code_offset(int64_t page, int kv_head, int row) const { return block_offset(page, kv_head) + v_codes + row * code_bytes; }
   int64_t k_scale_offset(int64_t page, int kv_head, int row) const { return block_offset(page, kv_head) + k_scales + (int64_t)row * n_scales * 2; }
   int64_t v_scale_offset(int64_t page, int kv_head, int row) const { return block_offset(page, kv_head) + v_scales + (int64_t)row * n_scales * 2; }
+  // kivi4: the K scales (then zeros) of group grp (rows [32 grp, 32 grp + 32)) of a page
+  int64_t k_group_offset(int64_t page, int kv_head, int grp) const {
+    return block_offset(page, kv_head) + k_scales + (int64_t)grp * code_bytes * 8;
+  }
 };
 // Validates the format (host only, works without a GPU); throws unsupported
 // "[cuda paged_kv] unsupported head_dim 72 (supported: 64, 80, 96, 128, 256)" and the like.
@@ -110,12 +126,18 @@ struct paged_kv_view {
 // [batch]; nullptr: slot b) and its rows [0, len[b]) (device [batch]). decode_plan::run shows a
 // query every one of them; prefill_plan::run treats row j as position j (the sink: positions [0,
 // len)) and shows a query at position p the rows j <= p.
+//
+// gap_lo / gap_hi (decode_plan only; device [batch], or nullptr): entry b skips rows [gap_lo[b],
+// gap_hi[b]) of [0, len[b]) (gap_lo <= gap_hi <= len). A KIVI cache's slot holds the sink, then the
+// residual rows from a group boundary on; a query skips those its pages already hold compressed.
 struct exact_window_view {
   const uint16_t* k = nullptr;
   const uint16_t* v = nullptr;
   const int32_t* len = nullptr;
   int cap = 0;                    // rows per slot, <= 1024
   const int32_t* slot = nullptr;  // device [batch], or nullptr (entry b reads slot b)
+  const int32_t* gap_lo = nullptr;
+  const int32_t* gap_hi = nullptr;
 };
 
 // Where append_paged also writes a token's exact row (exact_window_view's layout): token i, kv head
@@ -139,6 +161,33 @@ struct exact_rows_out {
 // with a page slot and a non-negative exact slot also write their exact rows there. One launch.
 void append_paged(const paged_kv_view& kv, const void* k, const void* v, kv_elem elem, const int64_t* slots,
                   int n_tokens, void* stream = nullptr, const exact_rows_out* exact = nullptr);
+
+// ---- KIVI (kivi4 pages; kv_cache_quant's -ctk kivi4 -ctv q4a / kivi4, docs/cuda.md "KIVI") ------
+// Append of a KIVI cache: k, v device [n_tokens][n_kv_head][head_dim] f16, bf16 or f32. Per (token,
+// kv head) one warp: K rounded to f16 (unrotated) -> exact.k row exact.slots[i]; V -> FWHT (the
+// view's rotation) -> rounded to f16 -> exact.v row exact.slots[i] and, when slots[i] >= 0, q4a codes
+// + scale + zero (quantize_row_ref's, bit for bit) into V row slots[i] % page_size of page slots[i] /
+// page_size. K codes wait for their group (quantize_kivi_groups). exact.slots[i] < 0 writes no exact
+// row. The same values as kv_cache_quant::transform_side (|x| <= 65504 assumed, the CPU checks).
+// Errors: unsupported for a format other than kivi4; invalid_input for missing pointers. One launch.
+void append_kivi(const paged_kv_view& kv, const void* k, const void* v, kv_elem elem, const int64_t* slots,
+                 int n_tokens, const exact_rows_out& exact, void* stream = nullptr);
+
+// K per-channel quantization of n_groups whole KIVI groups from exact rows: group j's kivi_group
+// (32) consecutive f16 K rows start at row src_rows[j] % cap of slot src_rows[j] / cap of exact_k
+// ([n_slots][n_kv_head][cap][head_dim] f16 bits, device), and go to page slot dst_slots[j] (page *
+// page_size + row0, row0 a multiple of 32; device int64 [n_groups]): codes, channel scales and zeros
+// of quantize_channel_group_ref (least squared error clipping and refits, kv_quantize_ref.cpp),
+// bit for bit (compiled without FMA contraction, one thread per channel). One launch.
+void quantize_kivi_groups(const paged_kv_view& kv, const uint16_t* exact_k, int cap, const int64_t* src_rows,
+                          const int64_t* dst_slots, int n_groups, void* stream = nullptr);
+
+// Moves exact rows down within their slots (the KIVI residual after its groups were quantized): for
+// each of n moves (device int32 [n][4] {slot, dst_row, src_row, n_rows}, dst_row <= src_row) the
+// rows [src_row, src_row + n_rows) of k and v ([n_slots][n_kv_head][cap][head_dim] f16, device) of
+// every kv head go to [dst_row, ..), in row order (overlap allowed). One launch.
+void move_exact_rows(uint16_t* k, uint16_t* v, int n_kv_head, int head_dim, int cap, const int32_t* moves, int n,
+                     void* stream = nullptr);
 
 // The channel statistics of kv_channel_stats_ref (include/kvq/kv_cache.h) on the device, equal to
 // it bit for bit: x device [n_tokens][n_kv_head][head_dim] f32, mu and lambda device

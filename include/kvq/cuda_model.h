@@ -20,16 +20,21 @@
 //    attends the pages up to its own position. q8 / q4 queries see every position through its
 //    codes, its own batch's too, as the CPU cache does without an exact window (sink 0,
 //    exact_recent 0).
+//  - KIVI (-ctk kivi4 -ctv q4a / kivi4): kivi4 pages of 32 body positions (position - sink), the
+//    sink and the residual in exact f16 rows per (layer, sequence); append_kivi, quantize_kivi_groups
+//    for the groups a step completes, then every query (prompt or decode) through the decode kernel
+//    with its own exact residual, as the CPU cache's attend (docs/cuda.md "KIVI pages"); a forward()
+//    runs in steps of at most 1024 - sink - (min_tail + 31) tokens; no tiled prefill, no CUDA
+//    graphs (set_cuda_graphs does not apply to KIVI steps).
 // Sequences: the runner holds cp.n_seq sequences of up to cp.n_ctx positions each, their pages
 // (16 positions of every kv head of one layer) drawn from one pool of n_seq * ceil(n_ctx / 16)
 // pages per layer (or cp.n_pages, when smaller: a server's --kv-budget) through a free list, so
-// sequences of different lengths share it and a cleared sequence returns its pages. forward() runs tokens of one sequence (prefill or one decode token);
-// decode() runs one token of each of several sequences as one batch (batched decode, issue 19
-// point 4): the weight products as one GEMM over the batch, RoPE at each token's own position,
-// append and attention per sequence through the page table (one decode-kernel launch for all).
-// Numerics against the CPU engine: the products round their inputs to
-// f16 (the CPU keeps f32 activations), so logits differ by rounding; tests/cuda/test_cuda_model.cpp
-// states the tolerances per cache type.
+// sequences of different lengths share it and a cleared sequence returns its pages. forward() runs tokens of one
+// sequence (prefill or one decode token); decode() runs one token of each of several sequences as one batch (batched
+// decode, issue 19 point 4): the weight products as one GEMM over the batch, RoPE at each token's own position, append
+// and attention per sequence through the page table (one decode-kernel launch for all). Numerics against the CPU
+// engine: the products round their inputs to f16 (the CPU keeps f32 activations), so logits differ by rounding;
+// tests/cuda/test_cuda_model.cpp states the tolerances per cache type.
 //
 // Errors: kvq::error(unsupported) "[cuda] not supported: kvq was built without KVQ_BUILD_CUDA"
 // (stub build) or "[cuda] no GPU visible ..." when no device is there; check_supported's errors
@@ -57,7 +62,10 @@ namespace cuda {
 // model m with cache parameters cp (shapes as model::cache_params fills them) and prefill batches
 // of up to max_batch tokens. Throws unsupported, naming the field and value and what is supported:
 //  - architectures other than llama, mistral, qwen2; sliding-window layers, logit soft-caps;
-//  - cache types other than f16, q8, q4 (K and V the same type), rotations other than none /
+//  - cache types other than f16, q8, q4 (K and V the same type) and the KIVI cache -ctk kivi4 with
+//    -ctv q4a or kivi4 (K per-channel in groups of 32, exact sink and residual; docs/cuda.md "KIVI
+//    pages"; other KIVI types, --kv-kivi-group != 32, an explicit --kv-rot other than none, the
+//    channel scales are refused for it), rotations other than none /
 //    hadamard (f16: none), a group size other than the default, exact sink / recent windows,
 //    the V channel scale (--kv-channel-scale; the K channel scale, on by default for q8 / q4 as on
 //    the CPU, runs, with channel_calib <= 8192), certified attention, the dequantize attention path;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cuda/common.cuh"
+#include "cuda/kivi.cuh"
 #include "kvq/cuda.h"
 
 namespace kvq::cuda {
@@ -608,21 +609,27 @@ struct merge_args {
   const uint16_t* ev;
   const int32_t* elen;  // [batch] or nullptr
   const int32_t* eslot;  // [batch] slot of each sequence's exact rows, or nullptr (slot = sequence)
+  const int32_t* gap_lo;  // [batch] rows [gap_lo, gap_hi) of [0, elen) skipped, or nullptr
+  const int32_t* gap_hi;
   void* out;            // [batch][n_head][HD]
   int ecap;
   int q_bf16, out_f16;
   int n_head, n_kv_head, ng;
   float sm_scale_log2;
   float softcap_log2;  // as decode_args
-  int rot_block;
+  int rot_block;       // the query's rotation (K's basis of the exact rows)
   float rot_scale;
+  int out_rot_block;  // the output's inverse rotation (V's basis; kivi4: K unrotated, V rotated)
+  float out_rot_scale;
   const float* k_lambda;  // as decode_args
   const int32_t* stat_row;
 };
 
 template <int HD>
 constexpr int merge_smem_bytes(int cap) {
-  return (2 * HD + 64 + cap) * 4;
+  // sc[cap] rounded up to whole 16-byte words plus one: compute-sanitizer saw the P·V loop's shared
+  // loads reach 12 bytes past sc[cap - 1] when a query attended all cap rows (cap 205)
+  return (2 * HD + 64 + (cap + 3) / 4 * 4 + 4) * 4;
 }
 
 __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
@@ -647,7 +654,8 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(merge_args a) {
   float* red = of + HD;   // [64] reductions
   float* sc = red + 64;   // [cap] exact-window scores, then probabilities
   const int seq = blockIdx.x, h = blockIdx.y, hh = blockIdx.z, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int ne = a.elen ? a.elen[seq] : 0;
+  const int gl = a.gap_lo ? a.gap_lo[seq] : 0, gw = a.gap_lo ? a.gap_hi[seq] - gl : 0;
+  const int ne = a.elen ? a.elen[seq] - gw : 0;  // rows attended; index j is row j, or j + gw past the gap
   const int64_t qrow = (int64_t)seq * a.n_head + (int64_t)h * a.ng + hh;
   float m_e = -INFINITY, d_e = 0.0f;
   if (ne > 0) {
@@ -659,8 +667,9 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(merge_args a) {
     const __half* kb = reinterpret_cast<const __half*>(a.ek) + eb;
     const __half* vb = reinterpret_cast<const __half*>(a.ev) + eb;
     for (int j = warp; j < ne; j += kWarps) {
+      const int64_t r = j < gl ? j : j + gw;
       float dot = 0.0f;
-      for (int c = lane; c < HD; c += 32) dot = fmaf(qf[c], __half2float(kb[(int64_t)j * HD + c]), dot);
+      for (int c = lane; c < HD; c += 32) dot = fmaf(qf[c], __half2float(kb[r * HD + c]), dot);
       dot = warp_sum(dot);
       if (lane == 0) sc[j] = softcap_log2(dot * a.sm_scale_log2, a.softcap_log2);
     }
@@ -677,7 +686,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(merge_args a) {
     d_e = block_reduce(d, red + 8, false);  // contains the barrier that publishes sc
     for (int c = threadIdx.x; c < HD; c += kThreads) {
       float o = 0.0f;
-      for (int j = 0; j < ne; ++j) o = fmaf(sc[j], __half2float(vb[(int64_t)j * HD + c]), o);
+      for (int j = 0; j < ne; ++j) o = fmaf(sc[j], __half2float(vb[(int64_t)(j < gl ? j : j + gw) * HD + c]), o);
       of[c] = o;
     }
   }
@@ -718,7 +727,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(merge_args a) {
     }
     of[c] = d > 0.0f ? o * (1.0f / d) : 0.0f;
   }
-  if (a.rot_block > 1) fwht_rows_block(of, 1, HD, a.rot_block, a.rot_scale);  // Hadamard: its own inverse
+  if (a.out_rot_block > 1) fwht_rows_block(of, 1, HD, a.out_rot_block, a.out_rot_scale);  // Hadamard: its own inverse
   else __syncthreads();
   for (int c = threadIdx.x; c < HD; c += kThreads) {
     if (a.out_f16) reinterpret_cast<__half*>(a.out)[qrow * HD + c] = __float2half_rn(of[c]);
@@ -789,18 +798,28 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
   int occ = 1, sms = 1, dev = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-  dispatch_format_hd(to_dfmt(f.format), f.head_dim, [&](auto fc, auto hc) {
-    constexpr dfmt F = decltype(fc)::value;
-    constexpr int HD = decltype(hc)::value;
-    s.dec_smem = cfg<F, HD>::SMEM;
-    s.merge_smem = merge_smem_bytes<HD>(exact_cap);
-    check(cudaFuncSetAttribute(decode_kernel<F, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, s.dec_smem),
-          "cudaFuncSetAttribute(decode)");
-    check(cudaFuncSetAttribute(merge_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, s.merge_smem),
-          "cudaFuncSetAttribute(merge)");
-    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, decode_kernel<F, HD>, kThreads, s.dec_smem),
-          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  });
+  const bool kivi = f.format == kv_format::kivi4;
+  if (kivi) {
+    dispatch_format_hd(dfmt::f16, f.head_dim, [&](auto, auto hc) {
+      constexpr int HD = decltype(hc)::value;
+      s.merge_smem = merge_smem_bytes<HD>(exact_cap);
+      check(cudaFuncSetAttribute(merge_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, s.merge_smem),
+            "cudaFuncSetAttribute(merge)");
+    });
+    occ = kivi_decode_blocks_per_sm(f.head_dim);
+  } else
+    dispatch_format_hd(to_dfmt(f.format), f.head_dim, [&](auto fc, auto hc) {
+      constexpr dfmt F = decltype(fc)::value;
+      constexpr int HD = decltype(hc)::value;
+      s.dec_smem = cfg<F, HD>::SMEM;
+      s.merge_smem = merge_smem_bytes<HD>(exact_cap);
+      check(cudaFuncSetAttribute(decode_kernel<F, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, s.dec_smem),
+            "cudaFuncSetAttribute(decode)");
+      check(cudaFuncSetAttribute(merge_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, s.merge_smem),
+            "cudaFuncSetAttribute(merge)");
+      check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, decode_kernel<F, HD>, kThreads, s.dec_smem),
+            "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    });
   if (occ < 1)
     fail_unsupported("[cuda attn_decode] the decode kernel does not fit on this GPU (shared memory " +
                      std::to_string(s.dec_smem) + " bytes)");
@@ -936,12 +955,34 @@ void decode_plan::run(const paged_kv_view& kv, const void* q, void* out, const e
   if (exact && exact->len && (!exact->k || !exact->v || exact->cap > s.exact_cap || exact->cap < 1))
     fail_input("[cuda attn_decode] exact window: k, v required and cap in [1, plan's exact_cap " +
                std::to_string(s.exact_cap) + "]");
+  if (exact && exact->len && (exact->gap_lo != nullptr) != (exact->gap_hi != nullptr))
+    fail_input("[cuda attn_decode] exact window: gap_lo and gap_hi go together");
+  const bool kivi = f.format == kv_format::kivi4;
+  if (kivi && kv.k_lambda) fail_unsupported("[cuda attn_decode] kivi4 pages take no K channel scale");
   const cudaStream_t st = as_stream(stream);
   const float l2e = 1.4426950408889634f;
-  dispatch_format_hd(to_dfmt(f.format), f.head_dim, [&](auto fc, auto hc) {
+  dispatch_format_hd(kivi ? dfmt::f16 : to_dfmt(f.format), f.head_dim, [&](auto fc, auto hc) {
     constexpr dfmt F = decltype(fc)::value;
     constexpr int HD = decltype(hc)::value;
-    if (s.n_items > 0) {
+    if (kivi && s.n_items > 0) {
+      kivi_decode_args a;
+      a.pool = kv.pool;
+      a.geo = to_dev(s.geo, f.page_size);
+      a.indices = kv.indices;
+      a.items = s.items;
+      a.q = q;
+      a.ws_o = s.ws_o;
+      a.ws_md = s.ws_md;
+      a.n_work = s.n_items * f.n_kv_head;
+      a.q_bf16 = s.p.q_elem == kv_elem::bf16;
+      a.n_head = s.p.n_head;
+      a.n_kv_head = f.n_kv_head;
+      a.ng = s.ng;
+      a.sm_scale_log2 = s.p.spec.scale * l2e;
+      a.softcap_log2 = s.p.spec.softcap * l2e;
+      a.seq_lo = s.seq_lo;
+      kivi_decode_launch(HD, a, s.grid, st);
+    } else if (s.n_items > 0) {
       decode_args a;
       a.pool = kv.pool;
       a.geo = to_dev(s.geo, f.page_size);
@@ -977,6 +1018,8 @@ void decode_plan::run(const paged_kv_view& kv, const void* q, void* out, const e
     m.elen = has_exact ? exact->len : nullptr;
     m.ecap = has_exact ? exact->cap : 0;
     m.eslot = has_exact ? exact->slot : nullptr;
+    m.gap_lo = has_exact ? exact->gap_lo : nullptr;
+    m.gap_hi = has_exact ? exact->gap_hi : nullptr;
     m.out = out;
     m.q_bf16 = s.p.q_elem == kv_elem::bf16;
     m.out_f16 = s.p.out_elem == kv_elem::f16;
@@ -985,8 +1028,10 @@ void decode_plan::run(const paged_kv_view& kv, const void* q, void* out, const e
     m.ng = s.ng;
     m.sm_scale_log2 = s.p.spec.scale * l2e;
     m.softcap_log2 = s.p.spec.softcap * l2e;
-    m.rot_block = s.geo.rot_block;
-    m.rot_scale = s.geo.rot_scale;
+    m.rot_block = kivi ? 0 : s.geo.rot_block;  // kivi4: K (and its exact rows) unrotated
+    m.rot_scale = kivi ? 1.0f : s.geo.rot_scale;
+    m.out_rot_block = s.geo.rot_block;
+    m.out_rot_scale = s.geo.rot_scale;
     m.k_lambda = kv.k_lambda;
     m.stat_row = kv.stat_row;
     const int msmem = merge_smem_bytes<HD>(m.ecap);

@@ -743,6 +743,10 @@ prefill_plan::prefill_plan(const paged_kv_format& f, const prefill_params& p, co
   } catch (const error& e) {
     throw error(e.code(), op + e.what());
   }
+  if (f.format == kv_format::kivi4)
+    fail_unsupported(op +
+                     "kivi4 pages have no prefill kernel yet (attend a prompt through decode_plan, one entry "
+                     "per query)");
   s.p = p;
   if (f.n_kv_head < 1) fail_input(op + "n_kv_head must be >= 1, got " + std::to_string(f.n_kv_head));
   if (p.n_head < f.n_kv_head || p.n_head % f.n_kv_head != 0)
@@ -894,6 +898,8 @@ void prefill_plan::run(const paged_kv_view& kv, const void* q, void* out, const 
     fail_input("[cuda attn_prefill] pool, indices, q and out must be device pointers");
   check_k_lambda(kv, "[cuda attn_prefill]");
   const bool has_exact = exact && exact->len;
+  if (has_exact && (exact->gap_lo || exact->gap_hi))
+    fail_unsupported("[cuda attn_prefill] exact rows with a gap (gap_lo / gap_hi) are decode_plan's only");
   if (has_exact && (!exact->k || !exact->v || exact->cap < 1 || exact->cap > s.exact_cap))
     fail_input("[cuda attn_prefill] exact window: k, v required and cap in [1, plan's exact_cap " +
                std::to_string(s.exact_cap) + "]");

@@ -44,7 +44,7 @@ inline dev_geom to_dev(const paged_kv_geometry& g, int page_size) {
   d.k_scales = (int32_t)g.k_scales;
   d.v_scales = (int32_t)g.v_scales;
   d.page_size = page_size;
-  d.page_shift = page_size == 64 ? 6 : 4;
+  d.page_shift = page_size == 64 ? 6 : page_size == 32 ? 5 : 4;
   return d;
 }
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }

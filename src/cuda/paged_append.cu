@@ -321,6 +321,8 @@ void append_paged(const paged_kv_view& kv, const void* k, const void* v, kv_elem
                   int n_tokens, void* stream, const exact_rows_out* exact) {
   require();
   const paged_kv_geometry g = paged_kv_geometry_of(kv.format);
+  if (kv.format.format == kv_format::kivi4)
+    fail_unsupported("[cuda append_paged] kivi4 pages are written by append_kivi and quantize_kivi_groups");
   if (!kv.pool) fail_input("[cuda append_paged] paged_kv_view has no pool");
   if (elem != kv_elem::f16 && elem != kv_elem::bf16 && elem != kv_elem::f32)
     fail_unsupported("[cuda append_paged] input must be f16, bf16 or f32");
@@ -380,6 +382,8 @@ void dequantize_paged(const paged_kv_view& src, const paged_kv_view& dst, int n_
   require();
   check_view(src, "cuda dequantize_paged");
   const paged_kv_geometry sg = paged_kv_geometry_of(src.format), dg = paged_kv_geometry_of(dst.format);
+  if (src.format.format == kv_format::kivi4)
+    fail_unsupported("[cuda dequantize_paged] kivi4 pages have no dequantize baseline");
   if (src.format.format == kv_format::f16 || dst.format.format != kv_format::f16 ||
       src.format.head_dim != dst.format.head_dim || src.format.n_kv_head != dst.format.n_kv_head ||
       src.format.page_size != dst.format.page_size || !dst.pool || dst.n_pages < src.n_pages)

@@ -29,6 +29,14 @@ void append_paged(const paged_kv_view&, const void*, const void*, kv_elem, const
   no_cuda();
 }
 void channel_stats(const float*, int, int, int, float*, float*, void*) { no_cuda(); }
+void append_kivi(const paged_kv_view&, const void*, const void*, kv_elem, const int64_t*, int, const exact_rows_out&,
+                 void*) {
+  no_cuda();
+}
+void quantize_kivi_groups(const paged_kv_view&, const uint16_t*, int, const int64_t*, const int64_t*, int, void*) {
+  no_cuda();
+}
+void move_exact_rows(uint16_t*, uint16_t*, int, int, int, const int32_t*, int, void*) { no_cuda(); }
 void dequantize_paged(const paged_kv_view&, const paged_kv_view&, int, void*) { no_cuda(); }
 
 struct decode_plan::impl {};

@@ -26,6 +26,55 @@ constexpr int kMaxSink = 1024;          // exact_window_view::cap
 [[noreturn]] void refuse(const std::string& what) { fail_unsupported("[cuda model] " + what); }
 }  // namespace
 
+// The GPU's KIVI cache (-ctk kivi4 -ctv q4a / kivi4; docs/cuda.md "KIVI"): K per-channel in groups of
+// 32 positions, unrotated; V q4a, rotated as the CPU's auto rotation does (q4a: Hadamard; kivi4's V:
+// none); exact sink and residual. Refuses what it does not run, naming it.
+paged_kv_format runner_kivi_format(const model_hparams& hp, const kv_cache_params& cp) {
+  const std::string types = std::string("-ctk kivi4 -ctv ") + kv_cache_type_name(cp.type_v);
+  if (hp.head_dim % 32 != 0)
+    refuse(types + ": head_dim " + std::to_string(hp.head_dim) + " (the GPU's KIVI pages need a multiple of 32)");
+  if (cp.kivi_group != 32)
+    refuse(types + ": --kv-kivi-group " + std::to_string(cp.kivi_group) + " (the GPU's KIVI groups are 32 positions)");
+  if (cp.kivi_residual < 1 || cp.kivi_residual > 256)
+    refuse(types + ": --kv-residual " + std::to_string(cp.kivi_residual) + " (the GPU keeps 1 .. 256 residual rows)");
+  if (cp.sink < 0 || cp.exact_recent < 0)
+    fail_input("[cuda model] --kv-sink " + std::to_string(cp.sink) + " / --kv-exact-recent " +
+               std::to_string(cp.exact_recent) + " must be >= 0");
+  if (cp.exact_recent > 256)
+    refuse(types + ": --kv-exact-recent " + std::to_string(cp.exact_recent) + " (the GPU keeps at most 256)");
+  if (cp.sink > 256)
+    refuse(types + ": --kv-sink " + std::to_string(cp.sink) + " (the GPU keeps at most 256 with KIVI)");
+  rotation_kind rot = cp.type_v == kv_cache_type::q4a ? rotation_kind::hadamard : rotation_kind::none;
+  if (cp.rotation) {
+    if (*cp.rotation != rotation_kind::none)
+      refuse(types + ": --kv-rot " + rotation_name(*cp.rotation) +
+             " would rotate K as well (an explicit rotation applies to both sides); the GPU's KIVI K is unrotated "
+             "(use the default rotation, or none)");
+    rot = rotation_kind::none;
+  }
+  const int def_group = 32;
+  if (cp.group_size != 0 && cp.group_size != def_group)
+    refuse("group size " + std::to_string(cp.group_size) + " (the GPU's q4a V uses the default, 32)");
+  if (cp.channel_scale)
+    refuse(types + ": the channel scale (--kv-channel-scale) is not implemented for KIVI on the GPU");
+  if (cp.k_channel_scale.value_or(false))
+    refuse(types + ": the K channel scale (per-channel K needs none; it is off for KIVI on the CPU too)");
+  if (cp.attn != attn_path::fused) refuse("the dequantize attention path is a CPU baseline only");
+  if (cp.certify) refuse("certified attention is CPU only");
+  if (cp.attn_softcap > 0.0f) refuse("attention logit soft-capping is not supported on the GPU yet");
+  paged_kv_format f;
+  f.format = kv_format::kivi4;
+  f.head_dim = hp.head_dim;
+  f.n_kv_head = hp.n_kv_head;
+  f.page_size = 32;
+  f.rotation = rot;
+  paged_kv_geometry_of(f);
+  if (hp.n_head % hp.n_kv_head != 0 || hp.n_head / hp.n_kv_head > 8)
+    refuse("n_head " + std::to_string(hp.n_head) + " / n_kv_head " + std::to_string(hp.n_kv_head) +
+           ": the decode kernel takes whole GQA groups of at most 8 query heads");
+  return f;
+}
+
 paged_kv_format runner_kv_format(const model_hparams& hp, const kv_cache_params& cp, int max_batch) {
   if (max_batch < 1) fail_input("[cuda model] max_batch must be >= 1, got " + std::to_string(max_batch));
   if (cp.n_ctx < 1) fail_input("[cuda model] n_ctx must be >= 1, got " + std::to_string(cp.n_ctx));
@@ -46,9 +95,16 @@ paged_kv_format runner_kv_format(const model_hparams& hp, const kv_cache_params&
     refuse("rope.dimension_count " + std::to_string(hp.n_rot) + " must be even and in [2, head_dim " +
            std::to_string(hp.head_dim) + "]");
   // the cache
+  if (cp.type_k == kv_cache_type::kivi4 && (cp.type_v == kv_cache_type::q4a || cp.type_v == kv_cache_type::kivi4))
+    return runner_kivi_format(hp, cp);
+  kv_format fk{}, fv{};
+  if ((kv_cache_type_format(cp.type_k, &fk) && kv_traits(fk).layout == kv_layout::per_channel) ||
+      (kv_cache_type_format(cp.type_v, &fv) && kv_traits(fv).layout == kv_layout::per_channel))
+    refuse(std::string("-ctk ") + kv_cache_type_name(cp.type_k) + " -ctv " + kv_cache_type_name(cp.type_v) +
+           ": the GPU's KIVI cache is -ctk kivi4 with -ctv q4a or kivi4 (other KIVI types have no GPU kernels)");
   if (cp.type_k != cp.type_v)
     refuse(std::string("-ctk ") + kv_cache_type_name(cp.type_k) + " -ctv " + kv_cache_type_name(cp.type_v) +
-           ": K and V must have the same type on the GPU (supported: f16, q8, q4)");
+           ": K and V must have the same type on the GPU (supported: f16, q8, q4; or -ctk kivi4 -ctv q4a / kivi4)");
   kv_format fmt{};
   if (!kv_cache_type_format(cp.type_k, &fmt) || (fmt != kv_format::f16 && fmt != kv_format::q8 && fmt != kv_format::q4))
     refuse(std::string("cache type '") + kv_cache_type_name(cp.type_k) +

@@ -108,6 +108,29 @@ struct model_runner::impl {
   float* stage_k(int il) const { return stage + (size_t)il * 2 * n_seq * cal_n * dkv; }
   float* stage_v(int il) const { return stage_k(il) + (size_t)n_seq * cal_n * dkv; }
 
+  // KIVI (-ctk kivi4 -ctv q4a / kivi4; docs/cuda.md "KIVI"), as kv_cache_quant keeps it: positions
+  // [0, sink) exact; body rows r = pos - sink compressed in whole groups of 32 (n_comp = 32 floor((n -
+  // sink - min_tail) / 32), min_tail = max(exact_recent, kivi_residual - 31)); the rest exact. The
+  // pages hold body rows (row r at page seq_pages[s][r / 32], row r % 32: V's q4a codes from the
+  // append on, K's codes once its group is quantized); the exact slot of (layer, sequence) holds the
+  // sink in rows [0, sink) and body rows from kv_base[s] (a group boundary) on in rows sink + r -
+  // kv_base[s]. A query at position p sees the pages' rows [0, n_comp(p + 1)) and the exact rows of
+  // the sink and of body rows [n_comp(p + 1), p - sink] (exact_window_view's gap skips the others),
+  // so a prompt chunk's queries keep their own exact residual, as the CPU cache's attend does. After
+  // each step the residual's rows move down to row sink (move_exact_rows) and kv_base advances.
+  bool kivi = false;
+  int kv_min_tail = 0, kv_cap = 0, kv_chunk = 0;  // exact rows per slot; tokens per step of a sequence
+  std::vector<int> kv_base;                       // [n_seq] body row of exact row `sink`
+  uint16_t *kx_k = nullptr, *kx_v = nullptr;      // [n_layer][n_seq][n_kv_head][kv_cap][head_dim] f16
+  int32_t *kx_glo = nullptr, *kx_ghi = nullptr, *kx_moves = nullptr;  // [B], [B], [B][4]
+  int64_t *kx_src = nullptr, *kx_dst = nullptr;                       // [kv_groups_max] groups quantized this step
+  int kv_groups_max = 0;
+  std::vector<int32_t> h_glo, h_ghi, h_moves;
+  std::vector<int64_t> h_src, h_dst;
+  std::vector<std::pair<int, int>> h_new_base;  // (sequence, kv_base after the step)
+  int kivi_comp(int n) const { return std::max(0, n - sink - kv_min_tail) / 32 * 32; }
+  uint16_t* kx_layer(uint16_t* b, int il) const { return b + (size_t)il * n_seq * dkv * kv_cap; }
+
   // per-forward device buffers, sized for max_batch
   int32_t *tokens = nullptr, *pos = nullptr, *rows = nullptr, *indptr = nullptr, *indices = nullptr, *last = nullptr,
           *argmax = nullptr;
@@ -240,14 +263,25 @@ struct model_runner::impl {
     hp = hp_in;
     geo = paged_kv_geometry_of(fmt);
     compressed = fmt.format != kv_format::f16;
-    // (check_supported refuses the V channel scale; the K one is on unless turned off, as on the CPU)
-    cal_n = compressed && cp.k_channel_scale.value_or(true) ? std::min(cp.channel_calib, cp.n_ctx) : 0;
+    kivi = fmt.format == kv_format::kivi4;
+    // (check_supported refuses the V channel scale; the K one is on unless turned off, as on the CPU;
+    // KIVI takes none)
+    cal_n = compressed && !kivi && cp.k_channel_scale.value_or(true) ? std::min(cp.channel_calib, cp.n_ctx) : 0;
     cal_skip = std::min(std::max(1, cp.sink), cal_n - 1);  // position 0 and the exact sink left out
     sink = compressed ? cp.sink : 0;                       // (runner_kv_format refuses windows on an f16 cache)
     n_ctx = cp.n_ctx;
     n_seq = cp.n_seq;
     max_batch = mb;
     pages_per_seq = (cp.n_ctx + fmt.page_size - 1) / fmt.page_size;
+    if (kivi) {
+      kv_min_tail = std::max(cp.exact_recent, cp.kivi_residual - 32 + 1);
+      // a step of one sequence adds at most kv_chunk rows to its residual of < min_tail + 32
+      kv_chunk = std::min(mb, 1024 - sink - (kv_min_tail + 31));
+      kv_cap = sink + kv_min_tail + 31 + kv_chunk;
+      KVQ_ASSERT(kv_chunk >= 1 && kv_cap <= 1024);  // runner_kivi_format bounds sink and the residual
+      pages_per_seq = (std::max(0, cp.n_ctx - sink) + fmt.page_size - 1) / fmt.page_size;
+      pages_per_seq = std::max(pages_per_seq, 1);
+    }
     if ((int64_t)pages_per_seq * n_seq > INT32_MAX)
       fail_input("[cuda model] n_seq " + std::to_string(n_seq) + " x n_ctx " + std::to_string(n_ctx) +
                  " needs more than 2^31 pages");
@@ -313,7 +347,23 @@ struct model_runner::impl {
       cal_slots = alloc<int64_t>((size_t)n_seq * cal_n);
     }
     tok_seq = alloc<int32_t>(B);
-    if (sink > 0) {
+    if (kivi) {
+      const size_t n = (size_t)hp.n_layer * n_seq * dkv * kv_cap;
+      kx_k = alloc<uint16_t>(n, &kv_bytes);
+      kx_v = alloc<uint16_t>(n, &kv_bytes);
+      check_cuda(cudaMemset(kx_k, 0, n * 2), "cudaMemset exact rows");
+      check_cuda(cudaMemset(kx_v, 0, n * 2), "cudaMemset exact rows");
+      kx_glo = alloc<int32_t>(B);
+      kx_ghi = alloc<int32_t>(B);
+      kx_moves = alloc<int32_t>((size_t)B * 4);
+      kv_groups_max = B / 32 + 2 * B;  // per sequence of the step: its new rows / 32 + 1
+      kx_src = alloc<int64_t>(kv_groups_max);
+      kx_dst = alloc<int64_t>(kv_groups_max);
+      ex_len = alloc<int32_t>(B);
+      ex_slots = alloc<int64_t>(B);
+      kv_base.assign(n_seq, 0);
+    }
+    if (sink > 0 && !kivi) {
       sink_k = alloc<uint16_t>((size_t)hp.n_layer * n_seq * dkv * sink, &kv_bytes);
       sink_v = alloc<uint16_t>((size_t)hp.n_layer * n_seq * dkv * sink, &kv_bytes);
       check_cuda(cudaMemset(sink_k, 0, (size_t)hp.n_layer * n_seq * dkv * sink * 2), "cudaMemset sink");
@@ -326,6 +376,7 @@ struct model_runner::impl {
     // indices [B * pages_per_seq]; the calibrated sequences' rows, slots and sink slots [n_seq * cal_n]
     pin_bytes =
         (size_t)(7 * B + 1) * 4 + (size_t)B * 16 + (size_t)B * pages_per_seq * 4 + (size_t)n_seq * cal_n * 20 + 160;
+    if (kivi) pin_bytes += (size_t)B * 24 + (size_t)kv_groups_max * 16 + 64;  // gaps, moves, groups
     check_cuda(cudaMallocHost(&pin, pin_bytes), "cudaMallocHost");
   }
 
@@ -355,6 +406,7 @@ struct model_runner::impl {
 
   // Pages sequence sq needs beyond those it holds to store positions up to end (exclusive).
   int pages_needed(int sq, int64_t end) const {
+    if (kivi) end = std::max<int64_t>(0, end - sink);  // the pages hold body rows
     return std::max<int>(0, (int)((end + fmt.page_size - 1) / fmt.page_size) - (int)seq_pages[sq].size());
   }
   // Refuses (nothing appended) a batch whose new positions need more pages than the pool has free.
@@ -368,7 +420,149 @@ struct model_runner::impl {
   // Runs the validated tokens h_tok / h_seq / h_pos (token t of sequence h_seq[t] at position
   // h_pos[t], one sequence's positions consecutive and continuing its cache), with logits for the
   // tokens h_rows. Copies the logits to `out` and / or the argmax ids to `ids` (either may be null).
+  // KIVI: the tables of the step h_seq / h_pos (each sequence's tokens consecutive, at most kv_chunk
+  // of them): page and exact slots of the appended rows, the groups the step completes, each token's
+  // attention entry (body pages, exact rows and gap), the residual's moves; uploaded with `up`.
+  template <class Up>
+  void kivi_tables(bool attention, Up&& up) {
+    const int n = (int)h_seq.size();
+    const int P = fmt.page_size;
+    h_slots.resize(n);
+    h_ex_slots.resize(n);
+    h_src.clear();
+    h_dst.clear();
+    h_moves.clear();
+    h_new_base.clear();
+    for (int t = 0; t < n; ++t) {
+      const int sq = h_seq[t], p = h_pos[t], r = p - sink;
+      h_slots[t] = r >= 0 ? (int64_t)page_for(sq, r) * P + r % P : -1;
+      const int row = p < sink ? p : sink + r - kv_base[sq];
+      KVQ_ASSERT(row < kv_cap);
+      h_ex_slots[t] = (int64_t)sq * kv_cap + row;
+      const bool last = t + 1 == n || h_seq[t + 1] != sq;
+      if (!last) continue;
+      // the sequence's step ends here: the groups it completes, its residual's move
+      const int n0 = seq_pos[sq], n1 = p + 1;
+      const int c0 = kivi_comp(n0), c1 = kivi_comp(n1);
+      KVQ_ASSERT(c0 == kv_base[sq]);
+      for (int g0 = c0; g0 < c1; g0 += 32) {
+        h_src.push_back((int64_t)sq * kv_cap + sink + g0 - kv_base[sq]);
+        h_dst.push_back((int64_t)seq_pages[sq][g0 / P] * P + g0 % P);
+      }
+      const int rest = n1 - sink - c1;  // residual rows after the step
+      if (c1 > c0 && rest > 0) h_moves.insert(h_moves.end(), {sq, sink, sink + c1 - kv_base[sq], rest});
+      h_new_base.emplace_back(sq, c1);
+    }
+    KVQ_ASSERT((int)h_src.size() <= kv_groups_max);
+    if (attention) {
+      h_indptr.assign(n + 1, 0);
+      h_last.assign(n, 0);
+      h_indices.clear();
+      h_ex_len.resize(n);
+      h_glo.resize(n);
+      h_ghi.resize(n);
+      for (int t = 0; t < n; ++t) {
+        const int sq = h_seq[t], p = h_pos[t];
+        const int body = kivi_comp(p + 1), np = (body + P - 1) / P;
+        const std::vector<int32_t>& pg = seq_pages[sq];
+        h_indices.insert(h_indices.end(), pg.begin(), pg.begin() + np);
+        h_indptr[t + 1] = (int32_t)h_indices.size();
+        h_last[t] = np > 0 ? body - (np - 1) * P : 1;
+        if (p < sink) {
+          h_ex_len[t] = p + 1;
+          h_glo[t] = h_ghi[t] = 0;
+        } else {
+          h_ex_len[t] = p + 1 - kv_base[sq];  // sink + (p - sink) - base + 1
+          h_glo[t] = sink;
+          h_ghi[t] = sink + body - kv_base[sq];
+        }
+      }
+      up(indptr, h_indptr.data(), (n + 1) * sizeof(int32_t));
+      up(indices, h_indices.data(), h_indices.size() * sizeof(int32_t));
+      up(last, h_last.data(), n * sizeof(int32_t));
+      up(ex_len, h_ex_len.data(), n * sizeof(int32_t));
+      up(kx_glo, h_glo.data(), n * sizeof(int32_t));
+      up(kx_ghi, h_ghi.data(), n * sizeof(int32_t));
+    }
+    up(slots, h_slots.data(), n * sizeof(int64_t));
+    up(ex_slots, h_ex_slots.data(), n * sizeof(int64_t));
+    up(tok_seq, h_seq.data(), n * sizeof(int32_t));
+    up(kx_src, h_src.data(), h_src.size() * sizeof(int64_t));
+    up(kx_dst, h_dst.data(), h_dst.size() * sizeof(int64_t));
+    up(kx_moves, h_moves.data(), h_moves.size() * sizeof(int32_t));
+  }
+
+  // KIVI: layer il's append (exact rows, V codes), the step's groups, and (after attention) the move
+  // of the residual. kv: the layer's view.
+  void kivi_append(int il, const paged_kv_view& kv, const uint16_t* k, const uint16_t* v, int n, void* st) {
+    exact_rows_out eo;
+    eo.k = kx_layer(kx_k, il);
+    eo.v = kx_layer(kx_v, il);
+    eo.slots = ex_slots;
+    eo.cap = kv_cap;
+    append_kivi(kv, k, v, kv_elem::f16, slots, n, eo, st);
+    quantize_kivi_groups(kv, eo.k, kv_cap, kx_src, kx_dst, (int)h_src.size(), st);
+  }
+  void kivi_move(int il, void* st) {
+    move_exact_rows(kx_layer(kx_k, il), kx_layer(kx_v, il), hp.n_kv_head, hp.head_dim, kv_cap, kx_moves,
+                    (int)h_moves.size() / 4, st);
+  }
+  void kivi_step_done() {
+    for (const auto& [sq, b] : h_new_base) kv_base[sq] = b;
+  }
+
+  void run_kivi(float* out, int32_t* ids) {
+    const int n = (int)h_tok.size();
+    const int n_out = (int)h_rows.size();
+    size_t off = 0;
+    auto up = [&](void* d, const void* src, size_t bytes) {
+      if (!bytes) return;
+      off = (off + 7) / 8 * 8;
+      KVQ_ASSERT(off + bytes <= pin_bytes);
+      std::memcpy(pin + off, src, bytes);
+      check_cuda(cudaMemcpyAsync(d, pin + off, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync tables");
+      off += bytes;
+    };
+    up(tokens, h_tok.data(), n * sizeof(int32_t));
+    up(pos, h_pos.data(), n * sizeof(int32_t));
+    up(rows, h_rows.data(), n_out * sizeof(int32_t));
+    kivi_tables(true, up);
+    decode_params dp;
+    dp.n_head = hp.n_head;
+    dp.spec = attn_spec{hp.attn_scale};
+    dp.q_elem = kv_elem::f16;
+    dp.out_elem = kv_elem::f16;
+    const decode_plan plan(fmt, dp, h_indptr.data(), h_last.data(), n, kv_cap);
+    enqueue(&plan, nullptr, n, n_out, ids != nullptr);
+    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before the plan's buffers go
+    kivi_step_done();
+    for (int t = 0; t < n; ++t) seq_pos[h_seq[t]] = std::max(seq_pos[h_seq[t]], h_pos[t] + 1);
+    finish(out, ids, n_out);
+  }
+
+  // Logits / argmax of the step's output rows back to the host, checked for NaN / Inf.
+  void finish(float* out, int32_t* ids, int n_out) {
+    const size_t n_logits = (size_t)n_out * hp.n_vocab;
+    if (out)
+      check_cuda(cudaMemcpyAsync(out, logits, n_logits * sizeof(float), cudaMemcpyDeviceToHost, stream),
+                 "cudaMemcpy logits");
+    int32_t* pin_ids = reinterpret_cast<int32_t*>(pin);  // the tables' uploads are done by then (stream order)
+    if (ids)
+      check_cuda(cudaMemcpyAsync(pin_ids, argmax, n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream),
+                 "cudaMemcpy argmax");
+    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    if (out)
+      for (size_t i = 0; i < n_logits; ++i)
+        if (!std::isfinite(out[i])) non_finite(i / hp.n_vocab);
+    if (ids) {
+      std::memcpy(ids, pin_ids, n_out * sizeof(int32_t));
+      for (int r = 0; r < n_out; ++r)
+        if (ids[r] < 0) non_finite((size_t)r);
+    }
+  }
+
   void run(float* out, int32_t* ids, bool graph_step = false) {
+    if (kivi) return run_kivi(out, ids);
     const int n = (int)h_tok.size();
     const int n_out = (int)h_rows.size();
     const int P = fmt.page_size;
@@ -522,23 +716,7 @@ struct model_runner::impl {
       check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before the plan's buffers go
     }
     for (int t = 0; t < n; ++t) seq_pos[h_seq[t]] = std::max(seq_pos[h_seq[t]], h_pos[t] + 1);
-    const size_t n_logits = (size_t)n_out * hp.n_vocab;
-    if (out)
-      check_cuda(cudaMemcpyAsync(out, logits, n_logits * sizeof(float), cudaMemcpyDeviceToHost, stream),
-                 "cudaMemcpy logits");
-    int32_t* pin_ids = reinterpret_cast<int32_t*>(pin);  // the tables' uploads are done by then (stream order)
-    if (ids)
-      check_cuda(cudaMemcpyAsync(pin_ids, argmax, n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream),
-                 "cudaMemcpy argmax");
-    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-    if (out)
-      for (size_t i = 0; i < n_logits; ++i)
-        if (!std::isfinite(out[i])) non_finite(i / hp.n_vocab);
-    if (ids) {
-      std::memcpy(ids, pin_ids, n_out * sizeof(int32_t));
-      for (int r = 0; r < n_out; ++r)
-        if (ids[r] < 0) non_finite((size_t)r);
-    }
+    finish(out, ids, n_out);
   }
 
   // The step's kernels and products on `stream` (src/model/arch/llama.cpp's graph); attention through
@@ -555,7 +733,19 @@ struct model_runner::impl {
       mk::qkv_rope(qkv, L.bqkv, inv_freq, n_rot, neox, pos, n, hp.n_head, hp.n_kv_head, hp.head_dim, q16, k16, v16, st,
                    k32, v32);
       paged_kv_view kv = layer_view(il, pplan ? 1 : n);
-      if (cal_n > 0) {
+      if (kivi) {
+        kivi_append(il, kv, k16, v16, n, st);
+        exact_window_view ew;
+        ew.k = kx_layer(kx_k, il);
+        ew.v = kx_layer(kx_v, il);
+        ew.len = ex_len;
+        ew.cap = kv_cap;
+        ew.slot = tok_seq;
+        ew.gap_lo = kx_glo;
+        ew.gap_hi = kx_ghi;
+        dplan->run(kv, q16, attn16, &ew, st);
+        kivi_move(il, st);
+      } else if (cal_n > 0) {
         append_calibrated(il, k32, v32, tok_seq, pos, slots, ex_slots, n, step_staged, step_paged, st);
         kv.k_mu = k_mu + (size_t)il * n_seq * dkv;
         kv.k_lambda = k_lam + (size_t)il * n_seq * dkv;
@@ -564,9 +754,11 @@ struct model_runner::impl {
         const exact_rows_out pe = sink_out(il, ex_slots);
         append_paged(kv, k16, v16, kv_elem::f16, slots, n, st, sink > 0 ? &pe : nullptr);
       }
-      const exact_window_view ew = sink_view(il);
-      if (pplan) pplan->run(kv, q16, attn16, sink > 0 ? &ew : nullptr, st);
-      else if (dplan) dplan->run(kv, q16, attn16, sink > 0 ? &ew : nullptr, st);
+      if (!kivi) {
+        const exact_window_view ew = sink_view(il);
+        if (pplan) pplan->run(kv, q16, attn16, sink > 0 ? &ew : nullptr, st);
+        else if (dplan) dplan->run(kv, q16, attn16, sink > 0 ? &ew : nullptr, st);
+      }
       // queries below the calibration positions: exact attention over the staging rows (replaces
       // what the paged kernel wrote for them from pages that may not hold those rows yet)
       if (cal_n > 0 && step_staged)
@@ -736,16 +928,23 @@ int model_runner::forward(std::span<const int32_t> tokens, int pos0, std::span<c
     fail_input("[cuda model] the sequence would hold " + std::to_string((int64_t)pos0 + n) +
                " positions, more than n_ctx " + std::to_string(s.n_ctx));
   s.check_pages(s.pages_needed(seq_id, (int64_t)pos0 + n));
-  s.h_tok.assign(tokens.begin(), tokens.end());
-  s.h_seq.assign(n, seq_id);
-  s.h_pos.resize(n);
-  s.h_rows.clear();
-  for (int t = 0; t < n; ++t) {
-    s.h_pos[t] = pos0 + t;
-    if (output.empty() ? t == n - 1 : output[t] != 0) s.h_rows.push_back(t);
+  // KIVI: steps of at most kv_chunk tokens (the exact slot holds a step's rows beside the residual)
+  const int step = s.kivi ? s.kv_chunk : n;
+  int written = 0;
+  for (int t0 = 0; t0 < n; t0 += step) {
+    const int m = std::min(step, n - t0);
+    s.h_tok.assign(tokens.begin() + t0, tokens.begin() + t0 + m);
+    s.h_seq.assign(m, seq_id);
+    s.h_pos.resize(m);
+    s.h_rows.clear();
+    for (int t = 0; t < m; ++t) {
+      s.h_pos[t] = pos0 + t0 + t;
+      if (output.empty() ? t0 + t == n - 1 : output[t0 + t] != 0) s.h_rows.push_back(t);
+    }
+    s.run(logits ? logits + (size_t)written * s.hp.n_vocab : nullptr, nullptr);
+    written += (int)s.h_rows.size();
   }
-  s.run(logits, nullptr);
-  return (int)s.h_rows.size();
+  return written;
 }
 
 void model_runner::decode(std::span<const int32_t> seq_ids, std::span<const int32_t> tokens, float* logits,
@@ -816,6 +1015,35 @@ void model_runner::fill_synthetic(int seq_id, int n_tokens, uint64_t seed) {
     s.fill_slots = s.alloc<int64_t>(C);
     if (s.sink > 0) s.fill_ex_slots = s.alloc<int64_t>(C);
   }
+  if (s.kivi) {
+    // the forward's KIVI path (kivi_tables, kivi_append, kivi_move) on random f16 rows, in steps
+    // of kv_chunk positions
+    if (!s.fill_k) {
+      s.fill_k = s.alloc<uint16_t>((size_t)s.kv_chunk * s.dkv);
+      s.fill_v = s.alloc<uint16_t>((size_t)s.kv_chunk * s.dkv);
+    }
+    uint64_t draw = seed * 0x9e3779b97f4a7c15ull + (uint64_t)seq_id * 0x100000001b3ull + (uint64_t)p0;
+    for (int c0 = 0; c0 < n_tokens; c0 += s.kv_chunk) {
+      const int c = std::min(s.kv_chunk, n_tokens - c0);
+      s.h_seq.assign(c, seq_id);
+      s.h_pos.resize(c);
+      for (int i = 0; i < c; ++i) s.h_pos[i] = p0 + c0 + i;
+      auto up = [&](void* d, const void* src, size_t bytes) {
+        if (bytes) check_cuda(cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy tables");
+      };
+      s.kivi_tables(false, up);
+      for (int il = 0; il < s.hp.n_layer; ++il) {
+        mk::fill_uniform_f16(s.fill_k, c * s.dkv, 2.0f, ++draw, nullptr);
+        mk::fill_uniform_f16(s.fill_v, c * s.dkv, 2.0f, ++draw, nullptr);
+        s.kivi_append(il, s.layer_view(il, 0), s.fill_k, s.fill_v, c, nullptr);
+        s.kivi_move(il, nullptr);
+      }
+      check_cuda(cudaDeviceSynchronize(), "fill_synthetic");
+      s.kivi_step_done();
+      s.seq_pos[seq_id] = p0 + c0 + c;
+    }
+    return;
+  }
   const int P = s.fmt.page_size;
   std::vector<int64_t> sl(C), el(C);
   std::vector<int32_t> sq(C, seq_id), ps(C);
@@ -882,6 +1110,7 @@ void model_runner::clear_seq(int seq_id) {
   s.free_pages.insert(s.free_pages.end(), pg.rbegin(), pg.rend());
   pg.clear();
   s.seq_pos[seq_id] = 0;
+  if (s.kivi) s.kv_base[seq_id] = 0;
 }
 int model_runner::n_pos(int seq_id) const {
   p_->check_seq(seq_id);
@@ -912,7 +1141,11 @@ size_t model_runner::kv_bytes_used() const {
 std::string model_runner::describe() const {
   const impl& s = *p_;
   std::string d = std::string(kv_traits(s.fmt.format).name) + "/" + kv_traits(s.fmt.format).name;
-  if (s.compressed) d += std::string(" (") + rotation_name(s.fmt.rotation) + ", g" + std::to_string(s.geo.group) + ")";
+  if (s.kivi)
+    d = std::string("kivi4/q4a (K per-channel T32, V ") + rotation_name(s.fmt.rotation) +
+        " g32; KIVI residual: min tail " + std::to_string(s.kv_min_tail) + ")";
+  else if (s.compressed)
+    d += std::string(" (") + rotation_name(s.fmt.rotation) + ", g" + std::to_string(s.geo.group) + ")";
   if (s.sink > 0) d += ", exact sink " + std::to_string(s.sink);
   return d + ", " + std::to_string(s.fmt.page_size) + "-token pages, on " + device_name();
 }

@@ -109,6 +109,44 @@ TEST(CudaRuntime, PerplexityMatchesCpu) {
   }
 }
 
+// The KIVI cache (-ctk kivi4 -ctv q4a --kv-sink 4, the CPU's recommended 4-bit cache) through the
+// perplexity runtime, as `kvq perplexity --device cuda` runs it: 4 chunks of 256 tokens, both engines
+// against the CPU f16 run's KL base file. PPL within 2 % of the CPU engine with the same cache (the q4
+// bound above: codes flip on the GPU's f16 rounding) and the GPU's KLD against f16 within 1.5x of the
+// CPU's plus 1e-3 (it quantizes the same way; a wrong code path would show as a far larger KLD).
+TEST(CudaRuntime, PerplexityKiviMatchesCpu) {
+  KVQ_REQUIRE_GPU();
+  KVQ_REQUIRE_DATA(mp, kTinylit);
+  KVQ_REQUIRE_DATA(tp, kHeldout);
+  auto m = model::load(mp);
+  auto tok = tokenizer::from_gguf(m->gguf());
+  const auto ids = perplexity_tokenize(*tok, read_text_file(tp));
+  const std::string base = testing::TempDir() + "/kvq_cuda_kivi_kl_base.bin";
+  perplexity_params p;
+  p.n_ctx = 256;
+  p.n_chunks = 4;
+  p.cache.type_k = p.cache.type_v = kv_cache_type::f16;
+  p.kl_base_out = base;
+  perplexity(*m, ids, perplexity_bos(*tok), p);
+  p.kl_base_out.clear();
+  p.kl_base_in = base;
+  p.cache.type_k = kv_cache_type::kivi4;
+  p.cache.type_v = kv_cache_type::q4a;
+  p.cache.sink = 4;
+  const perplexity_result cpu = perplexity(*m, ids, perplexity_bos(*tok), p);
+  p.device = compute_device::cuda;
+  const perplexity_result gpu = perplexity(*m, ids, perplexity_bos(*tok), p);
+  std::remove(base.c_str());
+  const double rel = std::fabs(gpu.ppl.ppl / cpu.ppl.ppl - 1);
+  std::printf("[ perplexity kivi4/q4a sink 4 ] cpu %.5f (KLD vs f16 %.3e), cuda %.5f (KLD %.3e), rel %.2e; %s\n",
+              cpu.ppl.ppl, cpu.kld.mean, gpu.ppl.ppl, gpu.kld.mean, rel, gpu.kv_describe.c_str());
+  ASSERT_TRUE(cpu.has_kld && gpu.has_kld);
+  EXPECT_EQ(gpu.ppl.n_scored, cpu.ppl.n_scored);
+  EXPECT_LE(rel, 2e-2);
+  EXPECT_LE(gpu.kld.mean, 1.5 * cpu.kld.mean + 1e-3);
+  EXPECT_NE(gpu.kv_describe.find("kivi4"), std::string::npos) << gpu.kv_describe;
+}
+
 // qwen2 on the GPU (q/k/v biases, NEOX RoPE, base 1e6, GQA 7, tied output) on the published
 // Qwen2.5-0.5B shape with random weights (make_synthetic_model, 4 of its 24 layers): logits of a
 // 48-token prefill and 16 decode steps against the CPU engine, f16 cache. f16 weights: the GPU

@@ -55,7 +55,7 @@ TEST(CliDevice, ServerCudaWithoutGpuIsNotSupported) {
 }
 
 // kvq server --device cuda refuses at start-up, by name and whatever the build (check_supported
-// runs on the host before the GPU is asked for), the formats the GPU does not run: KIVI, exact
+// runs on the host before the GPU is asked for), the formats the GPU does not run: KIVI but kivi4, exact
 // recent windows, windows on an f16 cache, the V channel scale, certified attention.
 TEST(CliDevice, ServerCudaRefusesCpuOnlyCaches) {
   KVQ_REQUIRE_DATA(model, kTinylit);
@@ -64,7 +64,7 @@ TEST(CliDevice, ServerCudaRefusesCpuOnlyCaches) {
     std::string needle;
   };
   const std::vector<bad> cases = {
-      {{"-ctk", "kivi4", "-ctv", "kivi4"}, "cache type 'kivi4' has no GPU kernels (supported: f16, q8, q4)"},
+      {{"-ctk", "kivi2", "-ctv", "kivi2"}, "other KIVI types have no GPU kernels"},  // kivi4 / q4a, kivi4 run
       {{"-ctk", "q4", "-ctv", "q4", "--kv-exact-recent", "32"}, "exact recent windows (--kv-exact-recent 32) are not"},
       {{"--kv-sink", "4"}, "exact windows (--kv-sink 4, --kv-exact-recent 0) on an f16 cache"},
       {{"-ctk", "q4", "-ctv", "q4", "--kv-channel-scale"}, "the V channel scale (--kv-channel-scale)"},
@@ -82,7 +82,7 @@ TEST(CliDevice, ServerCudaRefusesCpuOnlyCaches) {
 }
 
 // eval-passkey --device cuda refuses, before any work and whatever the build, the cache options the
-// GPU runner does not run (KIVI and the other CPU-only types, mixed K / V types, a sink beyond the
+// GPU runner does not run (KIVI other than kivi4 / q4a, the other CPU-only types, mixed K / V types, a sink beyond the
 // GPU's limit, exact recent windows, the V channel scale), naming the option, as generate and perplexity do
 // (cuda::check_supported).
 TEST(CliDevice, EvalPasskeyCudaRefusesCpuOnlyCaches) {
@@ -93,8 +93,9 @@ TEST(CliDevice, EvalPasskeyCudaRefusesCpuOnlyCaches) {
     std::string needle;
   };
   const std::vector<bad> cases = {
-      {{"-ctk", "kivi4", "-ctv", "kivi4"}, "cache type 'kivi4' has no GPU kernels (supported: f16, q8, q4)"},
-      {{"-ctk", "kivi4", "-ctv", "q4a", "--kv-sink", "4"}, "-ctk kivi4 -ctv q4a: K and V must have the same type"},
+      {{"-ctk", "q3", "-ctv", "q3"}, "cache type 'q3' has no GPU kernels (supported: f16, q8, q4)"},
+      {{"-ctk", "kivi4", "-ctv", "q4", "--kv-sink", "4"}, "the GPU's KIVI cache is -ctk kivi4 with -ctv q4a or kivi4"},
+      {{"-ctk", "kivi4", "-ctv", "q4a", "--kv-kivi-group", "64"}, "--kv-kivi-group 64"},
       {{"-ctk", "q4", "-ctv", "q4", "--kv-sink", "2000"}, "--kv-sink 2000: the GPU keeps at most 1024"},
       {{"-ctk", "q8", "-ctv", "q8", "--kv-exact-recent", "128"}, "--kv-exact-recent 128) are not supported on the GPU"},
       {{"-ctk", "q4", "-ctv", "q4", "--kv-channel-scale"}, "--kv-channel-scale"},
