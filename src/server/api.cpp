@@ -37,21 +37,21 @@ const json* field(const json& body, const char* key) {
 
 int64_t get_int(const json& v, const char* key) {
   if (!v.is_number_integer())
-    fail_request(key, std::string("'") + key + "' must be an integer, got " + type_name(v) + " " + v.dump(), "invalid_type");
+    fail_request(key, std::string("'") + key + "' must be an integer, got " + type_name(v) + " " + json_brief(v), "invalid_type");
   if (v.is_number_unsigned() && v.get<uint64_t>() > (uint64_t)INT64_MAX)
-    fail_request(key, std::string("'") + key + "' is out of range: " + v.dump(), "invalid_value");
+    fail_request(key, std::string("'") + key + "' is out of range: " + json_brief(v), "invalid_value");
   return v.get<int64_t>();
 }
 
 double get_number(const json& v, const char* key) {
   if (!v.is_number())
-    fail_request(key, std::string("'") + key + "' must be a number, got " + type_name(v) + " " + v.dump(), "invalid_type");
+    fail_request(key, std::string("'") + key + "' must be a number, got " + type_name(v) + " " + json_brief(v), "invalid_type");
   return v.get<double>();
 }
 
 bool get_bool(const json& v, const char* key) {
   if (!v.is_boolean())
-    fail_request(key, std::string("'") + key + "' must be a boolean, got " + type_name(v) + " " + v.dump(), "invalid_type");
+    fail_request(key, std::string("'") + key + "' must be a boolean, got " + type_name(v) + " " + json_brief(v), "invalid_type");
   return v.get<bool>();
 }
 
@@ -103,8 +103,7 @@ chat_message parse_message(const json& m, size_t i) {
 void refuse_unless(const json& body, const char* key, bool (*neutral)(const json&), const char* accepted) {
   const json* v = field(body, key);
   if (!v || neutral(*v)) return;
-  std::string shown = v->dump();
-  if (shown.size() > 60) shown = shown.substr(0, 57) + "...";
+  const std::string shown = json_brief(*v);
   fail_request(key, std::string("'") + key + "' is not supported by kvq server (got " + shown +
                         "); leave it out or send " + accepted, "unsupported_parameter");
 }
@@ -162,7 +161,7 @@ completion_request parse_completion_request(const json& body, bool chat) {
       r.prompt_is_ids = true;
       for (const json& t : *p) {
         if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
-          fail_request("prompt", "'prompt' token ids must be non-negative integers, got " + t.dump(), "invalid_value");
+          fail_request("prompt", "'prompt' token ids must be non-negative integers, got " + json_brief(t), "invalid_value");
         r.prompt_ids.push_back((int32_t)t.get<int64_t>());
       }
     } else if (p->is_array() && p->size() > 1) {
@@ -170,7 +169,7 @@ completion_request parse_completion_request(const json& body, bool chat) {
                                  " prompts is not supported (one prompt per request)", "invalid_value");
     } else {
       fail_request("prompt", std::string("'prompt' must be a string or a list of token ids, got ") + type_name(*p) +
-                                 " " + p->dump(), "invalid_type");
+                                 " " + json_brief(*p), "invalid_type");
     }
   }
   refuse_unsupported(body, chat);
@@ -192,18 +191,18 @@ completion_request parse_completion_request(const json& body, bool chat) {
   }
   if (const json* v = field(body, "temperature")) {
     const double t = get_number(*v, "temperature");
-    if (!(t >= 0)) fail_request("temperature", "'temperature' must be >= 0, got " + v->dump(), "invalid_value");
+    if (!(t >= 0)) fail_request("temperature", "'temperature' must be >= 0, got " + json_brief(*v), "invalid_value");
     r.sampling.temp = (float)t;
   }
   if (const json* v = field(body, "top_p")) {
     const double t = get_number(*v, "top_p");
-    if (!(t > 0 && t <= 1)) fail_request("top_p", "'top_p' must be in (0, 1], got " + v->dump(), "invalid_value");
+    if (!(t > 0 && t <= 1)) fail_request("top_p", "'top_p' must be in (0, 1], got " + json_brief(*v), "invalid_value");
     r.sampling.top_p = (float)t;
   }
   if (const json* v = field(body, "top_k")) r.sampling.top_k = (int)std::clamp<int64_t>(get_int(*v, "top_k"), -1, INT32_MAX);
   if (const json* v = field(body, "min_p")) {
     const double t = get_number(*v, "min_p");
-    if (!(t >= 0 && t <= 1)) fail_request("min_p", "'min_p' must be in [0, 1], got " + v->dump(), "invalid_value");
+    if (!(t >= 0 && t <= 1)) fail_request("min_p", "'min_p' must be in [0, 1], got " + json_brief(*v), "invalid_value");
     r.sampling.min_p = (float)t;
   }
   if (const json* v = field(body, "seed")) {
@@ -216,7 +215,7 @@ completion_request parse_completion_request(const json& body, bool chat) {
       r.stop = {v->get<std::string>()};
     } else if (v->is_array()) {
       for (const json& s : *v) {
-        if (!s.is_string()) fail_request("stop", "'stop' entries must be strings, got " + s.dump(), "invalid_type");
+        if (!s.is_string()) fail_request("stop", "'stop' entries must be strings, got " + json_brief(s), "invalid_type");
         r.stop.push_back(s.get<std::string>());
       }
     } else {
@@ -311,6 +310,41 @@ std::string text_stream::take(bool final) {
   std::string r = text_.substr(sent_, end - sent_);
   sent_ = end;
   return r;
+}
+
+std::string json_brief(const nlohmann::json& v, size_t max_chars) {
+  std::string out;
+  // Depth-first over the value with an explicit stack of open arrays / objects; scalars are
+  // dumped (a string's dump is its escaped text, bounded by the body's size, then cut).
+  struct open_value {
+    const json* v;
+    json::const_iterator it;
+  };
+  std::vector<open_value> stack;
+  auto emit_value = [&](const json& x) {
+    if (x.is_array() || x.is_object()) {
+      out += x.is_array() ? '[' : '{';
+      stack.push_back({&x, x.cbegin()});
+    } else {
+      out += x.dump(-1, ' ', false, json::error_handler_t::replace);
+    }
+  };
+  emit_value(v);
+  while (!stack.empty() && out.size() <= max_chars) {
+    open_value& top = stack.back();
+    if (top.it == top.v->cend()) {
+      out += top.v->is_array() ? ']' : '}';
+      stack.pop_back();
+      continue;
+    }
+    if (top.it != top.v->cbegin()) out += ',';
+    const json& x = *top.it;
+    if (top.v->is_object()) out += json(top.it.key()).dump(-1, ' ', false, json::error_handler_t::replace) + ':';
+    ++top.it;
+    emit_value(x);  // may push: `top` is not used after this
+  }
+  if (out.size() > max_chars) out = out.substr(0, max_chars >= 3 ? max_chars - 3 : 0) + "...";
+  return out;
 }
 
 }  // namespace kvq::server_detail

@@ -85,6 +85,11 @@ class text_stream {
   bool stopped_ = false;
 };
 
+// A request value as error messages show it: its JSON text, cut to at most max_chars bytes (then
+// ending in "..."), written without recursion, so that a value nested 50,000 deep (a 100 KB body)
+// costs max_chars of work and no stack (nlohmann's dump() recurses once per level).
+std::string json_brief(const nlohmann::json& v, size_t max_chars = 60);
+
 // Bytes at the end of s that form an incomplete UTF-8 sequence (0..3).
 size_t utf8_incomplete_tail(const std::string& s);
 

@@ -234,7 +234,7 @@ void http_server::routes() {
   http_.Get("/props", [this](const httplib::Request&, httplib::Response& res) {
     json j = {{"model", model_id_}, {"n_ctx", sched_->params().n_ctx}, {"n_parallel", p_.n_parallel},
               {"kv_cache", sched_->cache_describe()}, {"chat_template", template_text_},
-              {"chat_format", template_ ? chat_format_name(template_->format()) : nullptr},
+              {"chat_format", template_ ? json(chat_format_name(template_->format())) : json(nullptr)},
               {"bos_token", tok_->bos() >= 0 ? tok_->token_text(tok_->bos()) : ""}};
     res.set_content(dump(j), "application/json");
   });
@@ -272,7 +272,7 @@ void http_server::routes() {
     std::vector<int32_t> ids;
     for (const json& t : body["tokens"]) {
       if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= tok_->n_vocab())
-        fail_request("tokens", "token id " + t.dump() + " is not in [0, " + std::to_string(tok_->n_vocab()) + ")", "invalid_value");
+        fail_request("tokens", "token id " + json_brief(t) + " is not in [0, " + std::to_string(tok_->n_vocab()) + ")", "invalid_value");
       ids.push_back((int32_t)t.get<int64_t>());
     }
     res.set_content(dump({{"content", tok_->decode(ids)}}), "application/json");

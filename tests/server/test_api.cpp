@@ -193,6 +193,36 @@ TEST(ServerApi, MalformedJsonAndErrorBody) {
   }
 }
 
+// A value nested 50,000 deep (a 100 KB body) in a field the parser reads: a 400 naming the field
+// with a short message, not a stack overflow (json::dump recursed once per level and crashed the
+// server on prompt, max_tokens and stop). The reference text is written here by hand.
+TEST(ServerApi, DeeplyNestedFieldIsA400WithAShortMessage) {
+  const int depth = 50000;
+  const std::string deep = std::string(depth, '[') + std::string(depth, ']');
+  for (const char* key : {"prompt", "max_tokens", "stop", "temperature"}) {
+    const std::string text = std::string("{") + (std::strcmp(key, "prompt") == 0 ? "" : "\"prompt\":\"x\",") + "\"" +
+                             key + "\":" + deep + "}";
+    const api_error e = error_of(parse_json_body(text), false);
+    EXPECT_EQ(e.status, 400) << key;
+    EXPECT_EQ(e.param, key);
+    EXPECT_LT(std::strlen(e.what()), 200u) << key;
+  }
+  EXPECT_EQ(json_brief(parse_json_body(deep)), std::string(57, '[') + "...");
+  EXPECT_EQ(json_brief(parse_json_body(deep), 8), "[[[[[...");
+}
+
+TEST(ServerApi, JsonBriefWritesWhatDumpWrites) {
+  const char* texts[] = {R"(7)", R"("a\"b")", R"([])", R"({})", R"([1,[2,[3,{}]],"x"])",
+                         R"({"a":[1,2],"b":{"c":null,"d":true},"e":"\u00e9"})", R"([[[]],[{}],{"k":[]}])"};
+  for (const char* t : texts) {
+    const json v = json::parse(t);
+    EXPECT_EQ(json_brief(v, 1000), v.dump()) << t;
+    const std::string cut = json_brief(v, 6);
+    EXPECT_LE(cut.size(), 6u) << t;
+    if (v.dump().size() > 6) EXPECT_EQ(cut, v.dump().substr(0, 3) + "...") << t;
+  }
+}
+
 TEST(ServerApi, Utf8IncompleteTail) {
   EXPECT_EQ(utf8_incomplete_tail("abc"), 0u);
   EXPECT_EQ(utf8_incomplete_tail("a\xC3"), 1u);          // é cut after its lead byte

@@ -291,6 +291,12 @@ TEST(HttpServer, ChatWithoutATemplateIs400) {
   }
   const reply c = http(s.port(), "POST", "/v1/completions", R"({"prompt":"hi","max_tokens":2,"temperature":0})");
   EXPECT_EQ(c.status, 200) << c.body;
+  // /props answers 200 saying there is no template (chat_format null, chat_template "") rather than a 500
+  const reply props = http(s.port(), "GET", "/props", "");
+  ASSERT_EQ(props.status, 200) << props.body;
+  const json pj = json::parse(props.body, nullptr, false);
+  EXPECT_TRUE(pj.value("chat_format", json(0)).is_null()) << props.body;
+  EXPECT_EQ(pj.value("chat_template", json(0)), "") << props.body;
 }
 
 }  // namespace
