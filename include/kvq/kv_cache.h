@@ -231,10 +231,11 @@ class kv_cache {
   // max_pages_per_seq; 0 for a contiguous cache.
   virtual int pages_for(int n_pos) const { (void)n_pos; return 0; }
   // Staging pages: a compressed cache with channel statistics (k_channel_scale, the q8 / q4
-  // default) keeps a sequence's first channel_calib positions as given (f32) until they have all
-  // arrived (24,576 bytes a position on Qwen2.5-0.5B, twice f16's); a paged cache keeps them in
-  // pages of its pool (a page's bytes hold page_size * code bytes / f32 bytes of them: 8 positions a
-  // 64-row q4 page), taken as they arrive and returned once the sequence is calibrated, so that they
+  // default) keeps a sequence's first channel_calib positions as given (f16 and the residual to
+  // the value given, 4 bytes an element) until they have all arrived (24,576 bytes a position on
+  // Qwen2.5-0.5B, twice f16's; queries attend the f16 half); a paged cache keeps them in pages of
+  // its pool (a page's bytes hold page_size * code bytes / 4 bytes of them: 8 positions a 64-row q4
+  // page), taken as they arrive and returned once the sequence is calibrated, so that they
   // come out of the pool like the body (issue 16). stage_pages_for(n): the most
   // staging pages a sequence growing to n positions holds (the body's pages_for(n) come on top);
   // seq_stage_pages(seq): those it holds now. 0 for caches without staging in pages.

@@ -17,8 +17,9 @@
 // scratch per sequence that the next append of that sequence reuses (fresh_rows; kv_cache.h, append).
 // Channel statistics (channel_scale, k_channel_scale) are calibrated on a sequence's first cal_n_
 // positions (kv_cache_params::channel_calib) whatever appends brought them: until they have all
-// arrived they are kept as given in per-(layer, sequence) staging rows and queries attend those
-// exactly; the append that completes them calibrates and stores them through the ordinary path.
+// arrived they are kept as given in per-(layer, sequence) staging rows (f16 rows and their residuals,
+// stage_pos_bytes) and queries attend the f16 rows exactly, as the f16 cache; the append that
+// completes them calibrates and stores them, as given, through the ordinary path.
 // Paged (page_size > 0): the body of every global layer lives in the page pool (kv_page_pool.h), per
 // layer [n_pages, n_kv_head, page_size, code_row] (scales alike, per page the scale units of its
 // rows); body row r of a sequence is on page table[r / page_size]. Attention passes the kernels the
@@ -63,6 +64,31 @@ void store_elems(uint8_t* p, kv_elem e, const float* x, int n) {
       break;
   }
 }
+// A staged value x (|x| <= 65504) as f16(x) and the residual x - f16(x) in units of 2^(E - 24),
+// E = the exponent of f16(x)'s binade (-14 below the normal range). The residual is at most half an
+// f16 step, 2^(E - 11), so it fits in 14 bits, and x's own step (2^(E - 23) or, when f16(x)
+// rounded up to 2^E, 2^(E - 24)) makes it a whole number: stage_join returns x bit for bit for
+// |x| >= 2^-15, and within 2^-39 below (x's step is finer there than 2^-38).
+// 2^(24 - E) and 2^(E - 24) for the binade of f16 value h (E = -14 for zero and subnormals).
+float stage_unit_inv(uint16_t h) {
+  const uint32_t e = (h >> 10) & 0x1f;
+  return f32_from_bits((127 + 24 - (e == 0 ? -14 : (int)e - 15)) << 23);
+}
+float stage_unit(uint16_t h) {
+  const uint32_t e = (h >> 10) & 0x1f;
+  return f32_from_bits((127 - 24 + (e == 0 ? -14 : (int)e - 15)) << 23);
+}
+void stage_split(const float* x, int n, uint16_t* hi, int16_t* res) {
+  for (int i = 0; i < n; ++i) {
+    hi[i] = f32_to_f16(x[i]);
+    // exact: x - f16(x) (Sterbenz, or f16(x) = 0) and its scaling by a power of two; a whole
+    // number but for |x| < 2^-15, rounded there
+    const float u = (x[i] - f16_to_f32(hi[i])) * stage_unit_inv(hi[i]);
+    res[i] = (int16_t)(u + (u < 0 ? -0.5f : 0.5f));
+  }
+}
+float stage_join(uint16_t hi, int16_t res) { return f16_to_f32(hi) + (float)res * stage_unit(hi); }
+
 kv_elem elem_of(kv_format f) {
   return f == kv_format::f32 ? kv_elem::f32 : f == kv_format::bf16 ? kv_elem::bf16 : kv_elem::f16;
 }
@@ -86,12 +112,14 @@ struct side_store {
   // sequence's data changes another's results
   std::vector<float> lambda, mu;      // [n_layer, n_seq, n_kv_head, head_dim]
   // the first positions as given until the channel statistics are calibrated (kv_cache_quant::cal_n_)
-  std::vector<uint8_t> stage;         // [n_layer, n_seq, cal_n_, n_kv_head, head_dim] stage_elem
-  size_t planned = 0;                 // bytes of the five arrays above, set before any allocation
+  std::vector<uint8_t> stage;  // [n_layer, n_seq] staging blocks of cal_n_ positions (stage_block)
+  // a compressed side's staging reference: position 0 as given (stage_pos_bytes), else empty
+  std::vector<float> stage_ref;  // [n_layer, n_seq, n_kv_head, head_dim]
+  size_t planned = 0;            // bytes of the six arrays above, set before any allocation
 
   size_t bytes() const {
-    return codes.size() + scales.size() * 2 + exact.size() + (lambda.size() + mu.size()) * sizeof(float) +
-           stage.size();
+    return codes.size() + scales.size() * 2 + exact.size() +
+           (lambda.size() + mu.size() + stage_ref.size()) * sizeof(float) + stage.size();
   }
   size_t unit_of_row(size_t r) const { return t->layout == kv_layout::per_channel ? r / group : r; }
   size_t scale_units(size_t rows) const {
@@ -163,17 +191,22 @@ class kv_cache_quant final : public kv_cache {
     KVQ_ASSERT(k_.format == bk && k_.compressed == ck && v_.format == bv && v_.compressed == cv);
     staged_.assign((size_t)p.n_layer * p.n_seq, 0);
     // staging rows of the paged layers in pages of the pool (stage_ppp_ above): a page's code bytes
-    // of a side hold P * code_row / (head_dim * element bytes) positions of that side (all kv heads),
-    // the fewer of K and V; 0 (the heap array below) when a page holds none or a paged layer's rows
-    // would not be aligned to their element
+    // of a side hold P * code_row / (head_dim * element bytes) positions of that side (all kv heads;
+    // 4 bytes an element on a compressed side: f16 and its residual), the fewer of K and V; 0 (the
+    // heap array below) when a page holds none or a paged layer's rows would not be aligned to their
+    // element
     KVQ_ASSERT(stage_ppp_ == 0 || cal_n_ > 0);
     for (const auto* s : {&k_, &v_})
       for (int il = 0; il < p.n_layer; ++il)
-        if (paged_[il] && s->row0[il] * s->code_row % kv_elem_bytes(stage_elem(*s)) != 0) stage_ppp_ = 0;
+        if (paged_[il] && s->row0[il] * s->code_row % kv_elem_bytes(s->exact_elem) != 0) stage_ppp_ = 0;
     for (int il = 0; il < p.n_layer; ++il) heap_stage_ = heap_stage_ || (cal_n_ > 0 && !stage_in_pages(il));
     for (auto* s : {&k_, &v_}) {
-      s->planned += stage_bytes(*s);
-      if (allocate_) s->stage.assign(stage_bytes(*s), 0);
+      const size_t n_ref = cal_n_ > 0 && s->compressed ? heads * p.head_dim : 0;
+      s->planned += stage_bytes(*s) + n_ref * sizeof(float);
+      if (allocate_) {
+        s->stage.assign(stage_bytes(*s), 0);
+        s->stage_ref.assign(n_ref, 0.0f);
+      }
     }
   }
 
@@ -290,10 +323,15 @@ class kv_cache_quant final : public kv_cache {
       if (!s->lambda.empty()) b += n_set * 2 * (size_t)p_.n_kv_head * p_.head_dim * sizeof(float);
     // staging rows held (a calibrated sequence keeps its cal_n_; truncate below them needs them)
     // (those in staging pages are in n_seq_held above)
-    for (size_t i = 0; i < staged_.size(); ++i)
-      if (!stage_in_pages((int)(i / p_.n_seq)))
-        for (const auto* s : {&k_, &v_})
-          b += (size_t)staged_[i] * p_.n_kv_head * p_.head_dim * kv_elem_bytes(stage_elem(*s));
+    // and their references while the rows are held
+    for (size_t i = 0; i < staged_.size(); ++i) {
+      const bool in_pages = stage_in_pages((int)(i / p_.n_seq));
+      for (const auto* s : {&k_, &v_}) {
+        if (!in_pages) b += (size_t)staged_[i] * stage_pos_bytes(*s);
+        if (!s->stage_ref.empty() && staged_[i] > 0 && (!in_pages || !lambda_set_[i]))
+          b += (size_t)p_.n_kv_head * p_.head_dim * sizeof(float);
+      }
+    }
     return b;
   }
   std::string describe() const override {
@@ -420,12 +458,13 @@ class kv_cache_quant final : public kv_cache {
       const size_t h0 = head_index(il, seq_id, 0);
       for (auto* s : {&k_, &v_}) {
         if (stage_in_pages(il)) {  // the staging pages it holds, whole
-          const size_t pos_bytes = nh * hd * kv_elem_bytes(stage_elem(*s));
           for (size_t j = 0; j < pool_.stage(seq_id).size(); ++j)
-            r.push_back({stage_row(*s, il, seq_id, (int)j * stage_ppp_), (size_t)stage_ppp_ * pos_bytes});
+            r.push_back({stage_block(*s, il, seq_id, (int)j), (size_t)stage_ppp_ * stage_pos_bytes(*s)});
         } else if (cal_n_ > 0) {
-          r.push_back({stage_row(*s, il, seq_id, 0), stage_bytes(*s) / ((size_t)p_.n_layer * p_.n_seq)});
+          r.push_back({stage_block(*s, il, seq_id, 0), (size_t)cal_n_ * stage_pos_bytes(*s)});
         }
+        if (!s->stage_ref.empty())
+          r.push_back({reinterpret_cast<uint8_t*>(&s->stage_ref[h0 * hd]), nh * hd * sizeof(float)});
         if (!s->lambda.empty()) {
           r.push_back({reinterpret_cast<uint8_t*>(&s->lambda[h0 * hd]), nh * hd * sizeof(float)});
           r.push_back({reinterpret_cast<uint8_t*>(&s->mu[h0 * hd]), nh * hd * sizeof(float)});
@@ -442,14 +481,26 @@ class kv_cache_quant final : public kv_cache {
     return r;
   }
   void init_side(side_store& s, const char* name, kv_format type, bool is_v, size_t heads);
-  // Staging rows of a side: [n_layer, n_seq, cal_n_, n_kv_head, head_dim] stage_elem. A compressed
-  // side stages f32: its values are as given, before centring (f16 would round a K of 210, Qwen's
-  // bias, in steps of 0.125); a dense side its own element type, what it stores.
-  static kv_elem stage_elem(const side_store& s) { return s.compressed ? kv_elem::f32 : s.exact_elem; }
+  // Staging rows of a side, in blocks of B positions per (layer, sequence): block j holds
+  // positions [j B, (j + 1) B) as
+  //   [n_kv_head, B, head_dim] exact_elem   the rows queries attend; on a compressed side f16 of
+  //                                         d = x - ref, ref = stage_ref (the sequence's position 0
+  //                                         as given), then
+  //   [n_kv_head, B, head_dim] int16        the residuals d - f16(d) (stage_split), so that
+  //                                         calibration and the store see x = ref + d as given
+  // f16 of x itself would round a K of 210 (Qwen's bias) in steps of 0.125; d is the distance to
+  // position 0 (the channel's bias taken out). Attention over d is attention over x: every K row
+  // a staged query sees is shifted by the same ref, which moves all its scores by q·ref (softmax
+  // ignores it), and ref is added back to the output once (the weights sum to 1); a soft-capped
+  // layer (not shift-invariant) takes ref = 0 for K. Each kv head's rows of a block are one run.
+  // B = stage_ppp_ in staging pages, cal_n_ in the heap array.
+  size_t stage_pos_bytes(const side_store& s) const {
+    return (size_t)p_.n_kv_head * p_.head_dim * (kv_elem_bytes(s.exact_elem) + (s.compressed ? 2 : 0));
+  }
   // Bytes of the heap staging array (0 when every layer stages in pages).
   size_t stage_bytes(const side_store& s) const {
     if (!heap_stage_) return 0;
-    return (size_t)p_.n_layer * p_.n_seq * cal_n_ * p_.n_kv_head * p_.head_dim * kv_elem_bytes(stage_elem(s));
+    return (size_t)p_.n_layer * p_.n_seq * cal_n_ * stage_pos_bytes(s);
   }
   // Whether layer il keeps its staging rows in staging pages (a paged layer of a paged cache whose
   // pages hold at least one position of them) rather than the heap array.
@@ -458,16 +509,31 @@ class kv_cache_quant final : public kv_cache {
   // Staging pages a sequence of n positions holds between appends: those of its n staged positions
   // until it is calibrated (n >= cal_n_), then none.
   int stage_pages_held(int n) const { return stage_ppp_ > 0 && n < cal_n_ ? stage_pages_of(n) : 0; }
-  // Staging row of position pos (all kv heads, [n_kv_head, head_dim] stage_elem) of layer il, seq:
-  // in the heap array [n_layer, n_seq, cal_n_, n_kv_head, head_dim], or in staging page pos / ppp of
-  // seq, whose code bytes of layer il hold [ppp, n_kv_head, head_dim] (rows of one page contiguous).
-  uint8_t* stage_row(side_store& s, int il, int seq, int pos) {
-    const size_t row = (size_t)p_.n_kv_head * p_.head_dim * kv_elem_bytes(stage_elem(s));
+  // Positions per staging block of layer il (stage_pos_bytes).
+  int stage_block_rows(int il) const { return stage_in_pages(il) ? stage_ppp_ : cal_n_; }
+  // Staging block j of layer il, seq: the code bytes of layer il in staging page j of seq, or the
+  // heap array's block of (il, seq) (j = 0).
+  uint8_t* stage_block(side_store& s, int il, int seq, int j) {
     if (stage_in_pages(il)) {
-      const size_t pg = pool_.stage(seq)[(size_t)(pos / stage_ppp_)];
-      return s.codes.data() + (s.row0[il] + pg * p_.n_kv_head * p_.page_size) * s.code_row + (size_t)(pos % stage_ppp_) * row;
+      const size_t pg = pool_.stage(seq)[(size_t)j];
+      return s.codes.data() + (s.row0[il] + pg * p_.n_kv_head * p_.page_size) * s.code_row;
     }
-    return s.stage.data() + (((size_t)il * p_.n_seq + seq) * cal_n_ + pos) * row;
+    KVQ_ASSERT(j == 0);
+    return s.stage.data() + ((size_t)il * p_.n_seq + seq) * cal_n_ * stage_pos_bytes(s);
+  }
+  // The attended staging row of kv head h at position pos (head_dim exact_elem), and on a
+  // compressed side its residuals (head_dim int16).
+  uint8_t* stage_row(side_store& s, int il, int seq, int h, int pos) {
+    const int B = stage_block_rows(il);
+    return stage_block(s, il, seq, pos / B) + ((size_t)h * B + pos % B) * p_.head_dim * kv_elem_bytes(s.exact_elem);
+  }
+  // The staging reference of kv head h (head_dim floats; a compressed side).
+  float* stage_ref(side_store& s, int il, int seq, int h) { return &s.stage_ref[head_index(il, seq, h) * p_.head_dim]; }
+  int16_t* stage_residual(side_store& s, int il, int seq, int h, int pos) {
+    const int B = stage_block_rows(il);
+    uint8_t* res =
+        stage_block(s, il, seq, pos / B) + (size_t)p_.n_kv_head * B * p_.head_dim * kv_elem_bytes(s.exact_elem);
+    return reinterpret_cast<int16_t*>(res) + ((size_t)h * B + pos % B) * p_.head_dim;
   }
   // Positions layer il of seq holds: the staged ones until its channel statistics are calibrated,
   // then those of the store (which then holds every position, the staged ones included).
@@ -479,7 +545,8 @@ class kv_cache_quant final : public kv_cache {
   void append_stored(int il, int seq_id, int n_tokens, const float* k, const float* v);
   void truncate_stored(int seq_id, int n_keep);
   // Queries of seqs[0, n), all at positions below cal_n_: exact attention over the staging rows (the
-  // K / V and the query as given), outputs written to each one's out. One parallel loop for the whole
+  // query as given, K / V in their exact element type: f16 on a compressed side, as its exact sink),
+  // outputs written to each one's out. One parallel loop for the whole
   // batch (one work item per sequence, kv head and query: the same kernel call for a query whatever
   // batch it is in), not one per sequence: a decode step of 16 sequences would otherwise issue 16
   // loops of n_kv_head items per layer, waking every thread for two items each.
@@ -753,9 +820,24 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
     pool_.check_stage("append", seq_id, stage_pages_of(done + m));
     pool_.stage_grow(seq_id, stage_pages_of(done + m));
   }
+  std::vector<float> d(hd);
   for (auto* s : {&k_, &v_})
     for (int t = 0; t < m; ++t)
-      store_elems(stage_row(*s, il, seq_id, done + t), stage_elem(*s), (s == &k_ ? k : v) + (size_t)t * row, (int)row);
+      for (int h = 0; h < nh; ++h) {
+        const float* x = (s == &k_ ? k : v) + (size_t)t * row + (size_t)h * hd;
+        uint8_t* r = stage_row(*s, il, seq_id, h, done + t);
+        if (!s->compressed) {
+          store_elems(r, s->exact_elem, x, hd);
+          continue;
+        }
+        float* ref = stage_ref(*s, il, seq_id, h);
+        if (done + t == 0) {  // position 0 sets the reference (none for a soft-capped K)
+          if (s == &k_ && p_.attn_softcap > 0.0f) std::fill(ref, ref + hd, 0.0f);
+          else std::copy(x, x + hd, ref);
+        }
+        for (int c = 0; c < hd; ++c) d[c] = x[c] - ref[c];
+        stage_split(d.data(), hd, reinterpret_cast<uint16_t*>(r), stage_residual(*s, il, seq_id, h, done + t));
+      }
   if (done + m < cal_n_) {
     staged_[i] = done + m;
     return;
@@ -769,8 +851,17 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
   std::vector<float> ak((size_t)n_all * row), av((size_t)n_all * row);
   for (auto [s, a] : {std::pair{&k_, &ak}, std::pair{&v_, &av}})
     for (int t = 0; t < cal_n_; ++t)
-      for (size_t e = 0; e < row; ++e)
-        (*a)[(size_t)t * row + e] = load_elem(stage_row(*s, il, seq_id, t), stage_elem(*s), (int)e);
+      for (int h = 0; h < nh; ++h) {
+        const uint8_t* r = stage_row(*s, il, seq_id, h, t);
+        float* y = a->data() + (size_t)t * row + (size_t)h * hd;
+        if (s->compressed) {
+          const int16_t* res = stage_residual(*s, il, seq_id, h, t);
+          const float* ref = stage_ref(*s, il, seq_id, h);
+          for (int c = 0; c < hd; ++c) y[c] = ref[c] + stage_join(reinterpret_cast<const uint16_t*>(r)[c], res[c]);
+        } else {
+          for (int c = 0; c < hd; ++c) y[c] = load_elem(r, s->exact_elem, c);
+        }
+      }
   for (side_store* s : {&k_, &v_})
     if (!s->lambda.empty())
       calibrate_channels(*s, il, seq_id, cal_n_ - skip, (s == &k_ ? ak : av).data() + (size_t)skip * row);
@@ -1002,10 +1093,10 @@ void kv_cache_quant::attend_staged(int il, const attend_seq* seqs, int n, int n_
     sts.resize(ng);
     kv_dense_view dv;
     dv.n_pos = std::min(n_st, a.pos0 + t + 1);
-    dv.type_k = stage_elem(k_);
-    dv.type_v = stage_elem(v_);
+    dv.type_k = k_.exact_elem;
+    dv.type_v = v_.exact_elem;
     dv.pos_begin = 0;
-    dv.row_stride = (int64_t)nh * hd;
+    dv.row_stride = hd;  // (head h's rows of a block are one run)
     if (stage_in_pages(il) && dv.n_pos > stage_ppp_) {
       // rows on several staging pages: a paged view of head h's rows, read in place
       thread_local std::vector<const void*> pk, pv;
@@ -1013,16 +1104,16 @@ void kv_cache_quant::attend_staged(int il, const attend_seq* seqs, int n, int n_
       pk.resize(n_pg);
       pv.resize(n_pg);
       for (int j = 0; j < n_pg; ++j) {
-        pk[j] = stage_row(k_, il, a.seq_id, j * stage_ppp_) + (size_t)h * hd * kv_elem_bytes(stage_elem(k_));
-        pv[j] = stage_row(v_, il, a.seq_id, j * stage_ppp_) + (size_t)h * hd * kv_elem_bytes(stage_elem(v_));
+        pk[j] = stage_row(k_, il, a.seq_id, h, j * stage_ppp_);
+        pv[j] = stage_row(v_, il, a.seq_id, h, j * stage_ppp_);
       }
       dv.k_pages = pk.data();
       dv.v_pages = pv.data();
       dv.page_rows = stage_ppp_;
       dv.page_row0 = 0;
     } else {
-      dv.k = stage_row(k_, il, a.seq_id, 0) + (size_t)h * hd * kv_elem_bytes(stage_elem(k_));
-      dv.v = stage_row(v_, il, a.seq_id, 0) + (size_t)h * hd * kv_elem_bytes(stage_elem(v_));
+      dv.k = stage_row(k_, il, a.seq_id, h, 0);
+      dv.v = stage_row(v_, il, a.seq_id, h, 0);
     }
     dv.head_dim = hd;
     attn_query_view qv;
@@ -1035,7 +1126,14 @@ void kv_cache_quant::attend_staged(int il, const attend_seq* seqs, int n, int n_
     qv.spec = kv_layer_spec(p_, il, scale);
     for (int g = 0; g < ng; ++g) sts[g] = attn_state::empty(&o[(size_t)g * hd], hd);
     attn_dense(dv, qv, sts.data());
-    for (int g = 0; g < ng; ++g) sts[g].finalize(a.out + ((size_t)t * n_head + h * ng + g) * hd);
+    for (int g = 0; g < ng; ++g) {
+      float* out = a.out + ((size_t)t * n_head + h * ng + g) * hd;
+      sts[g].finalize(out);
+      if (v_.compressed) {  // V rows are d = v - ref (the query sees at least its own row)
+        const float* ref = stage_ref(v_, il, a.seq_id, h);
+        for (int c = 0; c < hd; ++c) out[c] += ref[c];
+      }
+    }
   });
 }
 

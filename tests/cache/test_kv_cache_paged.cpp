@@ -341,7 +341,7 @@ TEST(kv_cache_paged, invalid_params_are_named) {
 namespace kvq {
 namespace {
 
-// The K channel scale's staging rows (q4's first channel_calib positions, kept as given in f32:
+// The K channel scale's staging rows (q4's first channel_calib positions, kept as given: f16 and a residual,
 // kHd * kNh * 4 bytes a position per layer and side, twice f16's) are in pages of the pool, taken
 // as the positions arrive and returned once the sequence is calibrated: the cache allocates the
 // pool and the per-sequence exact rows and statistics, nothing per sequence for staging (issue 16:
@@ -356,9 +356,13 @@ TEST(kv_cache_paged, staging_rows_take_pool_pages_and_return_them) {
   ASSERT_EQ(ppp, 8);
   EXPECT_EQ(c->stage_pages_for(100), 13);
   EXPECT_EQ(c->stage_pages_for(5000), 32);
-  // what the cache allocates: the pool and the 2 sequences' statistics (μ, λ of K), no staging array
+  // what the cache allocates: the pool and the 2 sequences' statistics (μ, λ of K) and staging
+  // references (position 0 of K and V), no staging array
   const kv_page_info pi0 = c->page_info();
-  const size_t stats = (size_t)2 * 2 * 2 * kNh * kHd * 4;  // layers x seqs x (μ, λ) x kv heads x head_dim x f32
+  // a layer and sequence's references: (K, V) x kv heads x head_dim x f32; the statistics: layers x
+  // seqs x (μ, λ) x kv heads x head_dim x f32, and every layer and sequence's references
+  const size_t ref = (size_t)2 * kNh * kHd * 4;
+  const size_t stats = (size_t)2 * 2 * 2 * kNh * kHd * 4 + 2 * 2 * ref;
   EXPECT_EQ(c->bytes(), (size_t)pi0.n_pages * pi0.page_bytes + stats);
   EXPECT_LT(c->bytes(), (size_t)pi0.n_pages * pi0.page_bytes + 2 * 2 * 2 * 256 * stage_pos);
   // the default pool: every sequence at n_ctx and its staging pages on the way there
@@ -368,7 +372,7 @@ TEST(kv_cache_paged, staging_rows_take_pool_pages_and_return_them) {
   EXPECT_EQ(c->seq_stage_pages(0), 13);
   EXPECT_EQ(c->seq_pages(0).size(), 0u);  // nothing compressed yet
   EXPECT_EQ(c->page_info().n_seq_held, 13);
-  EXPECT_EQ(c->bytes_used(), 13 * pi0.page_bytes);
+  EXPECT_EQ(c->bytes_used(), 13 * pi0.page_bytes + 2 * ref);
   c->truncate(0, 50);  // still staging: back to 7 pages
   EXPECT_EQ(c->seq_stage_pages(0), 7);
   for (int il = 0; il < 2; ++il) c->append(il, 0, 250, s.kp(50), s.vp(50));  // 300: calibrated

@@ -566,22 +566,25 @@ TEST(kv_cache_quant, bytes_are_exact) {
   p.n_seq = 3;
   auto c = make_kv_cache(p);
   // K channel scale (on by default for per-token K): μ_K and λ_K, f32 per layer, sequence, kv head
-  // and channel, and the staging rows of the first min(channel_calib, n_ctx) positions (f32 K and V)
+  // and channel, the staging rows of the first min(channel_calib, n_ctx) positions (f16 K and V and
+  // their int16 residuals) and the staging references (position 0 of K and V, f32)
   auto centring = [](const kv_cache_params& q) {
     return (size_t)2 * q.n_layer * q.n_seq * q.n_kv_head * q.head_dim * 4 +
-           (size_t)2 * q.n_layer * q.n_seq * std::min(q.channel_calib, q.n_ctx) * q.n_kv_head * q.head_dim * 4;
+           (size_t)2 * q.n_layer * q.n_seq * std::min(q.channel_calib, q.n_ctx) * q.n_kv_head * q.head_dim * 4 +
+           (size_t)2 * q.n_layer * q.n_seq * q.n_kv_head * q.head_dim * 4;
   };
   // q4, g32, head_dim 128: 64 code bytes + 4 f16 scales = 72 bytes per token per kv head per side
   EXPECT_EQ(c->bytes(), (size_t)2 * 3 * 8 * 1024 * 72 * 2 + centring(p));
   EXPECT_DOUBLE_EQ(kv_bytes_per_token(p), 2.0 * 8 * 72 * 2);
-  // before the 256 calibration positions: their staging rows only (f32 K and V), per layer
+  // before the 256 calibration positions: their staging rows only (4 bytes an element, K and V) and
+  // the references (f32 K and V), per layer
   std::vector<float> k(300 * 8 * 128, 0.3f);
   for (int il = 0; il < 2; ++il) c->append(il, 1, 100, k.data(), k.data());
-  EXPECT_EQ(c->bytes_used(), (size_t)2 * 100 * 8 * 128 * 4 * 2);
-  // then per layer the stored rows, μ_K, λ_K of seq 1 and its 256 staging rows
+  EXPECT_EQ(c->bytes_used(), (size_t)2 * (100 * 8 * 128 * 4 * 2 + 8 * 128 * 4 * 2));
+  // then per layer the stored rows, μ_K, λ_K of seq 1, its 256 staging rows and their references
   for (int il = 0; il < 2; ++il) c->append(il, 1, 200, k.data(), k.data());
-  EXPECT_EQ(c->bytes_used(),
-            (size_t)2 * (300 * 8 * 72 * 2 + (size_t)2 * 8 * 128 * 4 + (size_t)256 * 8 * 128 * 4 * 2));
+  EXPECT_EQ(c->bytes_used(), (size_t)2 * (300 * 8 * 72 * 2 + (size_t)2 * 8 * 128 * 4 + (size_t)256 * 8 * 128 * 4 * 2 +
+                                          (size_t)8 * 128 * 4 * 2));
   // KIVI-4: K 64 codes + 2*2*128/32 per token; V q4a g32 64 + 8 * 2
   auto pk = base_params("kivi4", "kivi4", 128, 8, 1024);
   EXPECT_DOUBLE_EQ(kv_bytes_per_token(pk), 8.0 * (80 + 80));
