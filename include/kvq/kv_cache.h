@@ -234,8 +234,9 @@ class kv_cache {
   // default) keeps a sequence's first channel_calib positions as given (f16 and the residual to
   // the value given, 4 bytes an element) until they have all arrived (24,576 bytes a position on
   // Qwen2.5-0.5B, twice f16's; queries attend the f16 half); a paged cache keeps them in pages of
-  // its pool (a page's bytes hold page_size * code bytes / 4 bytes of them: 8 positions a 64-row q4
-  // page), taken as they arrive and returned once the sequence is calibrated, so that they
+  // its pool (page_size * code bytes / 4 bytes of them a page: 8 positions a 64-row q4 page, taken
+  // in blocks of up to 4 pages that hold one kv head's rows in one run: 32 positions for q4 on
+  // Qwen2.5-0.5B), taken as they arrive and returned once the sequence is calibrated, so that they
   // come out of the pool like the body (issue 16). stage_pages_for(n): the most
   // staging pages a sequence growing to n positions holds (the body's pages_for(n) come on top);
   // seq_stage_pages(seq): those it holds now. 0 for caches without staging in pages.

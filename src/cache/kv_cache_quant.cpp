@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -168,17 +169,30 @@ class kv_cache_quant final : public kv_cache {
     cal_n_ = stats ? std::min(p.channel_calib, p.n_ctx) : 0;
     if (p.page_size > 0) {
       const int per_seq = (body_cap + p.page_size - 1) / p.page_size;
-      // staging pages (stage_in_pages): positions per page as below, before the sides exist
+      // staging pages (stage_in_pages): blocks of stage_rows_ positions in stage_block_pages_ pages,
+      // before the sides exist. A side's runs (one kv head, one plane: S rows of head_dim elements)
+      // fill a layer's R = n_kv_head * P * code_row bytes of a page R / run bytes at a time; S is
+      // as long as a block of at most kStageBlockPages pages allows (at most R / element bytes /
+      // head_dim: one run a page), so that a head's rows lie in runs of S rows, not P / 8.
       bool any_paged = false;
       for (bool x : paged_) any_paged = any_paged || x;
-      int ppp = p.n_ctx;
+      int rows = std::min(cal_n_, p.n_ctx);
       for (auto [f, c] : {std::pair{bk, ck}, std::pair{bv, cv}}) {
-        const size_t eb = c ? 4 : kv_elem_bytes(elem_of(f)), frag = (size_t)p.page_size * kv_code_bytes(f, p.head_dim);
-        ppp = frag % eb == 0 ? std::min<int>(ppp, (int)(frag / ((size_t)p.head_dim * eb))) : 0;
+        const size_t eb = c ? 2 : kv_elem_bytes(elem_of(f)), runs = (size_t)p.n_kv_head * (c ? 2 : 1);
+        const size_t region = (size_t)p.n_kv_head * p.page_size * kv_code_bytes(f, p.head_dim);
+        const size_t one = region / ((size_t)p.head_dim * eb);  // rows of a run that fills the region
+        rows = region % eb == 0 ? (int)std::min<size_t>(rows, std::min(one, one * kStageBlockPages / runs)) : 0;
       }
-      if (!any_paged || cal_n_ == 0) ppp = 0;
-      stage_ppp_ = ppp;
-      const int stage_per_seq = ppp > 0 ? (cal_n_ + ppp - 1) / ppp : 0;
+      if (!any_paged || cal_n_ == 0) rows = 0;
+      stage_rows_ = rows;
+      for (auto [f, c, i] : {std::tuple{bk, ck, 0}, std::tuple{bv, cv, 1}}) {
+        if (rows == 0) break;
+        const size_t eb = c ? 2 : kv_elem_bytes(elem_of(f)), runs = (size_t)p.n_kv_head * (c ? 2 : 1);
+        const size_t region = (size_t)p.n_kv_head * p.page_size * kv_code_bytes(f, p.head_dim);
+        stage_rpp_[i] = (int)(region / ((size_t)rows * p.head_dim * eb));
+        stage_block_pages_ = std::max(stage_block_pages_, (int)((runs + stage_rpp_[i] - 1) / stage_rpp_[i]));
+      }
+      const int stage_per_seq = stage_pages_of(cal_n_);
       // n_pages 0: every sequence at n_ctx, and its staging pages on the way there
       pool_.init(p.page_size, p.n_pages > 0 ? p.n_pages : p.n_seq * (per_seq + stage_per_seq), allocate_ ? p.n_seq : 0,
                  per_seq);
@@ -190,15 +204,13 @@ class kv_cache_quant final : public kv_cache {
     lambda_set_.assign((size_t)p.n_layer * p.n_seq, 0);
     KVQ_ASSERT(k_.format == bk && k_.compressed == ck && v_.format == bv && v_.compressed == cv);
     staged_.assign((size_t)p.n_layer * p.n_seq, 0);
-    // staging rows of the paged layers in pages of the pool (stage_ppp_ above): a page's code bytes
-    // of a side hold P * code_row / (head_dim * element bytes) positions of that side (all kv heads;
-    // 4 bytes an element on a compressed side: f16 and its residual), the fewer of K and V; 0 (the
-    // heap array below) when a page holds none or a paged layer's rows would not be aligned to their
+    // staging rows of the paged layers in pages of the pool (stage_rows_ above); none (the heap
+    // array below) when a page holds no run or a paged layer's rows would not be aligned to their
     // element
-    KVQ_ASSERT(stage_ppp_ == 0 || cal_n_ > 0);
+    KVQ_ASSERT(stage_rows_ == 0 || cal_n_ > 0);
     for (const auto* s : {&k_, &v_})
       for (int il = 0; il < p.n_layer; ++il)
-        if (paged_[il] && s->row0[il] * s->code_row % kv_elem_bytes(s->exact_elem) != 0) stage_ppp_ = 0;
+        if (paged_[il] && s->row0[il] * s->code_row % kv_elem_bytes(s->exact_elem) != 0) stage_rows_ = 0;
     for (int il = 0; il < p.n_layer; ++il) heap_stage_ = heap_stage_ || (cal_n_ > 0 && !stage_in_pages(il));
     for (auto* s : {&k_, &v_}) {
       const size_t n_ref = cal_n_ > 0 && s->compressed ? heads * p.head_dim : 0;
@@ -244,7 +256,7 @@ class kv_cache_quant final : public kv_cache {
   // body rows <= positions (the sink and tail rows take no page)
   int pages_for(int n) const override { return pool_.pages_for(n, p_.n_ctx); }
   int stage_pages_for(int n) const override {
-    return stage_ppp_ > 0 ? stage_pages_of(std::min({n, cal_n_, p_.n_ctx})) : 0;
+    return stage_rows_ > 0 ? stage_pages_of(std::min({n, cal_n_, p_.n_ctx})) : 0;
   }
   int seq_stage_pages(int seq_id) const override {
     check_layer_seq("seq_stage_pages", 0, seq_id);
@@ -458,10 +470,11 @@ class kv_cache_quant final : public kv_cache {
       const size_t h0 = head_index(il, seq_id, 0);
       for (auto* s : {&k_, &v_}) {
         if (stage_in_pages(il)) {  // the staging pages it holds, whole
-          for (size_t j = 0; j < pool_.stage(seq_id).size(); ++j)
-            r.push_back({stage_block(*s, il, seq_id, (int)j), (size_t)stage_ppp_ * stage_pos_bytes(*s)});
+          for (int pg : pool_.stage(seq_id))
+            r.push_back({s->codes.data() + (s->row0[il] + (size_t)pg * nh * p_.page_size) * s->code_row,
+                         nh * p_.page_size * s->code_row});
         } else if (cal_n_ > 0) {
-          r.push_back({stage_block(*s, il, seq_id, 0), (size_t)cal_n_ * stage_pos_bytes(*s)});
+          r.push_back({stage_run(*s, il, seq_id, 0, 0, 0), (size_t)cal_n_ * stage_pos_bytes(*s)});
         }
         if (!s->stage_ref.empty())
           r.push_back({reinterpret_cast<uint8_t*>(&s->stage_ref[h0 * hd]), nh * hd * sizeof(float)});
@@ -482,18 +495,20 @@ class kv_cache_quant final : public kv_cache {
   }
   void init_side(side_store& s, const char* name, kv_format type, bool is_v, size_t heads);
   // Staging rows of a side, in blocks of B positions per (layer, sequence): block j holds
-  // positions [j B, (j + 1) B) as
-  //   [n_kv_head, B, head_dim] exact_elem   the rows queries attend; on a compressed side f16 of
-  //                                         d = x - ref, ref = stage_ref (the sequence's position 0
-  //                                         as given), then
-  //   [n_kv_head, B, head_dim] int16        the residuals d - f16(d) (stage_split), so that
-  //                                         calibration and the store see x = ref + d as given
+  // positions [j B, (j + 1) B) in runs of B rows, one per kv head and plane,
+  //   plane 0: [n_kv_head][B, head_dim] exact_elem   the rows queries attend; on a compressed side
+  //                                                  f16 of d = x - ref, ref = stage_ref (the
+  //                                                  sequence's position 0 as given), then
+  //   plane 1: [n_kv_head][B, head_dim] int16        the residuals d - f16(d) (stage_split), so that
+  //                                                  calibration and the store see x = ref + d
   // f16 of x itself would round a K of 210 (Qwen's bias) in steps of 0.125; d is the distance to
   // position 0 (the channel's bias taken out). Attention over d is attention over x: every K row
   // a staged query sees is shifted by the same ref, which moves all its scores by q·ref (softmax
   // ignores it), and ref is added back to the output once (the weights sum to 1); a soft-capped
-  // layer (not shift-invariant) takes ref = 0 for K. Each kv head's rows of a block are one run.
-  // B = stage_ppp_ in staging pages, cal_n_ in the heap array.
+  // layer (not shift-invariant) takes ref = 0 for K. In the heap array a block is [plane][n_kv_head]
+  // runs, B = cal_n_; in staging pages B = stage_rows_ and a block takes stage_block_pages_ pages of
+  // the sequence, run r = plane * n_kv_head + h at r % rpp in the layer's bytes of its page r / rpp
+  // (rpp = stage_rpp_ of the side).
   size_t stage_pos_bytes(const side_store& s) const {
     return (size_t)p_.n_kv_head * p_.head_dim * (kv_elem_bytes(s.exact_elem) + (s.compressed ? 2 : 0));
   }
@@ -504,37 +519,37 @@ class kv_cache_quant final : public kv_cache {
   }
   // Whether layer il keeps its staging rows in staging pages (a paged layer of a paged cache whose
   // pages hold at least one position of them) rather than the heap array.
-  bool stage_in_pages(int il) const { return stage_ppp_ > 0 && paged_[il]; }
-  int stage_pages_of(int n) const { return n <= 0 ? 0 : (n + stage_ppp_ - 1) / stage_ppp_; }
+  bool stage_in_pages(int il) const { return stage_rows_ > 0 && paged_[il]; }
+  int stage_pages_of(int n) const {
+    return n <= 0 || stage_rows_ == 0 ? 0 : (n + stage_rows_ - 1) / stage_rows_ * stage_block_pages_;
+  }
   // Staging pages a sequence of n positions holds between appends: those of its n staged positions
   // until it is calibrated (n >= cal_n_), then none.
-  int stage_pages_held(int n) const { return stage_ppp_ > 0 && n < cal_n_ ? stage_pages_of(n) : 0; }
+  int stage_pages_held(int n) const { return stage_rows_ > 0 && n < cal_n_ ? stage_pages_of(n) : 0; }
   // Positions per staging block of layer il (stage_pos_bytes).
-  int stage_block_rows(int il) const { return stage_in_pages(il) ? stage_ppp_ : cal_n_; }
-  // Staging block j of layer il, seq: the code bytes of layer il in staging page j of seq, or the
-  // heap array's block of (il, seq) (j = 0).
-  uint8_t* stage_block(side_store& s, int il, int seq, int j) {
+  int stage_block_rows(int il) const { return stage_in_pages(il) ? stage_rows_ : cal_n_; }
+  // Row pos of the staging run (plane, kv head h) of layer il, seq: head_dim elements of 2 bytes
+  // (a compressed side: f16, then the int16 residuals) or of exact_elem.
+  uint8_t* stage_run(side_store& s, int il, int seq, int plane, int h, int pos) {
+    const int B = stage_block_rows(il), r = plane * p_.n_kv_head + h;
+    const size_t eb = s.compressed ? 2 : kv_elem_bytes(s.exact_elem), run = (size_t)B * p_.head_dim * eb;
+    uint8_t* base;
     if (stage_in_pages(il)) {
-      const size_t pg = pool_.stage(seq)[(size_t)j];
-      return s.codes.data() + (s.row0[il] + pg * p_.n_kv_head * p_.page_size) * s.code_row;
+      const int rpp = stage_rpp_[&s == &k_ ? 0 : 1];
+      const size_t pg = pool_.stage(seq)[(size_t)(pos / B) * stage_block_pages_ + r / rpp];
+      base = s.codes.data() + (s.row0[il] + pg * p_.n_kv_head * p_.page_size) * s.code_row + (size_t)(r % rpp) * run;
+    } else {
+      base = s.stage.data() + ((size_t)il * p_.n_seq + seq) * cal_n_ * stage_pos_bytes(s) + (size_t)r * run;
     }
-    KVQ_ASSERT(j == 0);
-    return s.stage.data() + ((size_t)il * p_.n_seq + seq) * cal_n_ * stage_pos_bytes(s);
+    return base + (size_t)(pos % B) * p_.head_dim * eb;
   }
-  // The attended staging row of kv head h at position pos (head_dim exact_elem), and on a
-  // compressed side its residuals (head_dim int16).
-  uint8_t* stage_row(side_store& s, int il, int seq, int h, int pos) {
-    const int B = stage_block_rows(il);
-    return stage_block(s, il, seq, pos / B) + ((size_t)h * B + pos % B) * p_.head_dim * kv_elem_bytes(s.exact_elem);
+  // The attended staging row of kv head h at position pos, and on a compressed side its residuals.
+  uint8_t* stage_row(side_store& s, int il, int seq, int h, int pos) { return stage_run(s, il, seq, 0, h, pos); }
+  int16_t* stage_residual(side_store& s, int il, int seq, int h, int pos) {
+    return reinterpret_cast<int16_t*>(stage_run(s, il, seq, 1, h, pos));
   }
   // The staging reference of kv head h (head_dim floats; a compressed side).
   float* stage_ref(side_store& s, int il, int seq, int h) { return &s.stage_ref[head_index(il, seq, h) * p_.head_dim]; }
-  int16_t* stage_residual(side_store& s, int il, int seq, int h, int pos) {
-    const int B = stage_block_rows(il);
-    uint8_t* res =
-        stage_block(s, il, seq, pos / B) + (size_t)p_.n_kv_head * B * p_.head_dim * kv_elem_bytes(s.exact_elem);
-    return reinterpret_cast<int16_t*>(res) + ((size_t)h * B + pos % B) * p_.head_dim;
-  }
   // Positions layer il of seq holds: the staged ones until its channel statistics are calibrated,
   // then those of the store (which then holds every position, the staged ones included).
   int held(int il, int seq) const {
@@ -642,7 +657,10 @@ class kv_cache_quant final : public kv_cache {
   std::vector<uint8_t> lambda_set_;  // [n_layer, n_seq] channel statistics calibrated
   int cal_n_ = 0;                    // min(channel_calib, n_ctx) when there are channel statistics, else 0
   std::vector<int> staged_;          // [n_layer, n_seq] positions in the staging rows (<= cal_n_)
-  int stage_ppp_ = 0;                // staging positions per staging page (0: none in pages; stage_in_pages)
+  static constexpr int kStageBlockPages = 4;  // pages a staging block aims at (stage_rows_)
+  int stage_rows_ = 0;                        // positions per staging block in pages (0: none in pages; stage_in_pages)
+  int stage_block_pages_ = 0;                 // pages per staging block
+  int stage_rpp_[2] = {0, 0};                 // staging runs per page of K, V (stage_run)
   bool heap_stage_ = false;          // some layer stages in the heap array (side_store::stage)
   std::vector<int64_t> staged_item0_;  // attend_staged's first work item of each sequence
   // [n_seq] exact copies of the rows the latest prefill append compressed (scratch: grown on demand to
@@ -877,7 +895,7 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
   }
   staged_[i] = cal_n_;
   // the last layer calibrated: the staging pages go back to the pool (their rows are in the store now)
-  if (il == p_.n_layer - 1 && stage_ppp_ > 0) pool_.stage_shrink(seq_id, 0);
+  if (il == p_.n_layer - 1 && stage_rows_ > 0) pool_.stage_shrink(seq_id, 0);
 }
 
 void kv_cache_quant::append_stored(int il, int seq_id, int n_tokens, const float* k, const float* v) {
@@ -972,7 +990,7 @@ void kv_cache_quant::truncate(int seq_id, int n_keep) {
   check_layer_seq("truncate", 0, seq_id);
   if (n_keep < 0) fail_input("[kv_cache] truncate: n_pos must be >= 0, got " + std::to_string(n_keep));
   if (cal_n_ > 0 && n_keep < cal_n_) {  // back into the calibration positions: calibrate again later
-    if (n_keep > 0 && stage_ppp_ > 0 && n_pos(seq_id) >= cal_n_)
+    if (n_keep > 0 && stage_rows_ > 0 && n_pos(seq_id) >= cal_n_)
       fail_input("[kv_cache] truncate: seq " + std::to_string(seq_id) + " would keep " + std::to_string(n_keep) +
                  " of the " + std::to_string(cal_n_) + " positions its channel statistics were calibrated on " +
                  "(channel_calib), whose exact rows a paged cache returns to the pool once calibrated: truncate to 0 "
@@ -1097,19 +1115,19 @@ void kv_cache_quant::attend_staged(int il, const attend_seq* seqs, int n, int n_
     dv.type_v = v_.exact_elem;
     dv.pos_begin = 0;
     dv.row_stride = hd;  // (head h's rows of a block are one run)
-    if (stage_in_pages(il) && dv.n_pos > stage_ppp_) {
-      // rows on several staging pages: a paged view of head h's rows, read in place
+    if (stage_in_pages(il) && dv.n_pos > stage_rows_) {
+      // rows in several staging blocks: a paged view of head h's runs, read in place
       thread_local std::vector<const void*> pk, pv;
-      const int n_pg = stage_pages_of(dv.n_pos);
-      pk.resize(n_pg);
-      pv.resize(n_pg);
-      for (int j = 0; j < n_pg; ++j) {
-        pk[j] = stage_row(k_, il, a.seq_id, h, j * stage_ppp_);
-        pv[j] = stage_row(v_, il, a.seq_id, h, j * stage_ppp_);
+      const int n_blk = (dv.n_pos + stage_rows_ - 1) / stage_rows_;
+      pk.resize(n_blk);
+      pv.resize(n_blk);
+      for (int j = 0; j < n_blk; ++j) {
+        pk[j] = stage_row(k_, il, a.seq_id, h, j * stage_rows_);
+        pv[j] = stage_row(v_, il, a.seq_id, h, j * stage_rows_);
       }
       dv.k_pages = pk.data();
       dv.v_pages = pv.data();
-      dv.page_rows = stage_ppp_;
+      dv.page_rows = stage_rows_;
       dv.page_row0 = 0;
     } else {
       dv.k = stage_row(k_, il, a.seq_id, h, 0);

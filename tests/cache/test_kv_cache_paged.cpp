@@ -351,11 +351,16 @@ TEST(kv_cache_paged, staging_rows_take_pool_pages_and_return_them) {
   auto p = params("q4", "q4", 600, 2, 64);
   p.channel_calib = 256;
   auto c = make_kv_cache(p);
-  const size_t stage_pos = (size_t)kNh * kHd * 4;                    // one side, one layer, f32
-  const int ppp = (int)(64 * kv_code_bytes(kv_format::q4, kHd) / (kHd * 4));  // 64 rows of 32 B hold 8 positions
-  ASSERT_EQ(ppp, 8);
-  EXPECT_EQ(c->stage_pages_for(100), 13);
-  EXPECT_EQ(c->stage_pages_for(5000), 32);
+  const size_t stage_pos = (size_t)kNh * kHd * 4;  // one side, one layer: f16 and int16 residual
+  // a page's bytes of a layer and side (kNh heads x 64 rows of 32 B) hold one run of 32 positions of
+  // one kv head's f16 rows or residuals: a block of 32 positions takes kNh x 2 pages (8 positions a
+  // page, as f32 rows took)
+  const size_t region = (size_t)kNh * 64 * kv_code_bytes(kv_format::q4, kHd);
+  const int rows = (int)(region / (kHd * 2)), block = kNh * 2;
+  ASSERT_EQ(rows, 32);
+  auto pages = [&](int n) { return (n + rows - 1) / rows * block; };
+  EXPECT_EQ(c->stage_pages_for(100), pages(100));   // 16 (4 blocks)
+  EXPECT_EQ(c->stage_pages_for(5000), pages(256));  // 32: every calibration position
   // what the cache allocates: the pool and the 2 sequences' statistics (μ, λ of K) and staging
   // references (position 0 of K and V), no staging array
   const kv_page_info pi0 = c->page_info();
@@ -369,12 +374,12 @@ TEST(kv_cache_paged, staging_rows_take_pool_pages_and_return_them) {
   EXPECT_EQ(pi0.n_pages, 2 * (c->pages_for(600) + 32));
   const stream s(11, 600);
   for (int il = 0; il < 2; ++il) c->append(il, 0, 100, s.kp(0), s.vp(0));
-  EXPECT_EQ(c->seq_stage_pages(0), 13);
+  EXPECT_EQ(c->seq_stage_pages(0), pages(100));
   EXPECT_EQ(c->seq_pages(0).size(), 0u);  // nothing compressed yet
-  EXPECT_EQ(c->page_info().n_seq_held, 13);
-  EXPECT_EQ(c->bytes_used(), 13 * pi0.page_bytes + 2 * ref);
-  c->truncate(0, 50);  // still staging: back to 7 pages
-  EXPECT_EQ(c->seq_stage_pages(0), 7);
+  EXPECT_EQ(c->page_info().n_seq_held, pages(100));
+  EXPECT_EQ(c->bytes_used(), pages(100) * pi0.page_bytes + 2 * ref);
+  c->truncate(0, 50);  // still staging: back to 2 blocks
+  EXPECT_EQ(c->seq_stage_pages(0), pages(50));
   for (int il = 0; il < 2; ++il) c->append(il, 0, 250, s.kp(50), s.vp(50));  // 300: calibrated
   EXPECT_EQ(c->seq_stage_pages(0), 0);
   EXPECT_EQ(c->seq_pages(0).size(), (size_t)c->pages_for(300));
@@ -401,7 +406,7 @@ TEST(kv_cache_paged, staging_rows_take_pool_pages_and_return_them) {
     small->append(0, 1, 100, s.kp(0), s.vp(0));
     ADD_FAILURE() << "no error for an exhausted pool";
   } catch (const error& e) {
-    EXPECT_NE(std::string(e.what()).find("[kv_cache] append: seq 1 needs 13 more pages for its channel-calibration "
+    EXPECT_NE(std::string(e.what()).find("[kv_cache] append: seq 1 needs 16 more pages for its channel-calibration "
                                          "rows, the pool has 10 free of 10"),
               std::string::npos)
         << e.what();
