@@ -65,6 +65,12 @@ void store_elems(uint8_t* p, kv_elem e, const float* x, int n) {
       break;
   }
 }
+// Channels whose position 0 is at least this large are staged as the distance to it (stage_ref),
+// the others as given (ref 0): f16 rounds |x| >= 8 in steps of 2^-7 or coarser, and x - ref is exact
+// in f32 (so is ref + d) while x stays within [ref / 2, 2 ref] (Sterbenz), which a channel's bias
+// keeps it in; a channel near 0 with ref 0 is split exactly as well.
+constexpr float kStageRefMin = 8.0f;
+
 // A staged value x (|x| <= 65504) as f16(x) and the residual x - f16(x) in units of 2^(E - 24),
 // E = the exponent of f16(x)'s binade (-14 below the normal range). The residual is at most half an
 // f16 step, 2^(E - 11), so it fits in 14 bits, and x's own step (2^(E - 23) or, when f16(x)
@@ -114,7 +120,7 @@ struct side_store {
   std::vector<float> lambda, mu;      // [n_layer, n_seq, n_kv_head, head_dim]
   // the first positions as given until the channel statistics are calibrated (kv_cache_quant::cal_n_)
   std::vector<uint8_t> stage;  // [n_layer, n_seq] staging blocks of cal_n_ positions (stage_block)
-  // a compressed side's staging reference: position 0 as given (stage_pos_bytes), else empty
+  // a compressed side's staging references: position 0 as given where large (stage_pos_bytes), else empty
   std::vector<float> stage_ref;  // [n_layer, n_seq, n_kv_head, head_dim]
   size_t planned = 0;            // bytes of the six arrays above, set before any allocation
 
@@ -498,11 +504,12 @@ class kv_cache_quant final : public kv_cache {
   // positions [j B, (j + 1) B) in runs of B rows, one per kv head and plane,
   //   plane 0: [n_kv_head][B, head_dim] exact_elem   the rows queries attend; on a compressed side
   //                                                  f16 of d = x - ref, ref = stage_ref (the
-  //                                                  sequence's position 0 as given), then
+  //                                                  sequence's position 0 as given on channels
+  //                                                  where it is >= kStageRefMin in size, else 0)
   //   plane 1: [n_kv_head][B, head_dim] int16        the residuals d - f16(d) (stage_split), so that
   //                                                  calibration and the store see x = ref + d
   // f16 of x itself would round a K of 210 (Qwen's bias) in steps of 0.125; d is the distance to
-  // position 0 (the channel's bias taken out). Attention over d is attention over x: every K row
+  // position 0 on such a channel (its bias taken out). Attention over d is attention over x: every K row
   // a staged query sees is shifted by the same ref, which moves all its scores by q·ref (softmax
   // ignores it), and ref is added back to the output once (the weights sum to 1); a soft-capped
   // layer (not shift-invariant) takes ref = 0 for K. In the heap array a block is [plane][n_kv_head]
@@ -849,10 +856,9 @@ void kv_cache_quant::append(int il, int seq_id, int n_tokens, const float* k, co
           continue;
         }
         float* ref = stage_ref(*s, il, seq_id, h);
-        if (done + t == 0) {  // position 0 sets the reference (none for a soft-capped K)
-          if (s == &k_ && p_.attn_softcap > 0.0f) std::fill(ref, ref + hd, 0.0f);
-          else std::copy(x, x + hd, ref);
-        }
+        if (done + t == 0)  // position 0 sets the reference (none for a soft-capped K)
+          for (int c = 0; c < hd; ++c)
+            ref[c] = std::fabs(x[c]) >= kStageRefMin && !(s == &k_ && p_.attn_softcap > 0.0f) ? x[c] : 0.0f;
         for (int c = 0; c < hd; ++c) d[c] = x[c] - ref[c];
         stage_split(d.data(), hd, reinterpret_cast<uint16_t*>(r), stage_residual(*s, il, seq_id, h, done + t));
       }
