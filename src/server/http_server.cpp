@@ -11,7 +11,9 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <random>
 #include <sstream>
+#include <thread>
 
 #include "core/gguf_prefault.h"
 #include "kvq/error.h"
@@ -39,7 +41,7 @@ class http_server final : public server {
   explicit http_server(const server_params& p);
   int port() const override { return port_; }
   void run() override;
-  void stop() override { http_.stop(); }
+  void stop() override;
 
  private:
   void routes();
@@ -61,10 +63,16 @@ class http_server final : public server {
   int port_ = 0;
   int listen_sock_ = -1;  // the socket cpp-httplib binds (the last one it creates)
   std::atomic<uint64_t> next_id_{1};
+  std::string id_prefix_;  // random per server start, so that reply ids differ across restarts
   std::atomic<uint64_t> http_requests_{0}, http_errors_{0};
 };
 
 http_server::http_server(const server_params& p) : p_(p) {
+  {
+    char hex[20];
+    std::snprintf(hex, sizeof hex, "%08x-", (unsigned)std::random_device{}());
+    id_prefix_ = hex;
+  }
   model_ = model::load(p_.model_path);
   // The weights are mapped from the file; the first forward would page in most of them and the
   // token embedding's rows would follow with new tokens: resident from the start instead (issue 16).
@@ -207,7 +215,15 @@ void http_server::routes() {
   http_.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
     if (!res.body.empty()) return;
     if (res.status == 404) send_error(res, api_error(404, "no route " + req.method + " " + req.path, "invalid_request_error", "", "not_found"));
-    else if (res.status == 413) send_error(res, api_error(413, "request body too large", "invalid_request_error", "", "payload_too_large"));
+    else if (res.status == 413) {
+      // cpp-httplib caps form bodies (curl -d's default type) at 8192 bytes, below the 16 MiB set above
+      const bool form = req.get_header_value("Content-Type").find("application/x-www-form-urlencoded") == 0;
+      send_error(res, api_error(413, form ? "request body too large for Content-Type application/x-www-form-urlencoded "
+                                            "(curl -d's default; at most 8192 bytes): send the JSON body with "
+                                            "'Content-Type: application/json' (up to 16 MiB)"
+                                          : "request body too large (at most 16 MiB)",
+                                "invalid_request_error", "", "payload_too_large"));
+    }
     else send_error(res, api_error(res.status, "HTTP " + std::to_string(res.status), "invalid_request_error"));
   });
   http_.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
@@ -224,12 +240,22 @@ void http_server::routes() {
   http_.Get("/health", [](const httplib::Request&, httplib::Response& res) {
     res.set_content(R"({"status":"ok"})", "application/json");
   });
-  http_.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+  auto model_object = [this] {
     const auto& hp = model_->hparams();
-    json m = {{"id", model_id_}, {"object", "model"}, {"created", unix_now()}, {"owned_by", "kvq"},
-              {"meta", {{"arch", hp.arch}, {"n_vocab", hp.n_vocab}, {"n_ctx_train", hp.n_ctx_train},
-                        {"n_params", hp.n_params}, {"n_ctx", sched_->params().n_ctx}}}};
-    res.set_content(dump({{"object", "list"}, {"data", json::array({m})}}), "application/json");
+    return json{{"id", model_id_}, {"object", "model"}, {"created", unix_now()}, {"owned_by", "kvq"},
+                {"meta", {{"arch", hp.arch}, {"n_vocab", hp.n_vocab}, {"n_ctx_train", hp.n_ctx_train},
+                          {"n_params", hp.n_params}, {"n_ctx", sched_->params().n_ctx}}}};
+  };
+  http_.Get("/v1/models", [=](const httplib::Request&, httplib::Response& res) {
+    res.set_content(dump({{"object", "list"}, {"data", json::array({model_object()})}}), "application/json");
+  });
+  // one model by id (the openai client's models.retrieve), 404 model_not_found for another id
+  http_.Get("/v1/models/(.+)", [=, this](const httplib::Request& req, httplib::Response& res) {
+    const std::string id = req.matches[1];
+    if (id != model_id_)
+      throw api_error(404, "model '" + json_brief(json(id)) + "' does not exist; this server serves '" + model_id_ + "'",
+                      "invalid_request_error", "model", "model_not_found");
+    res.set_content(dump(model_object()), "application/json");
   });
   http_.Get("/props", [this](const httplib::Request&, httplib::Response& res) {
     json j = {{"model", model_id_}, {"n_ctx", sched_->params().n_ctx}, {"n_parallel", p_.n_parallel},
@@ -319,7 +345,7 @@ void http_server::completion(const httplib::Request& req, httplib::Response& res
   const int n_prompt = (int)sr.prompt.size();
   std::shared_ptr<seq_job> job = sched_->submit(sr);  // throws 400 / 503
 
-  const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_++);
+  const std::string id = (chat ? "chatcmpl-" : "cmpl-") + id_prefix_ + std::to_string(next_id_++);
   const int64_t created = unix_now();
   auto finish_reason = [](const seq_update& u) -> json {
     if (u.finish_reason == "stop" || u.finish_reason == "length") return u.finish_reason;
@@ -439,6 +465,23 @@ void http_server::completion(const httplib::Request& req, httplib::Response& res
       [job](bool success) {
         if (!success) job->cancel();
       });
+}
+
+void http_server::stop() {
+  // Every queued and running request ends with an error its client can read (the streams their
+  // error event and [DONE]) before the sockets close: the scheduler ends them on its next turn, the
+  // handlers see it within a poll (100 / 200 ms) and write.
+  const scheduler_metrics before = sched_->metrics();
+  sched_->shut_down("the server is shutting down");
+  if (before.active + before.queued > 0) {
+    for (int i = 0; i < 100; ++i) {
+      const scheduler_metrics m = sched_->metrics();
+      if (m.active == 0 && m.queued == 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  http_.stop();
 }
 
 std::string http_server::metrics_text() const {

@@ -231,6 +231,7 @@ std::shared_ptr<seq_job> scheduler::submit(const seq_request& r) {
   job->pending_.n_prompt = (int)r.prompt.size();
   {
     std::lock_guard lk(mu_);
+    if (shutting_down_) throw api_error(503, shutdown_why_, "unavailable_error", "", "shutting_down");
     if (n_active_.load() + (int)waiting_.size() >= p_.n_parallel + p_.n_queue)
       throw api_error(503, "the server is busy: " + std::to_string(waiting_.size()) +
                                " requests are waiting for a slot or KV pages (--queue " + std::to_string(p_.n_queue) + ")",
@@ -240,6 +241,15 @@ std::shared_ptr<seq_job> scheduler::submit(const seq_request& r) {
   }
   cv_.notify_all();
   return job;
+}
+
+void scheduler::shut_down(const std::string& why) {
+  {
+    std::lock_guard lk(mu_);
+    shutting_down_ = shutdown_pending_ = true;
+    shutdown_why_ = why;
+  }
+  cv_.notify_all();
 }
 
 scheduler_metrics scheduler::metrics() const {
@@ -321,8 +331,26 @@ void scheduler::loop() {
   for (;;) {
     {
       std::unique_lock lk(mu_);
-      cv_.wait(lk, [&] { return stop_ || !waiting_.empty() || n_active_.load() > 0; });
+      cv_.wait(lk, [&] { return stop_ || shutdown_pending_ || !waiting_.empty() || n_active_.load() > 0; });
       if (stop_) break;
+      if (shutdown_pending_) {  // shut_down: every request ends with its error
+        shutdown_pending_ = false;
+        for (auto& [job, req] : waiting_) {
+          {
+            std::lock_guard jl(job->mu_);
+            job->pending_.done = true;
+            job->pending_.finish_reason = "error";
+            job->pending_.error = shutdown_why_;
+            job->changed_ = true;
+          }
+          job->cv_.notify_all();
+          ++n_failed_;
+        }
+        waiting_.clear();
+        for (int i = 0; i < p_.n_parallel; ++i)
+          if (slots_[i]->active()) finish(i, "error", shutdown_why_);
+        continue;
+      }
       // requests cancelled while queued (client gone) end here, without a slot
       for (auto it = waiting_.begin(); it != waiting_.end();) {
         if (!it->first->cancelled()) {

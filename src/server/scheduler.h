@@ -153,6 +153,11 @@ class scheduler {
   // Queues a request. Throws api_error 503 (with retry) when n_queue requests already wait, and
   // 400 when the prompt is empty or does not leave room for one generated token (>= n_ctx).
   std::shared_ptr<seq_job> submit(const seq_request& r);
+  // Graceful stop (SIGINT / SIGTERM): ends every queued and running request with finish_reason
+  // "error" and `why` (a streamed reply gets its error event and [DONE], a non-streamed one its
+  // error body), and refuses new requests with 503 from then on. The thread keeps running until the
+  // destructor; returns at once (the requests end on the scheduler's next turn).
+  void shut_down(const std::string& why);
   scheduler_metrics metrics() const;
   const scheduler_params& params() const { return p_; }
   std::string cache_describe() const { return cache_describe_; }
@@ -181,6 +186,9 @@ class scheduler {
   std::condition_variable cv_;
   std::deque<std::pair<std::shared_ptr<seq_job>, seq_request>> waiting_;
   bool stop_ = false;
+  bool shutting_down_ = false;   // shut_down was called: submit refuses
+  bool shutdown_pending_ = false;  // the loop has yet to end the requests (mu_)
+  std::string shutdown_why_;
   std::thread thread_;
 
   std::atomic<uint64_t> n_requests_{0}, n_finished_{0}, n_cancelled_{0}, n_failed_{0};

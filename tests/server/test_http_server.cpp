@@ -194,6 +194,35 @@ TEST(HttpServer, ListenBacklogHoldsABurstOfClients) {
   EXPECT_GE(backlog, std::min(100, somaxconn));
 }
 
+// GET /v1/models/{id} (the openai client's models.retrieve) answers the served model and 404
+// model_not_found for another id; completion ids differ between two servers started alike (they
+// were counters from 1 in every process).
+TEST(HttpServer, ModelByIdAndIdsUniqueAcrossStarts) {
+  KVQ_REQUIRE_DATA(model, kTinylit);
+  server_params p;
+  p.model_path = model;
+  p.port = 0;
+  p.n_parallel = 1;
+  p.n_ctx = 64;
+  p.n_threads = 1;
+  p.model_alias = "tiny";
+  std::string ids[2];
+  for (std::string& id : ids) {
+    running_server s(p);
+    const reply m = http(s.port(), "GET", "/v1/models/tiny");
+    ASSERT_EQ(m.status, 200) << m.body;
+    EXPECT_EQ(json::parse(m.body).value("id", ""), "tiny");
+    const reply other = http(s.port(), "GET", "/v1/models/gpt-4");
+    EXPECT_EQ(other.status, 404) << other.body;
+    EXPECT_EQ(json::parse(other.body, nullptr, false)["error"].value("code", ""), "model_not_found") << other.body;
+    const reply c = http(s.port(), "POST", "/v1/completions", R"({"prompt":"hi","max_tokens":1})");
+    ASSERT_EQ(c.status, 200) << c.body;
+    id = json::parse(c.body).value("id", "");
+    EXPECT_EQ(id.rfind("cmpl-", 0), 0u) << id;
+  }
+  EXPECT_NE(ids[0], ids[1]);
+}
+
 // A --chat-template-file kvq does not render stops the server at start-up naming the file, what the
 // template holds and the formats kvq renders (not "--chat-template-file takes another template").
 TEST(HttpServer, RejectedChatTemplateFileSaysWhatIsSupported) {
@@ -263,6 +292,48 @@ TEST(HttpServer, NonStreamedGzipClientThatLeavesIsCancelled) {
   EXPECT_EQ(metric(s.port(), "requests_finished_total"), 0);
   EXPECT_LT(metric(s.port(), "tokens_generated_total"), max_tokens);
   EXPECT_EQ(metric(s.port(), "kv_pages_in_use"), 0);
+}
+
+// Stopping the server (SIGINT / SIGTERM) while requests run: a stream ends with its error event
+// and [DONE], a non-streamed request gets its error body (valid JSON), a new request 503 or a refused
+// connection; the stream was cut with neither before.
+TEST(HttpServer, StopEndsRunningRequestsWithAnError) {
+  KVQ_REQUIRE_MODEL(model, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");  // slow enough to stop mid-way
+  server_params p;
+  p.model_path = model;
+  p.port = 0;
+  p.n_parallel = 2;
+  p.n_ctx = 1024;
+  p.n_threads = 1;
+  running_server s(p);
+  const std::string body =
+      R"({"prompt":"Once upon a time","max_tokens":1000,"ignore_eos":true,"temperature":0,"stream":true})";
+  const int fd = connect_local(s.port());
+  ASSERT_GE(fd, 0);
+  send_all(fd, request_text("POST", "/v1/completions", body));
+  std::string got;
+  char buf[4096];
+  while (got.find("data: {") == std::string::npos) {
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    ASSERT_GT(n, 0) << got;
+    got.append(buf, (size_t)n);
+  }
+  std::string plain_body;
+  std::thread plain([&] {
+    std::string b = body;
+    b.replace(b.find(R"("stream":true)"), 13, R"("stream":false)");
+    plain_body = http(s.port(), "POST", "/v1/completions", b).body;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  s.srv->stop();
+  for (ssize_t n; (n = ::recv(fd, buf, sizeof buf, 0)) > 0;) got.append(buf, (size_t)n);
+  ::close(fd);
+  plain.join();
+  EXPECT_NE(got.find("the server is shutting down"), std::string::npos) << got.substr(got.size() - std::min<size_t>(got.size(), 400));
+  EXPECT_NE(got.find("data: [DONE]"), std::string::npos);
+  const json pj = json::parse(plain_body, nullptr, false);
+  ASSERT_FALSE(pj.is_discarded()) << plain_body;
+  EXPECT_NE(pj["error"].value("message", "").find("the server is shutting down"), std::string::npos) << plain_body;
 }
 
 // Chat on a model without a chat template (Gemma 3 270M base) is the client's error, 400
