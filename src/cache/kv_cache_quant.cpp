@@ -415,6 +415,7 @@ class kv_cache_quant final : public kv_cache {
       if ((p_.channel_scale || (s == &k_ && k_channel_scale_)) && s->compressed)
         b += 2 * heads * p_.head_dim * sizeof(float);  // μ and λ
       b += stage_bytes(*s) / p_.n_layer;                // the staging rows
+      if (cal_n_ > 0 && s->compressed) b += heads * p_.head_dim * sizeof(float);  // their references
     }
     return b;
   }

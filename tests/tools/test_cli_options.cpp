@@ -88,9 +88,10 @@ TEST(CliOptions, InfoRefusesBadKvOptionsAndNamesItself) {
       if (r["type"] == "q4") {
         seen = true;
         // + K's per-channel μ and λ (f32, per layer, kv head and channel: on by default for per-token K)
-        // and the staging rows of its 256 calibration positions (f32 K and V, per layer and kv head)
+        // and the staging rows of its 256 calibration positions (4 bytes an element, K and V, per layer
+        // and kv head) with their references (f32 per channel, K and V, per layer and kv head)
         const int64_t total = (int64_t)2 * 6 * 2 * (892 * (32 + 4) + 132 * 128) + (int64_t)2 * 6 * 2 * 64 * 4 +
-                              (int64_t)2 * 6 * 2 * 256 * 64 * 4;
+                              (int64_t)2 * 6 * 2 * 256 * 64 * 4 + (int64_t)2 * 6 * 2 * 64 * 4;
         EXPECT_EQ(r["bytes_at_n_ctx"].get<int64_t>(), total) << flag << " " << r.dump();
         EXPECT_EQ(r["bytes_global_layers"].get<int64_t>(), total) << r.dump();
         EXPECT_EQ(r["bytes_window_layers"].get<int64_t>(), 0) << r.dump();
