@@ -65,6 +65,15 @@ void add_serial(float* x, const float* y, int64_t n) {
 // of a 128-token step (perf: 3.5 % of a one-thread step, against matmuls that the pool divides).
 constexpr int64_t kElemBlock = 2048;
 
+// fn(i0, m) for the blocks [i0, i0 + m) of [0, n), over the pool when `work` pays for it.
+template <class F>
+void for_blocks(thread_pool& pool, int64_t n, int64_t work, const F& fn) {
+  pool.parallel_for((n + kElemBlock - 1) / kElemBlock, work, [&](int64_t b, int) {
+    const int64_t i0 = b * kElemBlock;
+    fn(i0, std::min(kElemBlock, n - i0));
+  });
+}
+
 }  // namespace
 
 void norm(thread_pool& pool, const float* x, const float* w, int64_t n_rows, int64_t n, float eps, float* out) {
@@ -73,17 +82,13 @@ void norm(thread_pool& pool, const float* x, const float* w, int64_t n_rows, int
 }
 
 void add(thread_pool& pool, float* x, const float* y, int64_t n) {
-  pool.parallel_for((n + kElemBlock - 1) / kElemBlock, n, [&](int64_t b, int) {
-    const int64_t i0 = b * kElemBlock;
-    add_serial(x + i0, y + i0, std::min(kElemBlock, n - i0));
-  });
+  for_blocks(pool, n, n, [&](int64_t i0, int64_t m) { add_serial(x + i0, y + i0, m); });
 }
 
 void check_finite(const graph_ctx& g, const float* x, int64_t n, const char* what, int il) {
   std::atomic<bool> finite{true};
-  g.pool.parallel_for((n + kElemBlock - 1) / kElemBlock, n, [&](int64_t b, int) {
-    const int64_t i0 = b * kElemBlock;
-    if (!ops::all_finite(x + i0, std::min(kElemBlock, n - i0))) finite.store(false, std::memory_order_relaxed);
+  for_blocks(g.pool, n, n, [&](int64_t i0, int64_t m) {
+    if (!ops::all_finite(x + i0, m)) finite.store(false, std::memory_order_relaxed);
   });
   if (finite.load()) return;
   std::string where = "position " + std::to_string(g.runs[0].pos0) + " of sequence " + std::to_string(g.runs[0].seq_id);
@@ -145,8 +150,7 @@ void ffn(const graph_ctx& g, const ffn_weights& w, const float* h, float* out) {
   matmul(*w.gate, h, n, s.gate.data(), g.pool);  // [n, n_ff]
   matmul(*w.up, h, n, s.up.data(), g.pool);
   const int64_t nf = n * F;
-  g.pool.parallel_for((nf + kElemBlock - 1) / kElemBlock, nf * 16, [&](int64_t b, int) {
-    const int64_t i0 = b * kElemBlock, m = std::min(kElemBlock, nf - i0);
+  for_blocks(g.pool, nf, nf * 16, [&](int64_t i0, int64_t m) {
     if (w.type == ffn_type::geglu)
       ops::geglu_tanh(s.gate.data() + i0, s.up.data() + i0, m, s.act.data() + i0);
     else

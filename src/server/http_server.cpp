@@ -253,7 +253,7 @@ void http_server::routes() {
   http_.Get("/v1/models/(.+)", [=, this](const httplib::Request& req, httplib::Response& res) {
     const std::string id = req.matches[1];
     if (id != model_id_)
-      throw api_error(404, "model '" + json_brief(json(id)) + "' does not exist; this server serves '" + model_id_ + "'",
+      throw api_error(404, "model " + json_brief(json(id)) + " does not exist; this server serves '" + model_id_ + "'",
                       "invalid_request_error", "model", "model_not_found");
     res.set_content(dump(model_object()), "application/json");
   });

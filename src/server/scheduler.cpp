@@ -335,17 +335,8 @@ void scheduler::loop() {
       if (stop_) break;
       if (shutdown_pending_) {  // shut_down: every request ends with its error
         shutdown_pending_ = false;
-        for (auto& [job, req] : waiting_) {
-          {
-            std::lock_guard jl(job->mu_);
-            job->pending_.done = true;
-            job->pending_.finish_reason = "error";
-            job->pending_.error = shutdown_why_;
-            job->changed_ = true;
-          }
-          job->cv_.notify_all();
-          ++n_failed_;
-        }
+        for (auto& [job, req] : waiting_) end_queued(*job, "error", shutdown_why_);
+        n_failed_ += waiting_.size();
         waiting_.clear();
         for (int i = 0; i < p_.n_parallel; ++i)
           if (slots_[i]->active()) finish(i, "error", shutdown_why_);
@@ -357,13 +348,7 @@ void scheduler::loop() {
           ++it;
           continue;
         }
-        {
-          std::lock_guard jl(it->first->mu_);
-          it->first->pending_.done = true;
-          it->first->pending_.finish_reason = "cancelled";
-          it->first->changed_ = true;
-        }
-        it->first->cv_.notify_all();
+        end_queued(*it->first, "cancelled");
         ++n_cancelled_;
         it = waiting_.erase(it);
       }
@@ -528,13 +513,19 @@ void scheduler::loop() {
   for (int i = 0; i < p_.n_parallel; ++i)
     if (slots_[i]->active()) finish(i, "cancelled");
   std::lock_guard lk(mu_);
-  for (auto& [job, req] : waiting_) {
-    std::lock_guard jl(job->mu_);
-    job->pending_.done = true;
-    job->pending_.finish_reason = "cancelled";
-    job->cv_.notify_all();
-  }
+  for (auto& [job, req] : waiting_) end_queued(*job, "cancelled");
   waiting_.clear();
+}
+
+void scheduler::end_queued(seq_job& job, const std::string& reason, const std::string& err) {
+  {
+    std::lock_guard jl(job.mu_);
+    job.pending_.done = true;
+    job.pending_.finish_reason = reason;
+    job.pending_.error = err;
+    job.changed_ = true;
+  }
+  job.cv_.notify_all();
 }
 
 }  // namespace kvq::server_detail

@@ -171,6 +171,8 @@ class scheduler {
   // false when it must wait.
   bool admit(int i, uint64_t order);
   void publish_pages();  // the page gauges (scheduler thread)
+  // Ends a request that never got a slot (cancelled while queued, shut down): done with `reason`.
+  static void end_queued(seq_job& job, const std::string& reason, const std::string& err = {});
   friend class seq_job;
 
   model& m_;
