@@ -417,9 +417,20 @@ struct model_runner::impl {
                  std::to_string(n_pages) + " are free (clear a sequence or allocate a larger pool)");
   }
 
-  // Runs the validated tokens h_tok / h_seq / h_pos (token t of sequence h_seq[t] at position
-  // h_pos[t], one sequence's positions consecutive and continuing its cache), with logits for the
-  // tokens h_rows. Copies the logits to `out` and / or the argmax ids to `ids` (either may be null).
+  // Host tables to the device through the pinned buffer `pin`, asynchronously on the stream
+  // (ordered before the step): each call of the returned function takes the next 8-byte-aligned
+  // piece of `pin`, from its start.
+  auto pinned_uploader() {
+    return [this, off = (size_t)0](void* d, const void* src, size_t bytes) mutable {
+      if (!bytes) return;
+      off = (off + 7) / 8 * 8;
+      KVQ_ASSERT(off + bytes <= pin_bytes);
+      std::memcpy(pin + off, src, bytes);
+      check_cuda(cudaMemcpyAsync(d, pin + off, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync tables");
+      off += bytes;
+    };
+  }
+
   // KIVI: the tables of the step h_seq / h_pos (each sequence's tokens consecutive, at most kv_chunk
   // of them): page and exact slots of the appended rows, the groups the step completes, each token's
   // attention entry (body pages, exact rows and gap), the residual's moves; uploaded with `up`.
@@ -514,15 +525,7 @@ struct model_runner::impl {
   void run_kivi(float* out, int32_t* ids) {
     const int n = (int)h_tok.size();
     const int n_out = (int)h_rows.size();
-    size_t off = 0;
-    auto up = [&](void* d, const void* src, size_t bytes) {
-      if (!bytes) return;
-      off = (off + 7) / 8 * 8;
-      KVQ_ASSERT(off + bytes <= pin_bytes);
-      std::memcpy(pin + off, src, bytes);
-      check_cuda(cudaMemcpyAsync(d, pin + off, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync tables");
-      off += bytes;
-    };
+    auto up = pinned_uploader();
     up(tokens, h_tok.data(), n * sizeof(int32_t));
     up(pos, h_pos.data(), n * sizeof(int32_t));
     up(rows, h_rows.data(), n_out * sizeof(int32_t));
@@ -561,6 +564,9 @@ struct model_runner::impl {
     }
   }
 
+  // Runs the validated tokens h_tok / h_seq / h_pos (token t of sequence h_seq[t] at position
+  // h_pos[t], one sequence's positions consecutive and continuing its cache), with logits for the
+  // tokens h_rows. Copies the logits to `out` and / or the argmax ids to `ids` (either may be null).
   void run(float* out, int32_t* ids, bool graph_step = false) {
     if (kivi) return run_kivi(out, ids);
     const int n = (int)h_tok.size();
@@ -616,15 +622,7 @@ struct model_runner::impl {
       h_last[t] = len - (np - 1) * P;
     }
     // the tables through pinned memory, asynchronously on the stream (ordered before the step)
-    size_t off = 0;
-    auto up = [&](void* d, const void* src, size_t bytes) {
-      if (!bytes) return;
-      off = (off + 7) / 8 * 8;
-      KVQ_ASSERT(off + bytes <= pin_bytes);
-      std::memcpy(pin + off, src, bytes);
-      check_cuda(cudaMemcpyAsync(d, pin + off, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync tables");
-      off += bytes;
-    };
+    auto up = pinned_uploader();
     up(tokens, h_tok.data(), n * sizeof(int32_t));
     up(pos, h_pos.data(), n * sizeof(int32_t));
     up(rows, h_rows.data(), n_out * sizeof(int32_t));
