@@ -215,6 +215,12 @@ struct decode_params {
   kv_elem q_elem = kv_elem::f16;      // f16 or bf16 queries [batch][n_head][head_dim]
   kv_elem out_elem = kv_elem::f32;    // f32 or f16 output  [batch][n_head][head_dim]
   int split_tokens = 0;               // tokens per split-KV work item (multiple of 16); 0 = auto
+  // kivi4 pages, head_dim <= 128: the entries are the queries of one sequence's prompt chunk (entry
+  // b reads the first rows of the last entry's pages; body lengths non-decreasing, checked on the
+  // host copy): attend them in tiles of 64 / GQA-group entries that read each 32-row key tile once
+  // (K and V dequantized in shared memory), one work item per entry (split_tokens ignored). Same
+  // values as the per-entry kernel up to float summation order. Ignored for other formats.
+  bool kivi_tiles = false;
 };
 
 // Decode attention (one query token per sequence, attending to its tokens as params.spec says), FlashInfer-style

@@ -23,9 +23,10 @@
 //  - KIVI (-ctk kivi4 -ctv q4a / kivi4): kivi4 pages of 32 body positions (position - sink), the
 //    sink and the residual in exact f16 rows per (layer, sequence); append_kivi, quantize_kivi_groups
 //    for the groups a step completes, then every query (prompt or decode) through the decode kernel
-//    with its own exact residual, as the CPU cache's attend (docs/cuda.md "KIVI pages"); a forward()
-//    runs in steps of at most 1024 - sink - (min_tail + 31) tokens; no tiled prefill, no CUDA
-//    graphs (set_cuda_graphs does not apply to KIVI steps).
+//    with its own exact residual, as the CPU cache's attend (docs/cuda.md "KIVI pages"), a forward()
+//    of >= 16 tokens in query tiles (decode_params::kivi_tiles; set_tiled_prefill(false): one
+//    entry per query); a forward() runs in steps of at most 1024 - sink - (min_tail + 31) tokens;
+//    no CUDA graphs (set_cuda_graphs does not apply to KIVI steps).
 // Sequences: the runner holds cp.n_seq sequences of up to cp.n_ctx positions each, their pages
 // (16 positions of every kv head of one layer) drawn from one pool of n_seq * ceil(n_ctx / 16)
 // pages per layer (or cp.n_pages, when smaller: a server's --kv-budget) through a free list, so

@@ -748,6 +748,9 @@ struct decode_plan::impl {
   int4* items = nullptr;
   int* item_ptr = nullptr;
   int* seq_lo = nullptr;  // [batch] (sliding window or body_lo only)
+  bool tiles = false;     // kivi4 prompt chunk in query tiles (decode_params::kivi_tiles)
+  int* tile_len = nullptr;  // [batch] body rows per entry (tiles)
+  int last_pages = 0;       // indptr[batch - 1] (tiles: the page list every entry reads a prefix of)
   float* ws_o = nullptr;
   float2* ws_md = nullptr;
   size_t ws_bytes = 0;
@@ -756,6 +759,7 @@ struct decode_plan::impl {
     cudaFree(items);
     cudaFree(item_ptr);
     cudaFree(seq_lo);
+    cudaFree(tile_len);
     cudaFree(ws_o);
     cudaFree(ws_md);
   }
@@ -858,6 +862,17 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
     return n;
   };
   int64_t split = p.split_tokens;
+  s.tiles = kivi && p.kivi_tiles && kivi_tiles_supported(f.head_dim) && batch > 0 && p.spec.window == 0;
+  if (s.tiles) {
+    for (int b = 1; b < batch; ++b)
+      if (len[b] < len[b - 1] || indptr_host[b + 1] - indptr_host[b] < indptr_host[b] - indptr_host[b - 1])
+        fail_input("[cuda attn_decode] kivi_tiles: entry " + std::to_string(b) +
+                   " holds fewer body rows or pages than entry " + std::to_string(b - 1) +
+                   " (the entries must be a prompt chunk's queries in order)");
+    int64_t maxlen = 0;
+    for (int64_t l : len) maxlen = std::max(maxlen, l);
+    split = std::max<int64_t>(64, round16(maxlen));  // one work item per entry
+  }
   if (split == 0) {
     int64_t maxlen = 0;
     for (int64_t l : len) maxlen = std::max(maxlen, l);
@@ -898,6 +913,14 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
   s.ws_bytes = n_states * (f.head_dim * sizeof(float) + sizeof(float2)) + items.size() * sizeof(int4) + (batch + 1) * sizeof(int);
   if (!items.empty()) copy_to_device(s.items, items.data(), items.size() * sizeof(int4));
   copy_to_device(s.item_ptr, item_ptr.data(), (batch + 1) * sizeof(int));
+  if (s.tiles) {
+    std::vector<int> tl(batch);
+    for (int b = 0; b < batch; ++b) tl[b] = (int)len[b];
+    check(cudaMalloc(&s.tile_len, batch * sizeof(int)), "cudaMalloc(tile_len)");
+    copy_to_device(s.tile_len, tl.data(), batch * sizeof(int));
+    s.last_pages = indptr_host[batch - 1];
+    s.ws_bytes += batch * sizeof(int);
+  }
   if ((p.spec.window > 0 || p.body_lo > 0) && batch > 0) {
     check(cudaMalloc(&s.seq_lo, batch * sizeof(int)), "cudaMalloc(seq_lo)");
     copy_to_device(s.seq_lo, lo.data(), batch * sizeof(int));
@@ -964,7 +987,26 @@ void decode_plan::run(const paged_kv_view& kv, const void* q, void* out, const e
   dispatch_format_hd(kivi ? dfmt::f16 : to_dfmt(f.format), f.head_dim, [&](auto fc, auto hc) {
     constexpr dfmt F = decltype(fc)::value;
     constexpr int HD = decltype(hc)::value;
-    if (kivi && s.n_items > 0) {
+    if (kivi && s.tiles && s.n_items > 0) {
+      kivi_tiles_args a;
+      a.pool = kv.pool;
+      a.geo = to_dev(s.geo, f.page_size);
+      a.pages = kv.indices + s.last_pages;
+      a.len = s.tile_len;
+      a.item_ptr = s.item_ptr;
+      a.q = q;
+      a.ws_o = s.ws_o;
+      a.ws_md = s.ws_md;
+      a.batch = s.batch;
+      a.q_bf16 = s.p.q_elem == kv_elem::bf16;
+      a.n_head = s.p.n_head;
+      a.n_kv_head = f.n_kv_head;
+      a.ng = s.ng;
+      a.qt = std::max(1, 64 / s.ng);
+      a.sm_scale_log2 = s.p.spec.scale * l2e;
+      a.softcap_log2 = s.p.spec.softcap * l2e;
+      kivi_tiles_launch(HD, a, st);
+    } else if (kivi && s.n_items > 0) {
       kivi_decode_args a;
       a.pool = kv.pool;
       a.geo = to_dev(s.geo, f.page_size);

@@ -156,6 +156,131 @@ __global__ void __launch_bounds__(kKiviDecodeThreads) kivi_decode_kernel(kivi_de
   }
 }
 
+// ---- tiles of a prompt chunk's queries (kivi_tiles_args) ----
+constexpr int kTileKeys = 32;
+template <int HD>
+__host__ __device__ constexpr int tiles_stride() {
+  return HD + 4;  // floats per shared row: 16-byte aligned, rows in different banks
+}
+template <int HD>
+constexpr int tiles_smem_bytes() {
+  return (64 + 2 * kTileKeys) * tiles_stride<HD>() * 4;
+}
+
+// 128 threads: row r = tid / 2 (entry r / ng of the tile, GQA head r % ng), half = tid % 2 takes keys
+// [16 half, 16 half + 16) of a tile for the scores and channels [half HD / 2, ..) for P·V.
+template <int HD>
+__global__ void __launch_bounds__(kKiviDecodeThreads) kivi_tiles_kernel(kivi_tiles_args a) {
+  constexpr int ST = tiles_stride<HD>(), NB = HD / 32, HH = HD / 2;
+  extern __shared__ __align__(16) float ts_smem[];
+  float* qs = ts_smem;              // [64][ST]
+  float* ks = qs + 64 * ST;         // [32][ST]
+  float* vs = ks + kTileKeys * ST;  // [32][ST]
+  const int tid = threadIdx.x, r = tid >> 1, half = tid & 1, h = blockIdx.y;
+  const int b0 = blockIdx.x * a.qt, rows = min(a.qt, a.batch - b0) * a.ng;
+  const int b = b0 + r / a.ng, hh = r % a.ng;
+  const bool active = r < rows;
+  const int my_len = active ? a.len[b] : 0;
+  const int tile_len = a.len[min(a.batch, b0 + a.qt) - 1];  // the tile's longest (lengths non-decreasing)
+  for (int i = tid; i < rows * HD; i += kKiviDecodeThreads) {
+    const int rr = i / HD, c = i % HD;
+    qs[rr * ST + c] =
+        load_elem(a.q, ((int64_t)(b0 + rr / a.ng) * a.n_head + (int64_t)h * a.ng + rr % a.ng) * HD + c, a.q_bf16 != 0);
+  }
+  float m = -INFINITY, d = 0.0f, o[HH];
+#pragma unroll
+  for (int c = 0; c < HH; ++c) o[c] = 0.0f;
+  const uint8_t* head_base = a.pool + (int64_t)h * a.geo.head_bytes;
+  for (int kb = 0; kb < tile_len; kb += kTileKeys) {
+    __syncthreads();  // the previous tile's K / V are consumed (and the queries stored)
+    const uint8_t* blk = head_base + (int64_t)a.pages[kb >> a.geo.page_shift] * a.geo.page_bytes;
+    const int row0 = kb & (a.geo.page_size - 1);
+    const __half* ksc = reinterpret_cast<const __half*>(blk + a.geo.k_scales) + (row0 >> 5) * 2 * HD;
+    for (int i = tid; i < kTileKeys * HH; i += kKiviDecodeThreads) {
+      const int j = i / HH, byte = i % HH;
+      const int c_lo = 32 * (byte / 16) + byte % 16, c_hi = c_lo + 16;
+      float klo = 0.0f, khi = 0.0f, vlo = 0.0f, vhi = 0.0f;
+      if (kb + j < tile_len) {
+        const int row = row0 + j;
+        const uint32_t kc = blk[a.geo.k_codes + row * HH + byte], vc = blk[a.geo.v_codes + row * HH + byte];
+        klo = fmaf(__half2float(ksc[c_lo]), (float)(kc & 15u), __half2float(ksc[HD + c_lo]));
+        khi = fmaf(__half2float(ksc[c_hi]), (float)(kc >> 4), __half2float(ksc[HD + c_hi]));
+        const __half* vsc = reinterpret_cast<const __half*>(blk + a.geo.v_scales) + row * 2 * NB;
+        const int g = byte / 16;  // c_lo and c_hi lie in V group g
+        const float s = __half2float(vsc[g]), z = __half2float(vsc[NB + g]);
+        vlo = fmaf(s, (float)(vc & 15u), z);
+        vhi = fmaf(s, (float)(vc >> 4), z);
+      }
+      ks[j * ST + c_lo] = klo;
+      ks[j * ST + c_hi] = khi;
+      vs[j * ST + c_lo] = vlo;
+      vs[j * ST + c_hi] = vhi;
+    }
+    __syncthreads();
+    // scores of this row against keys [16 half, 16 half + 16) of the tile
+    float sc[16];
+#pragma unroll
+    for (int jj = 0; jj < 16; ++jj) sc[jj] = 0.0f;
+    if (active) {
+      const float* qr = qs + r * ST;
+      const float* kr = ks + (16 * half) * ST;
+#pragma unroll 4
+      for (int c = 0; c < HD; c += 4) {
+        const float4 qv = *reinterpret_cast<const float4*>(qr + c);
+#pragma unroll
+        for (int jj = 0; jj < 16; ++jj) {
+          const float4 kv = *reinterpret_cast<const float4*>(kr + jj * ST + c);
+          sc[jj] = fmaf(qv.w, kv.w, fmaf(qv.z, kv.z, fmaf(qv.y, kv.y, fmaf(qv.x, kv.x, sc[jj]))));
+        }
+      }
+    }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int jj = 0; jj < 16; ++jj) {
+      const bool vis = kb + 16 * half + jj < my_len;
+      sc[jj] = vis ? softcap_log2(sc[jj] * a.sm_scale_log2, a.softcap_log2) : -INFINITY;
+      mx = fmaxf(mx, sc[jj]);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+    const float mn = fmaxf(m, mx);
+    const bool none = mn == -INFINITY;  // nothing visible to this row yet (the same for the pair)
+    const float alpha = none ? 1.0f : ex2(m - mn);
+    float sum = 0.0f;
+#pragma unroll
+    for (int jj = 0; jj < 16; ++jj) {
+      sc[jj] = sc[jj] == -INFINITY ? 0.0f : ex2(sc[jj] - mn);
+      sum += sc[jj];
+    }
+    sum += __shfl_xor_sync(kFull, sum, 1);  // (every lane: no early exit around the shuffles)
+    d = d * alpha + sum;
+    if (!none) m = mn;
+#pragma unroll
+    for (int c = 0; c < HH; ++c) o[c] *= alpha;
+    // P·V over the 32 keys for channels [half HH, half HH + HH)
+    const float* vbase = vs + half * HH;
+#pragma unroll 2
+    for (int jj = 0; jj < 16; ++jj) {
+      const float mine = sc[jj], other = __shfl_xor_sync(kFull, sc[jj], 1);
+      const float* v_mine = vbase + (16 * half + jj) * ST;
+      const float* v_other = vbase + (16 * (1 - half) + jj) * ST;
+#pragma unroll
+      for (int c = 0; c < HH; c += 4) {
+        const float4 x = *reinterpret_cast<const float4*>(v_mine + c);
+        const float4 y = *reinterpret_cast<const float4*>(v_other + c);
+        o[c] = fmaf(other, y.x, fmaf(mine, x.x, o[c]));
+        o[c + 1] = fmaf(other, y.y, fmaf(mine, x.y, o[c + 1]));
+        o[c + 2] = fmaf(other, y.z, fmaf(mine, x.z, o[c + 2]));
+        o[c + 3] = fmaf(other, y.w, fmaf(mine, x.w, o[c + 3]));
+      }
+    }
+  }
+  if (!active || my_len == 0) return;
+  const int64_t ws = ((int64_t)a.item_ptr[b] * a.n_kv_head + h) * a.ng + hh;
+#pragma unroll
+  for (int c = 0; c < HH; ++c) a.ws_o[ws * HD + half * HH + c] = o[c];
+  if (half == 0) a.ws_md[ws] = make_float2(m, d);
+}
+
 template <class Fn>
 void by_hd(int hd, Fn&& fn) {
   switch (hd) {
@@ -181,6 +306,24 @@ int kivi_decode_blocks_per_sm(int hd) {
           "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   });
   return occ;
+}
+
+bool kivi_tiles_supported(int hd) { return hd == 64 || hd == 96 || hd == 128; }
+
+void kivi_tiles_launch(int hd, const kivi_tiles_args& a, cudaStream_t st) {
+  by_hd(hd, [&](auto hc) {
+    constexpr int HD = decltype(hc)::value;
+    if constexpr (HD <= 128) {
+      check(cudaFuncSetAttribute(kivi_tiles_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 tiles_smem_bytes<HD>()),
+            "cudaFuncSetAttribute(kivi tiles)");
+      const dim3 grid((unsigned)((a.batch + a.qt - 1) / a.qt), (unsigned)a.n_kv_head);
+      kivi_tiles_kernel<HD><<<grid, kKiviDecodeThreads, tiles_smem_bytes<HD>(), st>>>(a);
+    } else {
+      fail(errc::internal, "[cuda attn_decode] kivi tiles: head_dim " + std::to_string(HD) + " slipped past the plan");
+    }
+  });
+  check_launch("attn_decode (kivi_tiles_kernel)");
 }
 
 void kivi_decode_launch(int hd, const kivi_decode_args& a, int grid, cudaStream_t st) {

@@ -171,6 +171,7 @@ struct model_runner::impl {
   // prompts of >= kTiledMin tokens attend through prefill_plan (set_tiled_prefill); shorter ones, and
   // every token when it is off, through decode_plan with one "sequence" per token
   static constexpr int kTiledMin = 64;
+  static constexpr int kKiviTilesMin = 16;  // KIVI: forwards of >= 16 tokens attend in query tiles
   bool tiled_prefill = true;
   int n_tiled = 0;
 
@@ -535,7 +536,11 @@ struct model_runner::impl {
     dp.spec = attn_spec{hp.attn_scale};
     dp.q_elem = kv_elem::f16;
     dp.out_elem = kv_elem::f16;
+    // a prompt chunk of one sequence: its queries in tiles that read each key tile once
+    dp.kivi_tiles = tiled_prefill && n >= kKiviTilesMin &&
+                    std::all_of(h_seq.begin(), h_seq.end(), [&](int32_t sq) { return sq == h_seq[0]; });
     const decode_plan plan(fmt, dp, h_indptr.data(), h_last.data(), n, kv_cap);
+    n_tiled += dp.kivi_tiles;
     enqueue(&plan, nullptr, n, n_out, ids != nullptr);
     check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before the plan's buffers go
     kivi_step_done();

@@ -263,6 +263,19 @@ TEST_P(CudaKivi, ChunkAttentionMatchesTheCpuCacheAttend) {
   plan.run(kv, dq.p, dout.p, &nogap);
   synchronize();
   EXPECT_GT(rel_err(to_host<float>(dout.p, qf.size()), ref), 10 * err + 1e-3);
+
+  // the same queries in tiles (decode_params::kivi_tiles: the entries share the pages' prefix), head
+  // dims up to 128; 256 keeps the per-entry kernel
+  decode_params tp_ = dp;
+  tp_.kivi_tiles = true;
+  const decode_plan tiles(format(), tp_, indptr.data(), last.data(), nq, cap);
+  EXPECT_EQ(tiles.n_items(), nq);  // one work item per entry (every body is non-empty here)
+  tiles.run(kv, dq.p, dout.p, &ew);
+  synchronize();
+  const double err_t = rel_err(to_host<float>(dout.p, qf.size()), ref);
+  std::printf("[ kivi4 / %s hd %d page %d ] the same chunk in query tiles: rel err %.3e\n",
+              kv_cache_type_name(GetParam().type_v), hd, P, err_t);
+  EXPECT_LE(err_t, 1e-3);
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, CudaKivi,
