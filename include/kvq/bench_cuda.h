@@ -96,8 +96,8 @@ struct bench_cuda_result {
 // invalid_input "[bench] ..." for empty formats, empty batches / depths without prefill_depths, a
 // prefill depth < 1, prefill_chunk < 1, a batch < 1, a depth < 0,
 // n_decode < 1, n_warmup < 0, capacity_ctx < 0; cuda::check_supported's errors per format (before
-// any work); unsupported "[bench] ..." for a kivi4 format with graphs or prefill_depths (the GPU's KIVI
-// steps have neither); unsupported "[cuda] ..." without a GPU; the runner's errors (out of device memory).
+// any work); unsupported "[bench] ..." for a kivi4 format with graphs (the GPU's KIVI steps
+// have none); unsupported "[cuda] ..." without a GPU; the runner's errors (out of device memory).
 bench_cuda_result bench_cuda(const model_hparams& hp, const model* m, const bench_cuda_params& p,
                              const std::function<void(const std::string&)>& progress = {});
 
