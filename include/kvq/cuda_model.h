@@ -80,6 +80,11 @@ void check_supported(const model_hparams& hp, const kv_cache_params& cp, int max
 // codes and scales), on the host without a GPU: what a budget in bytes buys in pages
 // (cp.n_pages = budget / this). Throws as check_supported.
 size_t runner_page_bytes(const model_hparams& hp, const kv_cache_params& cp);
+// Device bytes a runner of (hp, cp, max_batch) keeps for its KV state outside the page pool, on the
+// host without a GPU: the K channel scale's staged f32 rows and statistics (cp.n_seq x
+// --kv-channel-calib positions, q8 / q4), the exact f16 sink rows, the KIVI exact (sink + residual)
+// rows. A --kv-budget pays these first; the pool gets the rest. Throws as check_supported.
+size_t runner_fixed_kv_bytes(const model_hparams& hp, const kv_cache_params& cp, int max_batch);
 
 class model_runner {
  public:

@@ -162,6 +162,32 @@ paged_kv_format runner_kv_format(const model_hparams& hp, const kv_cache_params&
   return f;
 }
 
+runner_state_layout runner_layout(const model_hparams& hp, const kv_cache_params& cp, int max_batch) {
+  const paged_kv_format f = runner_kv_format(hp, cp, max_batch);
+  const bool compressed = f.format != kv_format::f16;
+  const bool kivi = f.format == kv_format::kivi4;
+  runner_state_layout l;
+  l.cal_n = compressed && !kivi && cp.k_channel_scale.value_or(true) ? std::min(cp.channel_calib, cp.n_ctx) : 0;
+  l.sink = compressed ? cp.sink : 0;  // (runner_kv_format refuses windows on an f16 cache)
+  const size_t rows = (size_t)hp.n_layer * cp.n_seq * hp.n_kv_head * hp.head_dim;  // one position of every sequence
+  if (kivi) {
+    l.kv_min_tail = std::max(cp.exact_recent, cp.kivi_residual - 32 + 1);
+    // a step of one sequence adds at most kv_chunk rows to its residual of < min_tail + 32
+    l.kv_chunk = std::min(max_batch, 1024 - l.sink - (l.kv_min_tail + 31));
+    l.kv_cap = l.sink + l.kv_min_tail + 31 + l.kv_chunk;
+    KVQ_ASSERT(l.kv_chunk >= 1 && l.kv_cap <= 1024);  // runner_kivi_format bounds sink and the residual
+    l.fixed_bytes = 2 * rows * l.kv_cap * sizeof(uint16_t);  // K and V exact rows, f16
+  } else {
+    if (l.cal_n > 0) l.fixed_bytes += (2 * (size_t)l.cal_n + 2) * rows * sizeof(float);  // staged K, V; mu, lambda
+    if (l.sink > 0) l.fixed_bytes += 2 * rows * l.sink * sizeof(uint16_t);                // sink K, V, f16
+  }
+  return l;
+}
+
+size_t runner_fixed_kv_bytes(const model_hparams& hp, const kv_cache_params& cp, int max_batch) {
+  return runner_layout(hp, cp, max_batch).fixed_bytes;
+}
+
 size_t runner_page_bytes(const model_hparams& hp, const kv_cache_params& cp) {
   return (size_t)hp.n_layer * paged_kv_geometry_of(runner_kv_format(hp, cp, 1)).page_bytes;
 }

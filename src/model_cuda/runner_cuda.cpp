@@ -266,20 +266,19 @@ struct model_runner::impl {
     compressed = fmt.format != kv_format::f16;
     kivi = fmt.format == kv_format::kivi4;
     // (check_supported refuses the V channel scale; the K one is on unless turned off, as on the CPU;
-    // KIVI takes none)
-    cal_n = compressed && !kivi && cp.k_channel_scale.value_or(true) ? std::min(cp.channel_calib, cp.n_ctx) : 0;
+    // KIVI takes none): the staging rows, sink and KIVI exact rows as runner_layout sizes them
+    const runner_state_layout lay = runner_layout(hp_in, cp, mb);
+    cal_n = lay.cal_n;
     cal_skip = std::min(std::max(1, cp.sink), cal_n - 1);  // position 0 and the exact sink left out
-    sink = compressed ? cp.sink : 0;                       // (runner_kv_format refuses windows on an f16 cache)
+    sink = lay.sink;
     n_ctx = cp.n_ctx;
     n_seq = cp.n_seq;
     max_batch = mb;
     pages_per_seq = (cp.n_ctx + fmt.page_size - 1) / fmt.page_size;
     if (kivi) {
-      kv_min_tail = std::max(cp.exact_recent, cp.kivi_residual - 32 + 1);
-      // a step of one sequence adds at most kv_chunk rows to its residual of < min_tail + 32
-      kv_chunk = std::min(mb, 1024 - sink - (kv_min_tail + 31));
-      kv_cap = sink + kv_min_tail + 31 + kv_chunk;
-      KVQ_ASSERT(kv_chunk >= 1 && kv_cap <= 1024);  // runner_kivi_format bounds sink and the residual
+      kv_min_tail = lay.kv_min_tail;
+      kv_chunk = lay.kv_chunk;
+      kv_cap = lay.kv_cap;
       pages_per_seq = (std::max(0, cp.n_ctx - sink) + fmt.page_size - 1) / fmt.page_size;
       pages_per_seq = std::max(pages_per_seq, 1);
     }
@@ -373,6 +372,8 @@ struct model_runner::impl {
       ex_slots = alloc<int64_t>(B);
       if (cal_n > 0) cal_ex_slots = alloc<int64_t>((size_t)n_seq * cal_n);
     }
+    // the server sizes its pool from a --kv-budget with runner_layout's fixed bytes: they must be these
+    KVQ_ASSERT(kv_bytes == (size_t)hp.n_layer * n_pages * geo.page_bytes + lay.fixed_bytes);
     // tokens, pos, rows, last, tok_seq, ex_len [B] + indptr [B + 1] int32; slots, ex_slots [B] int64;
     // indices [B * pages_per_seq]; the calibrated sequences' rows, slots and sink slots [n_seq * cal_n]
     pin_bytes =

@@ -66,18 +66,26 @@ scheduler::scheduler(model& m, const tokenizer& tok, const scheduler_params& p)
     return std::string(s);
   };
   if (gpu) {
-    // the runner's pool: 16-position pages, as many as the budget buys (at most every slot at n_ctx)
-    const int page = 16;
+    // the runner's pool: as many pages as the budget buys once the runner's KV state outside the pool
+    // (staged rows and channel statistics, exact sink rows, KIVI exact rows: allocated for every slot
+    // up front) is paid; at most every slot at n_ctx (the runner clamps to that)
+    const int max_batch = std::max(p_.n_batch, p_.n_parallel);
     if (p_.kv_budget_bytes > 0) {
       cp.page_size = 0;
       const size_t page_bytes = cuda::runner_page_bytes(m_.hparams(), cp);  // (refuses a format by name)
-      const int64_t full = (int64_t)p_.n_parallel * ((p_.n_ctx + page - 1) / page);
-      cp.n_pages = (int)std::min<int64_t>(full, (int64_t)(p_.kv_budget_bytes / page_bytes));
+      const size_t outside = cuda::runner_fixed_kv_bytes(m_.hparams(), cp, max_batch);
+      if (outside >= p_.kv_budget_bytes)
+        fail_input("[server] --kv-budget " + gib((double)p_.kv_budget_bytes) + " is below the " + gib((double)outside) +
+                   " the " + std::to_string(p_.n_parallel) + " slots keep outside the GPU page pool (staged "
+                   "channel-calibration rows, exact sink / KIVI rows): raise --kv-budget or lower --parallel");
+      const int64_t full = (int64_t)p_.n_parallel * ((p_.n_ctx + 15) / 16);  // (16-position pages at most)
+      cp.n_pages = (int)std::min<int64_t>(full, (int64_t)((p_.kv_budget_bytes - outside) / page_bytes));
       if (cp.n_pages == 0)
-        fail_input("[server] --kv-budget " + gib((double)p_.kv_budget_bytes) + " holds no GPU page of " +
-                   std::to_string(page) + " tokens (" + std::to_string(page_bytes) + " bytes each)");
+        fail_input("[server] --kv-budget " + gib((double)p_.kv_budget_bytes) + " holds no GPU page (" +
+                   std::to_string(page_bytes) + " bytes each) beside the " + gib((double)outside) +
+                   " kept outside the pool");
     }
-    engine_ = make_cuda_step_engine(m_, cp, std::max(p_.n_batch, p_.n_parallel), p_.cuda_graphs);
+    engine_ = make_cuda_step_engine(m_, cp, max_batch, p_.cuda_graphs);
   } else if (p_.kv_page > 0 && p_.kv_budget_bytes > 0) {
     // The budget holds all of the cache: what the slots keep outside the pool (exact sink / recent
     // rows, channel statistics, sliding-window rings: `outside`, allocated for every slot up front),

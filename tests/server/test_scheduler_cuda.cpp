@@ -174,9 +174,12 @@ TEST(SchedulerCuda, CancelFreesPages) {
   EXPECT_EQ(mt.kv_bytes_used, 0u);
 }
 
-// --kv-budget sizes the runner's pool: 8 pages of 16 tokens hold one sequence at n_ctx 128, so
-// three requests of up to 40 positions (3 pages each) run two at a time at most and return what
-// they return alone. A budget below one sequence at n_ctx is refused at start-up.
+// --kv-budget sizes the runner's pool: what the 3 slots keep outside it (q8: the K channel scale's
+// staged rows and statistics, the exact sink rows) is paid first, then 8 pages of 16 tokens hold
+// one sequence at n_ctx 128, so three requests of up to 40 positions (3 pages each) run two at a
+// time at most and return what they return alone. The runner's device bytes (kv_bytes) are then
+// within the budget. A budget below the outside bytes, or below one sequence at n_ctx, is refused
+// at start-up.
 TEST(SchedulerCuda, KvBudgetSizesTheRunnersPool) {
   KVQ_REQUIRE_GPU();
   KVQ_REQUIRE_DATA(path, kTinylit);
@@ -186,19 +189,27 @@ TEST(SchedulerCuda, KvBudgetSizesTheRunnersPool) {
   sp.n_parallel = 3;
   kv_cache_params cp = m->cache_params(sp.n_ctx, sp.cache, sp.n_parallel);
   const size_t page_bytes = cuda::runner_page_bytes(m->hparams(), cp);
-  sp.kv_budget_bytes = 7 * page_bytes + page_bytes / 2;
-  try {
-    scheduler bad(*m, *tok, sp);
-    ADD_FAILURE() << "no error for a budget of 7.5 pages";
-  } catch (const error& e) {
-    EXPECT_NE(std::string(e.what()).find("holds 7 pages of 16 tokens (" + std::to_string(page_bytes) +
-                                         " bytes each), fewer than the 8 one sequence at -c 128 needs"),
-              std::string::npos)
-        << e.what();
+  const size_t outside = cuda::runner_fixed_kv_bytes(m->hparams(), cp, std::max(sp.n_batch, sp.n_parallel));
+  // staged K, V f32 rows of 128 positions (n_ctx < the default 256) + mu, lambda; sink 4 K, V f16
+  const model_hparams& hp = m->hparams();
+  const size_t rows = (size_t)hp.n_layer * 3 * hp.n_kv_head * hp.head_dim;
+  EXPECT_EQ(outside, rows * (2 * 128 + 2) * 4 + rows * 2 * 4 * 2);
+  for (const size_t budget : {outside, outside + 7 * page_bytes + page_bytes / 2}) {
+    sp.kv_budget_bytes = budget;
+    try {
+      scheduler bad(*m, *tok, sp);
+      ADD_FAILURE() << "no error for a budget of " << budget << " bytes";
+    } catch (const error& e) {
+      const std::string want = budget == outside ? "slots keep outside the GPU page pool"
+                                                 : "holds 7 pages of 16 tokens (" + std::to_string(page_bytes) +
+                                                       " bytes each), fewer than the 8 one sequence at -c 128 needs";
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
   }
-  sp.kv_budget_bytes = 8 * page_bytes;
+  sp.kv_budget_bytes = outside + 8 * page_bytes;
   scheduler s(*m, *tok, sp);
   EXPECT_EQ(s.metrics().pages_total, 8);
+  EXPECT_EQ(s.metrics().kv_bytes, sp.kv_budget_bytes);
   EXPECT_EQ(s.metrics().kv_budget_bytes, 8 * page_bytes);
   std::vector<seq_request> reqs = requests16(*tok, 30);
   reqs.resize(3);
@@ -209,6 +220,29 @@ TEST(SchedulerCuda, KvBudgetSizesTheRunnersPool) {
   EXPECT_LE(r.max_active, 2);
   EXPECT_LE(r.max_pages, 8);
   EXPECT_EQ(s.metrics().pages_in_use, 0);
+}
+
+// The same refusal on any machine: the budget is checked before the runner (and the GPU) is
+// touched, so a --kv-budget that the slots' outside bytes would eat (KIVI: 3 slots' exact sink and
+// residual rows) is an error at start-up that names both figures, GPU or not.
+TEST(SchedulerCuda, KvBudgetBelowTheOutsideBytesIsRefused) {
+  KVQ_REQUIRE_DATA(path, kTinylit);
+  auto m = model::load(path);
+  auto tok = tokenizer::from_gguf(m->gguf());
+  scheduler_params sp = gpu_params("f16");
+  sp.cache.type_k = kv_cache_type::kivi4;
+  sp.cache.type_v = kv_cache_type::q4a;
+  sp.n_parallel = 3;
+  kv_cache_params cp = m->cache_params(sp.n_ctx, sp.cache, sp.n_parallel);
+  const size_t outside = cuda::runner_fixed_kv_bytes(m->hparams(), cp, std::max(sp.n_batch, sp.n_parallel));
+  EXPECT_GT(outside, 0u);
+  sp.kv_budget_bytes = outside;
+  try {
+    scheduler bad(*m, *tok, sp);
+    ADD_FAILURE() << "no error for a budget of " << outside << " bytes";
+  } catch (const error& e) {
+    EXPECT_NE(std::string(e.what()).find("slots keep outside the GPU page pool"), std::string::npos) << e.what();
+  }
 }
 
 // The GPU server against the CPU server (same requests, 16 at once, 8 greedy tokens each). f16:
