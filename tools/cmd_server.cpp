@@ -50,6 +50,10 @@ const registrar reg{{"server", "OpenAI-compatible HTTP server with continuous ba
   app->add_option("--host", p.host, "address to bind (127.0.0.1: this machine only)")->capture_default_str();
   app->add_option("--port", p.port, "TCP port (0: any free port, printed at start)")->capture_default_str()->check(CLI::Range(0, 65535));
   app->add_option("--api-key", p.api_key, "require 'Authorization: Bearer KEY' (all routes but /health)");
+  app->add_option(
+         "--cors-origin", p.cors_origin,
+         "Access-Control-Allow-Origin of every response, and OPTIONS preflights answered without the key ('': no CORS)")
+      ->capture_default_str();
   app->add_option("-a,--alias", p.model_alias, "model id reported by /v1/models (default: the file name)");
   app->add_option("--chat-template-file", p.chat_template_file, "chat template text to use instead of the model's");
   app->add_option("-t,--threads", p.n_threads, "compute threads (0: all)")->capture_default_str()->check(CLI::Range(0, 1024));

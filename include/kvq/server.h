@@ -23,6 +23,11 @@ struct server_params {
   std::string host = "127.0.0.1";   // bind address (loopback by default)
   int port = 8080;                  // 0: any free port (server::port() tells which)
   std::string api_key;              // "" = no authentication; else "Authorization: Bearer KEY"
+  // CORS (browser UIs on another origin): every response carries Access-Control-Allow-Origin:
+  // cors_origin, and an OPTIONS preflight to any route answers 204 with the allowed methods and
+  // headers (Authorization, Content-Type) without the API key (browsers send preflights without
+  // credentials). "" = no CORS headers and no preflight answer (a browser on another origin is refused).
+  std::string cors_origin = "*";
   int n_ctx = 0;                    // positions per sequence slot; 0: min(training context, 4096)
   int n_parallel = 4;               // sequence slots decoded together
   int n_batch = 128;                // prompt tokens per prefill chunk (the prefix cache's block; the most one piece holds)

@@ -129,6 +129,11 @@ http_server::http_server(const server_params& p) : p_(p) {
 
   const int n_http = p_.n_http_threads > 0 ? p_.n_http_threads : p_.n_parallel + p_.n_queue + 4;
   http_.new_task_queue = [n_http] { return new httplib::ThreadPool((size_t)n_http); };
+  if (p_.cors_origin.find_first_of("\r\n") != std::string::npos)
+    fail_input("[server] --cors-origin must be one header value, without line breaks");
+  // CORS as llama-server does it (browser UIs): every response, errors included (a page reads a 401
+  // or 400 body only with the header), carries the allowed origin; preflights below.
+  if (!p_.cors_origin.empty()) http_.set_default_headers({{"Access-Control-Allow-Origin", p_.cors_origin}});
   http_.set_payload_max_length(16u << 20);
   http_.set_read_timeout(30);
   http_.set_write_timeout(30);
@@ -191,7 +196,9 @@ void http_server::send_error(httplib::Response& res, const api_error& e) const {
 void http_server::routes() {
   http_.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     ++http_requests_;
-    if (p_.api_key.empty() || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
+    // a CORS preflight carries no credentials: it is answered without the key (it returns no data)
+    const bool preflight = req.method == "OPTIONS" && !p_.cors_origin.empty();
+    if (p_.api_key.empty() || req.path == "/health" || preflight) return httplib::Server::HandlerResponse::Unhandled;
     if (req.get_header_value("Authorization") == "Bearer " + p_.api_key)
       return httplib::Server::HandlerResponse::Unhandled;
     send_error(res, api_error(401, req.has_header("Authorization") ? "invalid API key" : "missing API key (Authorization: Bearer KEY)",
@@ -237,6 +244,13 @@ void http_server::routes() {
     std::fprintf(stderr, "[server] %s %s -> %d %s\n", req.method.c_str(), req.path.c_str(), res.status, msg.c_str());
   });
 
+  if (!p_.cors_origin.empty())
+    http_.Options(".*", [](const httplib::Request&, httplib::Response& res) {
+      res.status = 204;
+      res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+      res.set_header("Access-Control-Allow-Headers", "Authorization, Content-Type");
+      res.set_header("Access-Control-Max-Age", "86400");
+    });
   http_.Get("/health", [](const httplib::Request&, httplib::Response& res) {
     res.set_content(R"({"status":"ok"})", "application/json");
   });

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <regex>
 #include <string>
 #include <thread>
@@ -64,11 +65,12 @@ struct reply {
   int status = 0;
   std::string headers, body;
 };
-reply http(int port, const std::string& method, const std::string& path, const std::string& body = "") {
+reply http(int port, const std::string& method, const std::string& path, const std::string& body = "",
+           const std::string& extra_headers = "") {
   reply r;
   const int fd = connect_local(port);
   if (fd < 0) return r;
-  send_all(fd, request_text(method, path, body));
+  send_all(fd, request_text(method, path, body, extra_headers));
   std::string all;
   char buf[4096];
   for (ssize_t n; (n = ::recv(fd, buf, sizeof buf, 0)) > 0;) all.append(buf, (size_t)n);
@@ -79,6 +81,13 @@ reply http(int port, const std::string& method, const std::string& path, const s
   r.headers = all.substr(0, end);
   r.body = all.substr(end + 4);
   return r;
+}
+
+// The value of header `name` (case-insensitive) in a reply's header block; nullopt when absent.
+std::optional<std::string> header(const reply& r, const std::string& name) {
+  std::smatch m;
+  if (std::regex_search(r.headers, m, std::regex("\r\n" + name + ": ([^\r]*)", std::regex::icase))) return m[1].str();
+  return std::nullopt;
 }
 
 // A gauge or counter from GET /metrics (NaN when absent).
@@ -334,6 +343,71 @@ TEST(HttpServer, StopEndsRunningRequestsWithAnError) {
   const json pj = json::parse(plain_body, nullptr, false);
   ASSERT_FALSE(pj.is_discarded()) << plain_body;
   EXPECT_NE(pj["error"].value("message", "").find("the server is shutting down"), std::string::npos) << plain_body;
+}
+
+// CORS for browser UIs (as llama-server): every response, errors included, carries
+// Access-Control-Allow-Origin (default "*", or the configured origin), and an OPTIONS preflight to a
+// /v1 route answers 204 with the methods and headers a page may use, without the API key (a browser
+// sends the preflight without credentials). cors_origin "" turns it off: no header, and a
+// preflight is an ordinary unauthenticated request (401 with a key, 404 without one).
+TEST(HttpServer, CorsHeadersAndPreflight) {
+  KVQ_REQUIRE_DATA(model, kTinylit);
+  server_params p;
+  p.model_path = model;
+  p.port = 0;
+  p.n_parallel = 1;
+  p.n_ctx = 64;
+  p.n_threads = 1;
+  p.api_key = "secret";
+  const std::string key = "Authorization: Bearer secret\r\n";
+  const std::string preflight =
+      "Origin: http://localhost:5173\r\nAccess-Control-Request-Method: POST\r\n"
+      "Access-Control-Request-Headers: authorization, content-type\r\n";
+  const std::string completion = R"({"prompt":"hi","max_tokens":1})";
+  for (const std::string origin : {"*", "http://localhost:5173"}) {
+    p.cors_origin = origin;
+    running_server s(p);
+    for (const char* path : {"/v1/chat/completions", "/v1/completions", "/v1/models"}) {
+      const reply o = http(s.port(), "OPTIONS", path, "", preflight);
+      EXPECT_EQ(o.status, 204) << path << ": " << o.headers;
+      EXPECT_EQ(header(o, "Access-Control-Allow-Origin"), origin) << o.headers;
+      const std::string methods = header(o, "Access-Control-Allow-Methods").value_or("");
+      EXPECT_NE(methods.find("POST"), std::string::npos) << o.headers;
+      EXPECT_NE(methods.find("GET"), std::string::npos) << o.headers;
+      const std::string allowed = header(o, "Access-Control-Allow-Headers").value_or("");
+      EXPECT_NE(allowed.find("Authorization"), std::string::npos) << o.headers;
+      EXPECT_NE(allowed.find("Content-Type"), std::string::npos) << o.headers;
+      EXPECT_EQ(o.body, "");
+    }
+    const reply ok = http(s.port(), "POST", "/v1/completions", completion, key);
+    EXPECT_EQ(ok.status, 200) << ok.body;
+    EXPECT_EQ(header(ok, "Access-Control-Allow-Origin"), origin) << ok.headers;
+    const reply denied = http(s.port(), "POST", "/v1/completions", completion);
+    EXPECT_EQ(denied.status, 401) << denied.body;
+    EXPECT_EQ(header(denied, "Access-Control-Allow-Origin"), origin) << denied.headers;
+    const reply stream =
+        http(s.port(), "POST", "/v1/completions", R"({"prompt":"hi","max_tokens":2,"stream":true})", key);
+    EXPECT_EQ(stream.status, 200) << stream.body;
+    EXPECT_EQ(header(stream, "Access-Control-Allow-Origin"), origin) << stream.headers;
+  }
+  p.cors_origin = "";
+  {
+    running_server s(p);
+    const reply o = http(s.port(), "OPTIONS", "/v1/chat/completions", "", preflight);
+    EXPECT_EQ(o.status, 401) << o.headers;
+    EXPECT_FALSE(header(o, "Access-Control-Allow-Origin")) << o.headers;
+    EXPECT_FALSE(header(o, "Access-Control-Allow-Methods")) << o.headers;
+    const reply ok = http(s.port(), "POST", "/v1/completions", completion, key);
+    EXPECT_EQ(ok.status, 200) << ok.body;
+    EXPECT_FALSE(header(ok, "Access-Control-Allow-Origin")) << ok.headers;
+  }
+  p.api_key = "";
+  {
+    running_server s(p);
+    EXPECT_EQ(http(s.port(), "OPTIONS", "/v1/chat/completions", "", preflight).status, 404);
+  }
+  p.cors_origin = "http://a\r\nSet-Cookie: x=1";
+  EXPECT_THROW(server::create(p), error);
 }
 
 // Chat on a model without a chat template (Gemma 3 270M base) is the client's error, 400
