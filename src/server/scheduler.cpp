@@ -507,7 +507,9 @@ void scheduler::loop() {
       const bool stopped = s.text->append(tok_.token_to_piece(id));
       if (stopped) finish(i, "stop");
       else if (s.req.max_tokens >= 0 && s.n_generated >= s.req.max_tokens) finish(i, "length");
-      else if (s.n_past >= p_.n_ctx) finish(i, "length");  // no position left for this token
+      // the prompt and the generated tokens fill the context: this token takes its last position
+      // and a next one would have none (usage's prompt + completion tokens never exceed n_ctx)
+      else if (s.n_past + 1 >= p_.n_ctx) finish(i, "length");
       else {
         s.next = id;
         publish(s, false, "");

@@ -345,6 +345,54 @@ TEST(HttpServer, StopEndsRunningRequestsWithAnError) {
   EXPECT_NE(pj["error"].value("message", "").find("the server is shutting down"), std::string::npos) << plain_body;
 }
 
+// A request cut by the context (finish_reason "length", max_tokens beyond it or absent) fills the
+// context and no more: usage.prompt_tokens + completion_tokens == n_ctx, non-streamed and streamed
+// (its usage chunk); it counted n_ctx + 1, the token sampled from the last position. Prompts of
+// several lengths (a 63-token one leaves one token), as /tokenize counts them.
+TEST(HttpServer, UsageWithinTheContextWhenCutByIt) {
+  KVQ_REQUIRE_DATA(model, kTinylit);
+  server_params p;
+  p.model_path = model;
+  p.port = 0;
+  p.n_parallel = 1;
+  p.n_ctx = 64;
+  p.n_threads = 1;
+  running_server s(p);
+  for (const int n_prompt : {1, 5, 40, 63}) {
+    json ids = json::array();
+    for (int i = 0; i < n_prompt; ++i) ids.push_back(10 + 7 * i);
+    for (const bool stream : {false, true}) {
+      json req = {{"prompt", ids}, {"max_tokens", 500}, {"temperature", 0}, {"ignore_eos", true}};
+      if (stream) req["stream"] = true, req["stream_options"] = {{"include_usage", true}};
+      const reply r = http(s.port(), "POST", "/v1/completions", req.dump());
+      ASSERT_EQ(r.status, 200) << r.body;
+      json reply_json, usage;
+      if (stream) {  // the last data event before [DONE] carries usage; the one before it finish_reason
+        std::vector<json> events;
+        for (size_t at = r.body.find("data: {"); at != std::string::npos; at = r.body.find("data: {", at + 1))
+          events.push_back(json::parse(r.body.substr(at + 6, r.body.find('\n', at) - at - 6)));
+        ASSERT_GE(events.size(), 2u) << r.body;
+        usage = events.back()["usage"];
+        reply_json = events[events.size() - 2];
+      } else {
+        reply_json = json::parse(r.body);
+        usage = reply_json["usage"];
+      }
+      EXPECT_EQ(reply_json["choices"][0]["finish_reason"], "length") << r.body;
+      EXPECT_EQ(usage.value("prompt_tokens", -1), n_prompt) << usage;
+      EXPECT_EQ(usage.value("prompt_tokens", 0) + usage.value("completion_tokens", 0), p.n_ctx)
+          << "prompt " << n_prompt << (stream ? " streamed: " : ": ") << usage;
+      EXPECT_EQ(usage.value("total_tokens", 0), p.n_ctx) << usage;
+    }
+  }
+  // without max_tokens (a completion's default is 16) and a prompt of 60: cut at the context too
+  json ids = json::array();
+  for (int i = 0; i < 60; ++i) ids.push_back(10 + 7 * i);
+  const reply r = http(s.port(), "POST", "/v1/completions", json{{"prompt", ids}, {"ignore_eos", true}}.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["usage"].value("completion_tokens", -1), 4) << r.body;
+}
+
 // CORS for browser UIs (as llama-server): every response, errors included, carries
 // Access-Control-Allow-Origin (default "*", or the configured origin), and an OPTIONS preflight to a
 // /v1 route answers 204 with the methods and headers a page may use, without the API key (a browser

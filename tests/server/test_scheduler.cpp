@@ -158,11 +158,12 @@ TEST(Scheduler, EndsAndCancels) {
   EXPECT_EQ(u.finish_reason, "length");
   EXPECT_EQ(u.n_generated, 4);
   EXPECT_EQ(u.text, tok->decode(u.ids));
-  // A full context ends with "length": 24 - 5 prompt tokens leave 19 positions + 1 last token.
+  // A full context ends with "length" when prompt + generated tokens are 24 (it was one more: the
+  // token sampled from the last position, which no position could hold).
   r.max_tokens = -1;
   const seq_update full = wait_done(*s.submit(r));
   EXPECT_EQ(full.finish_reason, "length");
-  EXPECT_EQ(full.n_generated, 24 - (int)r.prompt.size() + 1);
+  EXPECT_EQ(full.n_generated, 24 - (int)r.prompt.size());
   // A stop string taken from the greedy text ends it before the string.
   r.max_tokens = 16;
   const std::string ref = full.text;
