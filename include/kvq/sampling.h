@@ -14,7 +14,9 @@ struct sampling_params {
   int top_k = 40;       // <= 0: off
   float top_p = 0.95f;  // >= 1: off
   float min_p = 0.05f;  // <= 0: off
-  uint64_t seed = 0xFFFFFFFFu;  // 0xFFFFFFFF: random seed (as llama.cpp's LLAMA_DEFAULT_SEED)
+  // 0xFFFFFFFF: random seed (as llama.cpp's LLAMA_DEFAULT_SEED); below 2^32 it seeds mt19937
+  // directly, above through std::seed_seq of its two halves (every 64-bit seed its own stream)
+  uint64_t seed = 0xFFFFFFFFu;
 };
 
 class sampler {

@@ -15,7 +15,12 @@ sampler::sampler(const sampling_params& p) : p_(p) {
   if (!(p.min_p >= 0.0f && p.min_p <= 1.0f))
     fail_input("[sampling] min_p " + std::to_string(p.min_p) + " must be in [0, 1]");
   seed_ = p.seed == 0xFFFFFFFFu ? std::random_device{}() : p.seed;
-  rng_.seed((uint32_t)seed_);
+  if (seed_ >> 32) {  // a 64-bit seed (the server's OpenAI seeds): both halves, so s and s + 2^32 differ
+    std::seed_seq q{(uint32_t)seed_, (uint32_t)(seed_ >> 32)};
+    rng_.seed(q);
+  } else {
+    rng_.seed((uint32_t)seed_);
+  }
 }
 
 int32_t sampler::sample(const float* logits, int32_t n_vocab) {

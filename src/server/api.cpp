@@ -189,9 +189,13 @@ completion_request parse_completion_request(const json& body, bool chat) {
     const int64_t v = get_int(*n, "n");
     if (v != 1) fail_request("n", "'n' must be 1 (kvq server returns one choice), got " + std::to_string(v), "invalid_value");
   }
+  // OpenAI's ranges where OpenAI has the field (temperature [0, 2], top_p (0, 1], seed any 64-bit
+  // integer); llama-server's meanings for its own (top_k, min_p). docs/server.md, "Request fields".
   if (const json* v = field(body, "temperature")) {
     const double t = get_number(*v, "temperature");
-    if (!(t >= 0)) fail_request("temperature", "'temperature' must be >= 0, got " + json_brief(*v), "invalid_value");
+    if (!(t >= 0 && t <= 2))
+      fail_request("temperature", "'temperature' must be in [0, 2] (0: greedy), got " + json_brief(*v),
+                   "invalid_value");
     r.sampling.temp = (float)t;
   }
   if (const json* v = field(body, "top_p")) {
@@ -199,16 +203,23 @@ completion_request parse_completion_request(const json& body, bool chat) {
     if (!(t > 0 && t <= 1)) fail_request("top_p", "'top_p' must be in (0, 1], got " + json_brief(*v), "invalid_value");
     r.sampling.top_p = (float)t;
   }
-  if (const json* v = field(body, "top_k")) r.sampling.top_k = (int)std::clamp<int64_t>(get_int(*v, "top_k"), -1, INT32_MAX);
+  if (const json* v = field(body, "top_k")) {
+    const int64_t k = get_int(*v, "top_k");
+    if (k < -1)
+      fail_request("top_k", "'top_k' must be >= 1, or 0 or -1 for no top-k cut, got " + std::to_string(k),
+                   "invalid_value");
+    r.sampling.top_k = (int)std::min<int64_t>(k, INT32_MAX);
+  }
   if (const json* v = field(body, "min_p")) {
     const double t = get_number(*v, "min_p");
     if (!(t >= 0 && t <= 1)) fail_request("min_p", "'min_p' must be in [0, 1], got " + json_brief(*v), "invalid_value");
     r.sampling.min_p = (float)t;
   }
   if (const json* v = field(body, "seed")) {
+    // any 64-bit integer, as OpenAI takes it; -1 (llama-server's) and 4294967295 (llama.cpp's
+    // LLAMA_DEFAULT_SEED) draw a random seed; a negative one is its two's complement
     const int64_t s = get_int(*v, "seed");
-    if (s < 0 || s > 0xFFFFFFFFLL) fail_request("seed", "'seed' must be in [0, 4294967295], got " + std::to_string(s), "invalid_value");
-    r.sampling.seed = (uint64_t)s;
+    r.sampling.seed = s == -1 ? 0xFFFFFFFFu : (uint64_t)s;
   }
   if (const json* v = field(body, "stop")) {
     if (v->is_string()) {

@@ -49,8 +49,9 @@ struct completion_request {
 // Parses and validates a request body. Throws api_error 400 (type invalid_request_error, param =
 // the field) for: a body that is not a JSON object; a missing prompt / messages; a field of the
 // wrong type (max_tokens not an integer, temperature not a number, stop not a string or list of
-// strings, stream not a boolean...); max_tokens < 1; temperature < 0 or NaN; top_p outside (0, 1];
-// min_p outside [0, 1]; seed outside [0, 2^32); n != 1; more than 4 stop strings or an empty one;
+// strings, stream not a boolean...); max_tokens < 1; temperature outside [0, 2] (OpenAI's range);
+// top_p outside (0, 1]; top_k < -1; min_p outside [0, 1]; seed outside the 64-bit integers (-1:
+// random); n != 1; more than 4 stop strings or an empty one;
 // a message without a valid role or a string / text-part content (an assistant's may be null: empty).
 // OpenAI fields kvq does not implement are refused (400, code "unsupported_parameter", param = the
 // field) unless they hold the neutral value clients send by default: presence_penalty /

@@ -3,6 +3,8 @@
 
 #include <cmath>
 #include <map>
+#include <random>
+#include <vector>
 
 #include "kvq/error.h"
 #include "kvq/sampling.h"
@@ -42,6 +44,30 @@ TEST(Sampling, TopPAndMinPCut) {
   for (int i = 0; i < 100; ++i) EXPECT_EQ(a.sample(l, 3), 0);
   sampler b({1.0f, 0, 1.0f, 0.4f, 3});
   for (int i = 0; i < 300; ++i) EXPECT_NE(b.sample(l, 3), 2);
+}
+
+// A seed below 2^32 seeds mt19937 directly (reference: std::discrete_distribution over 64 equal
+// weights drawn with std::mt19937(seed), which the sampler's flat row reduces to); a 64-bit seed
+// (the server takes OpenAI's) is reproducible and not the stream of its low 32 bits.
+TEST(Sampling, SeedsBelowAndAbove2To32) {
+  const int n = 64, draws = 40;
+  std::vector<float> flat(n, 0.5f);
+  auto run = [&](uint64_t seed) {
+    sampler s({1.0f, 0, 1.0f, 0.0f, seed});
+    std::vector<int32_t> ids;
+    for (int i = 0; i < draws; ++i) ids.push_back(s.sample(flat.data(), n));
+    return ids;
+  };
+  std::mt19937 rng(7);
+  const std::vector<double> weights(n, 1.0 / n);  // the sampler's softmax of a flat row, exactly
+  std::discrete_distribution<size_t> dist(weights.begin(), weights.end());
+  std::vector<int32_t> want;
+  for (int i = 0; i < draws; ++i) want.push_back((int32_t)dist(rng));
+  EXPECT_EQ(run(7), want);
+  const uint64_t big = 7 + (1ull << 32);
+  EXPECT_EQ(run(big), run(big));
+  EXPECT_NE(run(big), run(7));
+  EXPECT_NE(run(~0ull - 1), run(0xFFFFFFFEu));  // -2 as the server maps it, and its low half
 }
 
 TEST(Sampling, BadInputs) {

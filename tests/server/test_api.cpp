@@ -57,6 +57,31 @@ TEST(ServerApi, Defaults) {
   EXPECT_EQ(mct.messages[0].parts, (std::vector<std::string>{"a", "b"}));
 }
 
+// The sampling fields at the edges of their ranges (docs/server.md, "Request fields"): OpenAI's
+// temperature 2 and top_p 1, top_k 0 / -1 (no cut) and large (capped), min_p 0 and 1, and any 64-bit
+// seed as OpenAI takes it (-1: random as in llama-server; a negative seed is its two's complement).
+TEST(ServerApi, AcceptsTheEdgesOfEachRange) {
+  auto parse = [](const std::string& fields) {
+    return parse_completion_request(json::parse(R"({"prompt":"x",)" + fields + "}"), false);
+  };
+  EXPECT_EQ(parse(R"("temperature":2)").sampling.temp, 2.0f);
+  EXPECT_EQ(parse(R"("temperature":0)").sampling.temp, 0.0f);
+  EXPECT_EQ(parse(R"("top_p":1)").sampling.top_p, 1.0f);
+  EXPECT_EQ(parse(R"("top_p":1e-9)").sampling.top_p, 1e-9f);
+  EXPECT_EQ(parse(R"("top_k":0)").sampling.top_k, 0);
+  EXPECT_EQ(parse(R"("top_k":-1)").sampling.top_k, -1);
+  EXPECT_EQ(parse(R"("top_k":10000000000)").sampling.top_k, INT32_MAX);
+  EXPECT_EQ(parse(R"("min_p":0)").sampling.min_p, 0.0f);
+  EXPECT_EQ(parse(R"("min_p":1)").sampling.min_p, 1.0f);
+  EXPECT_EQ(parse(R"("seed":-1)").sampling.seed, 0xFFFFFFFFu);
+  EXPECT_EQ(parse(R"("seed":4294967296)").sampling.seed, 1ull << 32);
+  EXPECT_EQ(parse(R"("seed":-2)").sampling.seed, ~0ull - 1);
+  EXPECT_EQ(parse(R"("seed":9223372036854775807)").sampling.seed, (uint64_t)INT64_MAX);
+  EXPECT_EQ(parse(R"("max_tokens":100000)").max_tokens, 100000);  // beyond the context: cut there
+  EXPECT_EQ(parse(R"("stop":[])").stop.size(), 0u);
+  EXPECT_EQ(parse(R"("stop":["a","b","c","d"])").stop.size(), 4u);
+}
+
 TEST(ServerApi, PromptAsTokenIds) {
   const auto r = parse_completion_request(json::parse(R"({"prompt":[1,2,3]})"), false);
   EXPECT_TRUE(r.prompt_is_ids);
@@ -78,11 +103,16 @@ TEST(ServerApi, RejectsBadInputWithFieldAndStatus) {
       {R"({"prompt":"x","max_tokens":1.5})", false, "max_tokens"},
       {R"({"prompt":"x","temperature":"hot"})", false, "temperature"},
       {R"({"prompt":"x","temperature":-1})", false, "temperature"},
+      {R"({"prompt":"x","temperature":2.5})", false, "temperature"},
+      {R"({"prompt":"x","temperature":1e300})", false, "temperature"},
+      {R"({"prompt":"x","top_k":-2})", false, "top_k"},
+      {R"({"prompt":"x","top_k":1.5})", false, "top_k"},
+      {R"({"prompt":"x","min_p":-0.1})", false, "min_p"},
+      {R"({"prompt":"x","seed":18446744073709551615})", false, "seed"},
+      {R"({"prompt":"x","seed":1.5})", false, "seed"},
       {R"({"prompt":"x","top_p":0})", false, "top_p"},
       {R"({"prompt":"x","top_p":1.5})", false, "top_p"},
       {R"({"prompt":"x","min_p":2})", false, "min_p"},
-      {R"({"prompt":"x","seed":-1})", false, "seed"},
-      {R"({"prompt":"x","seed":4294967296})", false, "seed"},
       {R"({"prompt":"x","n":2})", false, "n"},
       {R"({"prompt":"x","stop":7})", false, "stop"},
       {R"({"prompt":"x","stop":["a",1]})", false, "stop"},

@@ -201,6 +201,10 @@ def test_f16_with(srv, c):
         ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 0}, None, 400, "max_tokens"),
         ("POST", "/v1/completions", {"prompt": "x", "max_tokens": "5"}, None, 400, "max_tokens"),
         ("POST", "/v1/completions", {"prompt": "x", "temperature": "warm"}, None, 400, "temperature"),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": 2.5}, None,
+         400, "temperature"),
+        ("POST", "/v1/completions", {"prompt": "x", "top_p": 0}, None, 400, "top_p"),
+        ("POST", "/v1/completions", {"prompt": "x", "top_k": -2}, None, 400, "top_k"),
         ("POST", "/v1/completions", {"prompt": "x", "n": 2}, None, 400, "n"),
         ("POST", "/v1/completions", {"prompt": "x", "stop": 5}, None, 400, "stop"),
         ("POST", "/v1/completions", {"prompt": "word " * 400, "max_tokens": 4}, None, 400, "prompt"),
@@ -236,6 +240,13 @@ def test_f16_with(srv, c):
         err = e.body if isinstance(e.body, dict) else {}
         check(err.get("param") == "logprobs" and "not supported by kvq server" in err.get("message", ""),
               f"logprobs=2 -> 400 naming logprobs ({err})")
+    # the edges of OpenAI's ranges pass; a 64-bit seed (OpenAI's) gives the same sample twice, and
+    # not the sample of its low 32 bits (0): no top-k / min-p cut, so 12 tokens at temperature 2 differ
+    seeded = [c.completions.create(model="kvq", prompt="x =", max_tokens=12, temperature=2, top_p=1, seed=seed,
+                                   extra_body={"ignore_eos": True, "top_k": 0, "min_p": 0}).choices[0].text
+              for seed in (2 ** 40, 2 ** 40, 0)]
+    check(seeded[0] == seeded[1] != seeded[2],
+          f"temperature 2, top_p 1, seed 2**40: accepted, the same text twice, another for seed 0 {seeded}")
     r2 = c.chat.completions.create(model="kvq", messages=msgs, max_tokens=12, temperature=0, presence_penalty=0,
                                    frequency_penalty=0, logit_bias={}, logprobs=False,
                                    response_format={"type": "text"}, tools=[])
