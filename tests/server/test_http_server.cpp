@@ -98,6 +98,18 @@ double metric(int port, const std::string& name) {
   return std::nan("");
 }
 
+// The parameters of a test server: the model, 127.0.0.1 on any free port (server::port() tells
+// which), one compute thread, n_ctx positions per slot and n_parallel slots; the rest the defaults.
+server_params test_server_params(const std::string& model, int n_ctx, int n_parallel = 1) {
+  server_params p;
+  p.model_path = model;
+  p.port = 0;
+  p.n_parallel = n_parallel;
+  p.n_ctx = n_ctx;
+  p.n_threads = 1;
+  return p;
+}
+
 // A server running on its own thread until the end of the scope.
 struct running_server {
   std::unique_ptr<server> srv;
@@ -120,12 +132,7 @@ struct running_server {
 // against a socket of the test's own listening on that port.
 TEST(HttpServer, SecondServerOnATakenPortFails) {
   KVQ_REQUIRE_DATA(model, kTinylit);
-  server_params p;
-  p.model_path = model;
-  p.port = 0;
-  p.n_parallel = 1;
-  p.n_ctx = 64;
-  p.n_threads = 1;
+  server_params p = test_server_params(model, 64);
   const std::unique_ptr<server> first = server::create(p);
   ASSERT_GT(first->port(), 0);
   server_params q = p;
@@ -189,12 +196,7 @@ int listen_backlog(int port) {
 // --queue 64 connections can wait (net.core.somaxconn permitting).
 TEST(HttpServer, ListenBacklogHoldsABurstOfClients) {
   KVQ_REQUIRE_DATA(model, kTinylit);
-  server_params p;
-  p.model_path = model;
-  p.port = 0;
-  p.n_parallel = 1;
-  p.n_ctx = 64;
-  p.n_threads = 1;
+  server_params p = test_server_params(model, 64);
   const std::unique_ptr<server> srv = server::create(p);
   int somaxconn = 4096;
   std::ifstream("/proc/sys/net/core/somaxconn") >> somaxconn;
@@ -208,12 +210,7 @@ TEST(HttpServer, ListenBacklogHoldsABurstOfClients) {
 // were counters from 1 in every process).
 TEST(HttpServer, ModelByIdAndIdsUniqueAcrossStarts) {
   KVQ_REQUIRE_DATA(model, kTinylit);
-  server_params p;
-  p.model_path = model;
-  p.port = 0;
-  p.n_parallel = 1;
-  p.n_ctx = 64;
-  p.n_threads = 1;
+  server_params p = test_server_params(model, 64);
   p.model_alias = "tiny";
   std::string ids[2];
   for (std::string& id : ids) {
@@ -242,12 +239,7 @@ TEST(HttpServer, RejectedChatTemplateFileSaysWhatIsSupported) {
     f << "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
          "{% endfor %}";
   }
-  server_params p;
-  p.model_path = model;
-  p.port = 0;
-  p.n_parallel = 1;
-  p.n_ctx = 64;
-  p.n_threads = 1;
+  server_params p = test_server_params(model, 64);
   p.chat_template_file = file;
   try {
     server::create(p);
@@ -269,12 +261,7 @@ TEST(HttpServer, RejectedChatTemplateFileSaysWhatIsSupported) {
 // would never fail, and the request would run all its tokens). Reference: /metrics' counters.
 TEST(HttpServer, NonStreamedGzipClientThatLeavesIsCancelled) {
   KVQ_REQUIRE_MODEL(model, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
-  server_params p;
-  p.model_path = model;
-  p.port = 0;
-  p.n_parallel = 1;
-  p.n_ctx = 1024;
-  p.n_threads = 1;
+  server_params p = test_server_params(model, 1024);
   running_server s(p);
   const int max_tokens = 600;  // far more than this host generates in the test's seconds
   const std::string body = json{{"prompt", "def fibonacci(n):"}, {"max_tokens", max_tokens}, {"ignore_eos", true}}.dump();
@@ -308,12 +295,7 @@ TEST(HttpServer, NonStreamedGzipClientThatLeavesIsCancelled) {
 // connection; the stream was cut with neither before.
 TEST(HttpServer, StopEndsRunningRequestsWithAnError) {
   KVQ_REQUIRE_MODEL(model, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");  // slow enough to stop mid-way
-  server_params p;
-  p.model_path = model;
-  p.port = 0;
-  p.n_parallel = 2;
-  p.n_ctx = 1024;
-  p.n_threads = 1;
+  server_params p = test_server_params(model, 1024, 2);
   running_server s(p);
   const std::string body =
       R"({"prompt":"Once upon a time","max_tokens":1000,"ignore_eos":true,"temperature":0,"stream":true})";
@@ -351,12 +333,7 @@ TEST(HttpServer, StopEndsRunningRequestsWithAnError) {
 // several lengths (a 63-token one leaves one token), as /tokenize counts them.
 TEST(HttpServer, UsageWithinTheContextWhenCutByIt) {
   KVQ_REQUIRE_DATA(model, kTinylit);
-  server_params p;
-  p.model_path = model;
-  p.port = 0;
-  p.n_parallel = 1;
-  p.n_ctx = 64;
-  p.n_threads = 1;
+  server_params p = test_server_params(model, 64);
   running_server s(p);
   for (const int n_prompt : {1, 5, 40, 63}) {
     json ids = json::array();
@@ -400,12 +377,7 @@ TEST(HttpServer, UsageWithinTheContextWhenCutByIt) {
 // preflight is an ordinary unauthenticated request (401 with a key, 404 without one).
 TEST(HttpServer, CorsHeadersAndPreflight) {
   KVQ_REQUIRE_DATA(model, kTinylit);
-  server_params p;
-  p.model_path = model;
-  p.port = 0;
-  p.n_parallel = 1;
-  p.n_ctx = 64;
-  p.n_threads = 1;
+  server_params p = test_server_params(model, 64);
   p.api_key = "secret";
   const std::string key = "Authorization: Bearer secret\r\n";
   const std::string preflight =
@@ -463,12 +435,7 @@ TEST(HttpServer, CorsHeadersAndPreflight) {
 // model still serves completions.
 TEST(HttpServer, ChatWithoutATemplateIs400) {
   KVQ_REQUIRE_MODEL(model, "gemma-3-270m-q4_k_m.gguf");
-  server_params p;
-  p.model_path = model;
-  p.port = 0;
-  p.n_parallel = 1;
-  p.n_ctx = 128;
-  p.n_threads = 1;
+  server_params p = test_server_params(model, 128);
   running_server s(p);
   const std::string msgs = R"({"messages":[{"role":"user","content":"hi"}],"max_tokens":2})";
   for (const char* path : {"/v1/chat/completions", "/apply-template"}) {
