@@ -181,7 +181,6 @@ TEST(SchedulerCuda, CancelFreesPages) {
 // within the budget. A budget below the outside bytes, or below one sequence at n_ctx, is refused
 // at start-up.
 TEST(SchedulerCuda, KvBudgetSizesTheRunnersPool) {
-  KVQ_REQUIRE_GPU();
   KVQ_REQUIRE_DATA(path, kTinylit);
   auto m = model::load(path);
   auto tok = tokenizer::from_gguf(m->gguf());
@@ -190,21 +189,27 @@ TEST(SchedulerCuda, KvBudgetSizesTheRunnersPool) {
   kv_cache_params cp = m->cache_params(sp.n_ctx, sp.cache, sp.n_parallel);
   const size_t page_bytes = cuda::runner_page_bytes(m->hparams(), cp);
   const size_t outside = cuda::runner_fixed_kv_bytes(m->hparams(), cp, std::max(sp.n_batch, sp.n_parallel));
-  // staged K, V f32 rows of 128 positions (n_ctx < the default 256) + mu, lambda; sink 4 K, V f16
+  // staged K, V f32 rows of 128 positions (n_ctx < the default 256) + mu, lambda; the sink's K, V f16
   const model_hparams& hp = m->hparams();
   const size_t rows = (size_t)hp.n_layer * 3 * hp.n_kv_head * hp.head_dim;
-  EXPECT_EQ(outside, rows * (2 * 128 + 2) * 4 + rows * 2 * 4 * 2);
-  for (const size_t budget : {outside, outside + 7 * page_bytes + page_bytes / 2}) {
-    sp.kv_budget_bytes = budget;
-    try {
-      scheduler bad(*m, *tok, sp);
-      ADD_FAILURE() << "no error for a budget of " << budget << " bytes";
-    } catch (const error& e) {
-      const std::string want = budget == outside ? "slots keep outside the GPU page pool"
-                                                 : "holds 7 pages of 16 tokens (" + std::to_string(page_bytes) +
-                                                       " bytes each), fewer than the 8 one sequence at -c 128 needs";
-      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
-    }
+  EXPECT_EQ(outside, rows * (2 * 128 + 2) * 4 + rows * 2 * cp.sink * 2);
+  sp.kv_budget_bytes = outside;  // (refused before the runner is made: checked everywhere)
+  try {
+    scheduler bad(*m, *tok, sp);
+    ADD_FAILURE() << "no error for a budget of the outside bytes only";
+  } catch (const error& e) {
+    EXPECT_NE(std::string(e.what()).find("slots keep outside the GPU page pool"), std::string::npos) << e.what();
+  }
+  KVQ_REQUIRE_GPU();
+  sp.kv_budget_bytes = outside + 7 * page_bytes + page_bytes / 2;
+  try {
+    scheduler bad(*m, *tok, sp);
+    ADD_FAILURE() << "no error for a budget of 7.5 pages beside the outside bytes";
+  } catch (const error& e) {
+    EXPECT_NE(std::string(e.what()).find("holds 7 pages of 16 tokens (" + std::to_string(page_bytes) +
+                                         " bytes each), fewer than the 8 one sequence at -c 128 needs"),
+              std::string::npos)
+        << e.what();
   }
   sp.kv_budget_bytes = outside + 8 * page_bytes;
   scheduler s(*m, *tok, sp);
