@@ -140,7 +140,7 @@ void add_kv_flags(CLI::App* app, kv_flags& f, bool& explicit_kv) {
 
 void add_device_flag(CLI::App* app, std::string& device) {
   app->add_option("--device", device,
-                  "where the model runs: cpu, or cuda (every layer on the GPU; f16/q8/q4 caches, llama/qwen2)")
+                  "where the model runs: cpu, or cuda (every layer on the GPU; f16, q8, q4 and kivi4 / q4a or kivi4 caches; llama / mistral / qwen2)")
       ->capture_default_str();
 }
 
