@@ -66,7 +66,10 @@ const registrar reg{{"generate", "generate text from a prompt", [](CLI::App* app
   auto o = std::make_shared<generate_opts>();
   app->add_option("-m,--model", o->model_path, "GGUF model file")->required();
   app->add_option("-p,--prompt", o->p.prompt, "prompt text")->required();
-  app->add_option("-n,--n-predict", o->p.n_predict, "tokens to generate (-1: until end of generation)")->capture_default_str();
+  app->add_option("-n,--n-predict", o->p.n_predict,
+                  "tokens to generate (-1: until end of generation); generation also ends when the prompt and the "
+                  "generated tokens fill -c")
+      ->capture_default_str();
   app->add_option("-c,--ctx-size", o->p.n_ctx, "context size in tokens (0: min(model, 4096))")->capture_default_str();
   app->add_option("-b,--batch-size", o->p.n_batch, "prompt tokens per prefill pass")->capture_default_str();
   app->add_option("-t,--threads", o->p.n_threads, "threads (0: all)")->capture_default_str()->check(CLI::Range(0, 1024));

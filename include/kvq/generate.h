@@ -33,7 +33,7 @@ struct generate_result {
   std::vector<int32_t> prompt_ids;
   std::vector<int32_t> ids;     // generated ids
   std::string text;             // decoded generated text
-  std::string stop_reason;      // "n_predict" | "eog" | "context_full"
+  std::string stop_reason;      // "n_predict" | "eog" | "context_full" (prompt + ids fill n_ctx)
   uint64_t seed = 0;
   int n_ctx = 0;
   double prefill_seconds = 0, decode_seconds = 0;
@@ -50,7 +50,10 @@ struct generate_result {
 };
 
 // on_piece: called with each generated token's text as it is produced (may be empty).
-// Errors (invalid_input): empty prompt on a model that adds no BOS (else it is BOS alone), prompt longer than n_ctx, n_ctx larger than the model's
+// Generation ends at n_predict tokens, an end-of-generation token, or when the prompt and the
+// generated tokens fill n_ctx positions (stop_reason "context_full"; never more than n_ctx).
+// Errors (invalid_input): empty prompt on a model that adds no BOS (else it is BOS alone), prompt longer than n_ctx
+// (or of n_ctx tokens when n_predict != 0: no position left to generate into), n_ctx larger than the model's
 // training context... unknown cache type (from make_kv_cache).
 generate_result generate(model& m, const tokenizer& tok, const generate_params& p,
                          const std::function<void(const std::string&)>& on_piece = {});

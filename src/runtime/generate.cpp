@@ -41,6 +41,12 @@ generate_result generate(model& m, const tokenizer& tok, const generate_params& 
   if ((int)r.prompt_ids.size() > r.n_ctx)
     fail_input("[generate] the prompt has " + std::to_string(r.prompt_ids.size()) +
                " tokens, more than the context size " + std::to_string(r.n_ctx) + " (raise -c)");
+  // A generated token takes the position after the prompt: a prompt that fills the context leaves
+  // it none (the server's context_length_exceeded); -n 0 only prefills.
+  if ((int)r.prompt_ids.size() == r.n_ctx && p.n_predict != 0)
+    fail_input("[generate] the prompt has " + std::to_string(r.prompt_ids.size()) +
+               " tokens, which fill the context size " + std::to_string(r.n_ctx) +
+               " and leave no position for a generated token (raise -c)");
 
   sampler smp(p.sampling);
   r.seed = smp.seed();
@@ -66,7 +72,12 @@ generate_result generate(model& m, const tokenizer& tok, const generate_params& 
     r.ids.push_back(id);
     if (on_piece) on_piece(tok.token_to_piece(id));
     if (p.n_predict >= 0 && i + 1 == p.n_predict) break;  // no forward needed for the last token
-    if (pos >= r.n_ctx) { r.stop_reason = "context_full"; break; }
+    // this token takes position pos; when that is the context's last, a next token would have none
+    // (prompt + generated tokens never exceed n_ctx, as the server's usage)
+    if (pos + 1 >= r.n_ctx) {
+      r.stop_reason = "context_full";
+      break;
+    }
     eng.forward(std::span<const int32_t>(&id, 1), pos, {}, logits.data(), pool);
     ++pos;
   }

@@ -286,6 +286,46 @@ TEST(GenerateErrors, EmptyPromptLongPromptUnknownType) {
   expect_input_error(greedy("Hello", "f16", 1 << 20), "exceeds the model's training context");
 }
 
+// A generation cut by the context ends with the context full: the prompt and the generated ids
+// take n_ctx positions, never n_ctx + 1 (it used to sample once more from the last position, a
+// token no position could hold, and to accept a prompt of n_ctx tokens and sample after it). The
+// ids it keeps are the first ones of the same greedy run in a larger context.
+TEST(GenerateErrors, EndsWithTheContextFull) {
+  KVQ_REQUIRE_DATA(model_path, "models/stories260K/stories260K.gguf");
+  auto m = model::load(model_path);
+  auto tok = tokenizer::from_gguf(m->gguf());
+  const int n_ctx = 24;
+  for (const std::string prompt : {"", "Once", "Once upon a time there was a little girl named Lily."}) {
+    generate_params p = greedy(prompt, "f16", n_ctx);
+    p.n_predict = -1;
+    p.ignore_eos = true;
+    const generate_result r = generate(*m, *tok, p);
+    const int n_prompt = (int)r.prompt_ids.size();
+    ASSERT_LT(n_prompt, n_ctx) << prompt;
+    EXPECT_EQ(n_prompt + (int)r.ids.size(), n_ctx) << "prompt '" << prompt << "' of " << n_prompt << " tokens";
+    EXPECT_EQ(r.stop_reason, "context_full");
+    generate_params wide = p;
+    wide.n_ctx = 4 * n_ctx;
+    wide.n_predict = n_ctx - n_prompt;
+    const generate_result w = generate(*m, *tok, wide);
+    EXPECT_EQ(r.ids, w.ids) << prompt;
+    EXPECT_EQ(w.stop_reason, "n_predict");
+    // a prompt of n_ctx tokens leaves no position to generate into, and -n 0 still prefills it
+    generate_params full = p;
+    full.n_ctx = n_prompt;
+    try {
+      generate(*m, *tok, full);
+      ADD_FAILURE() << "a prompt of n_ctx = " << n_prompt << " tokens generated";
+    } catch (const kvq::error& e) {
+      EXPECT_NE(std::string(e.what()).find("leave no position for a generated token"), std::string::npos) << e.what();
+      EXPECT_EQ(e.code(), errc::invalid_input);
+    }
+    full.n_predict = 0;
+    const generate_result z = generate(*m, *tok, full);
+    EXPECT_TRUE(z.ids.empty());
+  }
+}
+
 // Sampling with a fixed seed is reproducible and differs from greedy on a flat distribution.
 TEST(GenerateSampling, SeedReproducible) {
   KVQ_REQUIRE_DATA(model_path, "models/stories260K/stories260K.gguf");
