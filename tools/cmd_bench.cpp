@@ -488,7 +488,9 @@ const registrar reg{{"bench", "decode/prefill speed and KV memory of KV formats 
   app->add_option("-r,--prefill-repeats", o->p.prefill_repeats, "prefill timings per format and depth (median)")
       ->capture_default_str();
   app->add_option("-b,--batch-size", o->p.n_batch, "fill batch (tokens or synthetic rows per append)")->capture_default_str();
-  app->add_option("-t,--threads", o->p.n_threads, "threads (0: all)")->capture_default_str();
+  app->add_option("-t,--threads", o->p.n_threads, "threads (0: all)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1024));
   app->add_option("--fill", o->p.fill, "real (prefill) or synthetic (append K/V with the model's statistics)")->capture_default_str();
   app->add_option("--seed", o->p.seed, "seed of the synthetic weights, K/V and token ids")->capture_default_str();
   app->add_option("-c,--ctx-size", o->p.n_ctx,

@@ -201,7 +201,9 @@ const registrar reg{{"kv-error", "attention error of KV formats replayed on real
   app->add_option("-f,--file", o->text_path, "text the model reads while Q/K/V are captured")->required();
   app->add_option("-c,--ctx-size", o->p.n_ctx, "tokens per chunk (0: min(512, model context))")->capture_default_str();
   app->add_option("--chunks", o->p.n_chunks, "chunks of the text to capture")->capture_default_str();
-  app->add_option("-t,--threads", o->p.n_threads, "threads (0: all)")->capture_default_str();
+  app->add_option("-t,--threads", o->p.n_threads, "threads (0: all)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1024));
   app->add_option("--types", o->types,
                   "comma-separated formats, each used for K and V (default: every type but f32; 'all' the same)");
   app->add_option("--plot", o->plot, "write a PNG heat map (layer x head) of the relative error");

@@ -72,7 +72,9 @@ const registrar reg{{"perplexity", "perplexity and KL divergence of a KV cache t
   app->add_option("-c,--ctx-size", o->p.n_ctx, "tokens per chunk")->capture_default_str();
   app->add_option("-b,--batch-size", o->p.n_batch, "tokens per forward pass (0: min(chunk, 2048), as llama.cpp)")->capture_default_str();
   app->add_option("--chunks", o->p.n_chunks, "evaluate at most N chunks (-1: all)")->capture_default_str();
-  app->add_option("-t,--threads", o->p.n_threads, "threads (0: all)")->capture_default_str();
+  app->add_option("-t,--threads", o->p.n_threads, "threads (0: all)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1024));
   app->add_option("--kl-base", o->p.kl_base_out, "write this run's log-probs as a KL base file");
   app->add_option("--kl-compare", o->p.kl_base_in, "report KL divergence against a KL base file");
   app->add_option("--compare", o->compare,

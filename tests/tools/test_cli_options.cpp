@@ -57,6 +57,34 @@ TEST(CliOptions, BadThreadsAndCertifyOnDenseAreRefused) {
   EXPECT_EQ(ok.rc, 0) << ok.err;
 }
 
+// -t is refused outside [0, 1024] by every command that takes it, with exit code 2 naming --threads
+// (perplexity, kv-error and bench took -1 as "all" and any count, where generate, eval-passkey and
+// server refused them).
+TEST(CliOptions, ThreadsOutOfRangeAreRefusedByEveryCommand) {
+  KVQ_REQUIRE_DATA(model, "models/stories260K/stories260K.gguf");
+  KVQ_REQUIRE_DATA(text, "data/tinystories-val-794k/tinystories_val.txt");
+  const std::string bin = test::kvq_bin();
+  const std::vector<std::vector<std::string>> commands = {
+      {bin, "perplexity", "-m", model, "-f", text, "-c", "32", "--chunks", "1", "--no-progress"},
+      {bin, "kv-error", "-m", model, "-f", text, "-c", "32", "--no-progress"},
+      {bin, "bench", "-m", model, "--types", "f16", "--depths", "8", "-n", "1", "-p", "0", "--no-progress"},
+      {bin, "generate", "-m", model, "-p", "Hi", "-n", "1"},
+  };
+  for (const auto& cmd : commands) {
+    for (const char* bad : {"-1", "1025"}) {
+      std::vector<std::string> argv = cmd;
+      argv.insert(argv.end(), {"-t", bad});
+      const auto r = run_cmd(argv);
+      EXPECT_EQ(r.rc, 2) << cmd[1] << " -t " << bad << ": " << r.err;
+      EXPECT_NE(r.err.find("--threads"), std::string::npos) << cmd[1] << " -t " << bad << ": " << r.err;
+    }
+    std::vector<std::string> argv = cmd;
+    argv.insert(argv.end(), {"-t", "1"});
+    const auto ok = run_cmd(argv);
+    EXPECT_EQ(ok.rc, 0) << cmd[1] << " -t 1: " << ok.err;
+  }
+}
+
 TEST(CliOptions, InfoRefusesBadKvOptionsAndNamesItself) {
   KVQ_REQUIRE_DATA(model, "models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.gguf");
   const auto g = run_cmd({test::kvq_bin(), "info", "-m", model, "--kv-group", "48"});
