@@ -63,7 +63,8 @@ chat_message parse_message(const json& m, size_t i) {
   if (!role || !role->is_string()) fail_request(where + ".role", where + ".role must be a string", "invalid_type");
   r.role = role->get<std::string>();
   if (r.role != "system" && r.role != "user" && r.role != "assistant" && r.role != "developer")
-    fail_request(where + ".role", where + ".role '" + r.role + "' is not supported (system, user, assistant)",
+    fail_request(where + ".role",
+                 where + ".role '" + r.role + "' is not supported (system, developer, user, assistant)",
                  "invalid_value");
   if (r.role == "developer") r.role = "system";  // OpenAI's newer name for the system role
   if (const json* tc = field(m, "tool_calls"); tc && !(tc->is_array() && tc->empty()))

@@ -187,6 +187,24 @@ TEST(ServerApi, RefusesUnsupportedFieldsButAcceptsTheirNeutralValues) {
   EXPECT_EQ(parse_completion_request(json::parse(R"({"messages":[{"role":"user","content":"q"}],"tools":null,"top_logprobs":0})"), true).messages.size(), 1u);
 }
 
+// The refusal of a role lists the roles accepted, all of them: each of OpenAI's roles either parses
+// and is in the list, or is refused and is not (the list left out "developer", which is accepted).
+TEST(ServerApi, RoleErrorListsEveryAcceptedRole) {
+  const std::string listed = error_of(json::parse(R"({"messages":[{"role":"wizard","content":"x"}]})"), true).what();
+  const size_t open = listed.find('('), close = listed.rfind(')');
+  ASSERT_TRUE(open != std::string::npos && close != std::string::npos && open < close) << listed;
+  const std::string roles = ", " + listed.substr(open + 1, close - open - 1) + ",";
+  for (const char* role : {"system", "developer", "user", "assistant", "tool", "function"}) {
+    const json body = {{"messages", {{{"role", role}, {"content", "x"}}}}};
+    bool accepted = true;
+    try {
+      parse_completion_request(body, true);
+    } catch (const api_error&) { accepted = false; }
+    EXPECT_EQ(accepted, roles.find(std::string(", ") + role + ",") != std::string::npos)
+        << role << (accepted ? " is accepted" : " is refused") << "; the error lists (" << roles << ")";
+  }
+}
+
 // max_completion_tokens (OpenAI's newer name) wins over the deprecated max_tokens when a chat
 // request gives both, as OpenAI and vLLM take them; an assistant turn with content null (OpenAI
 // allows it) is an empty turn, not "content is missing".
