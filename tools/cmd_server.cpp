@@ -49,7 +49,13 @@ const registrar reg{{"server", "OpenAI-compatible HTTP server with continuous ba
   app->add_option("--queue", p.n_queue, "requests waiting for a slot before 503")->capture_default_str()->check(CLI::Range(0, 100000));
   app->add_option("--host", p.host, "address to bind (127.0.0.1: this machine only)")->capture_default_str();
   app->add_option("--port", p.port, "TCP port (0: any free port, printed at start)")->capture_default_str()->check(CLI::Range(0, 65535));
-  app->add_option("--api-key", p.api_key, "require 'Authorization: Bearer KEY' (all routes but /health)");
+  // An empty key would turn authentication off: refused, so that `--api-key "$KEY"` with KEY unset
+  // does not serve without one.
+  app->add_option("--api-key", p.api_key, "require 'Authorization: Bearer KEY' (all routes but /health)")
+      ->check([](const std::string& key) {
+        return key.empty() ? std::string("is empty, which would serve without a key (leave --api-key out for that)")
+                           : std::string();
+      });
   app->add_option(
          "--cors-origin", p.cors_origin,
          "Access-Control-Allow-Origin of every response, and OPTIONS preflights answered without the key ('': no CORS)")

@@ -85,6 +85,24 @@ TEST(CliOptions, ThreadsOutOfRangeAreRefusedByEveryCommand) {
   }
 }
 
+// `kvq server --api-key ''` (say `--api-key "$KEY"` with KEY unset) is refused at parse time rather
+// than serving without authentication, which an empty key means to the server. The template file
+// that does not exist fails the start after parsing, so a build that accepts the empty key exits on
+// that instead (without listening).
+TEST(CliOptions, ServerRefusesAnEmptyApiKey) {
+  KVQ_REQUIRE_DATA(model, "models/stories260K/stories260K.gguf");
+  const std::string missing = "/nonexistent-kvq-template.jinja";
+  const auto r = run_cmd(
+      {test::kvq_bin(), "server", "-m", model, "--port", "0", "--api-key", "", "--chat-template-file", missing});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_NE(r.err.find("--api-key"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("is empty"), std::string::npos) << r.err;
+  const auto k = run_cmd(
+      {test::kvq_bin(), "server", "-m", model, "--port", "0", "--api-key", "sekret", "--chat-template-file", missing});
+  EXPECT_EQ(k.rc, 2) << k.err;  // a key is accepted: the start fails on the template file
+  EXPECT_NE(k.err.find(missing), std::string::npos) << k.err;
+}
+
 TEST(CliOptions, InfoRefusesBadKvOptionsAndNamesItself) {
   KVQ_REQUIRE_DATA(model, "models/tinylit-hd64-gqa4/tinylit-hd64-gqa4.gguf");
   const auto g = run_cmd({test::kvq_bin(), "info", "-m", model, "--kv-group", "48"});
