@@ -311,7 +311,12 @@ void http_server::routes() {
       fail_request("tokens", "'tokens' must be a list of token ids", "invalid_type");
     std::vector<int32_t> ids;
     for (const json& t : body["tokens"]) {
-      if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= tok_->n_vocab())
+      if (!t.is_number_integer())
+        fail_request(
+            "tokens",
+            "'tokens' must be a list of integer token ids, got " + std::string(t.type_name()) + " " + json_brief(t),
+            "invalid_type");
+      if (t.get<int64_t>() < 0 || t.get<int64_t>() >= tok_->n_vocab())
         fail_request("tokens", "token id " + json_brief(t) + " is not in [0, " + std::to_string(tok_->n_vocab()) + ")", "invalid_value");
       ids.push_back((int32_t)t.get<int64_t>());
     }

@@ -433,6 +433,38 @@ TEST(HttpServer, CorsHeadersAndPreflight) {
 // Chat on a model without a chat template (Gemma 3 270M base) is the client's error, 400
 // invalid_request_error (a 5xx would be retried by the openai client), saying how to give one; the
 // model still serves completions.
+// /detokenize refuses an id that is not an integer as a wrong type (it said "token id 1.5 is not in
+// [0, n_vocab)", which 1.5 is), and an integer outside the vocabulary as a wrong value; the ids
+// /tokenize gives come back as the text.
+TEST(HttpServer, DetokenizeTellsAWrongTypeFromAnIdOutsideTheVocabulary) {
+  KVQ_REQUIRE_DATA(model, kTinylit);
+  running_server s(test_server_params(model, 64));
+  const reply t = http(s.port(), "POST", "/tokenize", R"({"content":"Once upon a time"})");
+  ASSERT_EQ(t.status, 200) << t.body;
+  const json ids = json::parse(t.body)["tokens"];
+  const reply back = http(s.port(), "POST", "/detokenize", json({{"tokens", ids}}).dump());
+  ASSERT_EQ(back.status, 200) << back.body;
+  // (the vocabulary's pieces: a leading space from SentencePiece's space prefix)
+  EXPECT_NE(json::parse(back.body)["content"].get<std::string>().find("Once upon a time"), std::string::npos)
+      << back.body;
+  const json n_vocab = json::parse(http(s.port(), "GET", "/v1/models", "").body)["data"][0]["meta"]["n_vocab"];
+  struct bad {
+    json id;
+    const char* code;
+  };
+  for (const bad& c :
+       {bad{1.5, "invalid_type"}, bad{"a", "invalid_type"}, bad{true, "invalid_type"},
+        bad{json::array({1}), "invalid_type"}, bad{-1, "invalid_value"}, bad{n_vocab, "invalid_value"}}) {
+    const reply r = http(s.port(), "POST", "/detokenize", json({{"tokens", {1, c.id}}}).dump());
+    EXPECT_EQ(r.status, 400) << c.id << ": " << r.body;
+    const json e = json::parse(r.body, nullptr, false).value("error", json::object());
+    EXPECT_EQ(e.value("code", ""), c.code) << c.id << ": " << r.body;
+    EXPECT_EQ(e.value("param", ""), "tokens") << r.body;
+    const std::string msg = e.value("message", "");
+    EXPECT_EQ(msg.find("is not in [0, ") != std::string::npos, std::string(c.code) == "invalid_value") << msg;
+  }
+}
+
 TEST(HttpServer, ChatWithoutATemplateIs400) {
   KVQ_REQUIRE_MODEL(model, "gemma-3-270m-q4_k_m.gguf");
   server_params p = test_server_params(model, 128);
