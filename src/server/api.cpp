@@ -36,10 +36,18 @@ const json* field(const json& body, const char* key) {
 }
 
 int64_t get_int(const json& v, const char* key) {
+  // An integer literal beyond 64 bits reaches here as unsigned (up to 2^64 - 1) or, past that and
+  // below -2^63, as a float (nlohmann-json): both are out of the range, not of the wrong type.
+  const bool huge_integral = v.is_number_float() && std::isfinite(v.get<double>()) &&
+                             std::trunc(v.get<double>()) == v.get<double>() && std::fabs(v.get<double>()) >= 0x1p63;
+  if ((v.is_number_unsigned() && v.get<uint64_t>() > (uint64_t)INT64_MAX) || huge_integral)
+    fail_request(key,
+                 std::string("'") + key +
+                     "' must be a 64-bit integer, in [-9223372036854775808, 9223372036854775807], got " + json_brief(v),
+                 "invalid_value");
   if (!v.is_number_integer())
-    fail_request(key, std::string("'") + key + "' must be an integer, got " + type_name(v) + " " + json_brief(v), "invalid_type");
-  if (v.is_number_unsigned() && v.get<uint64_t>() > (uint64_t)INT64_MAX)
-    fail_request(key, std::string("'") + key + "' is out of range: " + json_brief(v), "invalid_value");
+    fail_request(key, std::string("'") + key + "' must be an integer, got " + type_name(v) + " " + json_brief(v),
+                 "invalid_type");
   return v.get<int64_t>();
 }
 

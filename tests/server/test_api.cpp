@@ -1,6 +1,7 @@
 // OpenAI request parsing and validation, the error body, and the streamed text's stop strings.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -185,6 +186,30 @@ TEST(ServerApi, RefusesUnsupportedFieldsButAcceptsTheirNeutralValues) {
       true);
   EXPECT_EQ(chat.messages.size(), 1u);
   EXPECT_EQ(parse_completion_request(json::parse(R"({"messages":[{"role":"user","content":"q"}],"tools":null,"top_logprobs":0})"), true).messages.size(), 1u);
+}
+
+// An integer beyond 64 bits is refused as out of the range, naming it, whether nlohmann-json read it
+// as unsigned (2^63 .. 2^64 - 1) or, past that or below -2^63, as a float (it was "is out of range"
+// without the range, and "must be an integer" for the floats); the ends of the range parse.
+TEST(ServerApi, IntegersBeyond64BitsAreOutOfTheirRange) {
+  for (const char* seed : {"9223372036854775808", "18446744073709551615", "18446744073709551616",
+                           "-9223372036854775809", "1e19", "-1e300"}) {
+    const std::string body = std::string(R"({"prompt":"x","seed":)") + seed + "}";
+    const api_error e = error_of(json::parse(body), false);
+    EXPECT_EQ(e.status, 400) << body;
+    EXPECT_EQ(e.param, "seed") << body;
+    EXPECT_EQ(e.code, "invalid_value") << body << ": " << e.what();
+    EXPECT_NE(std::string(e.what()).find("[-9223372036854775808, 9223372036854775807]"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(parse_completion_request(json::parse(R"({"prompt":"x","seed":9223372036854775807})"), false).sampling.seed,
+            (uint64_t)INT64_MAX);
+  EXPECT_EQ(parse_completion_request(json::parse(R"({"prompt":"x","seed":-9223372036854775808})"), false).sampling.seed,
+            (uint64_t)1 << 63);  // a negative seed is its two's complement (docs/server.md)
+  const api_error frac = error_of(json::parse(R"({"prompt":"x","seed":1.5})"), false);
+  EXPECT_EQ(frac.code, "invalid_type");
+  const api_error mt = error_of(json::parse(R"({"prompt":"x","max_tokens":1e20})"), false);
+  EXPECT_EQ(mt.param, "max_tokens");
+  EXPECT_EQ(mt.code, "invalid_value") << mt.what();
 }
 
 // The refusal of a role lists the roles accepted, all of them: each of OpenAI's roles either parses
