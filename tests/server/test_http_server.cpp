@@ -465,6 +465,26 @@ TEST(HttpServer, DetokenizeTellsAWrongTypeFromAnIdOutsideTheVocabulary) {
   }
 }
 
+// A POST without a body (curl -X POST without -d: no Content-Length) is refused by cpp-httplib
+// before routing; the 400 says what is missing (it said "HTTP 400", code null). With a
+// Content-Length of 0 the route answers (invalid JSON).
+TEST(HttpServer, PostWithoutABodySaysSo) {
+  KVQ_REQUIRE_DATA(model, kTinylit);
+  running_server s(test_server_params(model, 64));
+  for (const char* path : {"/v1/completions", "/tokenize"}) {
+    const reply r = http(s.port(), "POST", path);
+    EXPECT_EQ(r.status, 400) << path << ": " << r.body;
+    const json e = json::parse(r.body, nullptr, false).value("error", json::object());
+    EXPECT_EQ(e.value("code", json()), "missing_body") << r.body;
+    EXPECT_NE(e.value("message", "").find("Content-Length"), std::string::npos) << r.body;
+  }
+  const reply empty = http(s.port(), "POST", "/v1/completions", "", "Content-Length: 0\r\n");
+  EXPECT_EQ(empty.status, 400) << empty.body;
+  EXPECT_EQ(json::parse(empty.body, nullptr, false).value("error", json::object()).value("code", json()),
+            "invalid_json")
+      << empty.body;
+}
+
 TEST(HttpServer, ChatWithoutATemplateIs400) {
   KVQ_REQUIRE_MODEL(model, "gemma-3-270m-q4_k_m.gguf");
   server_params p = test_server_params(model, 128);
