@@ -288,7 +288,8 @@ void http_server::routes() {
   });
   http_.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
     const json body = parse_json_body(req.body);
-    if (!body.is_object() || !body.contains("content") || !body["content"].is_string())
+    if (body.is_object() && !body.contains("content")) fail_request("content", "'content' is required", "missing_field");
+    if (!body.is_object() || !body["content"].is_string())
       fail_request("content", "'content' must be a string", "invalid_type");
     bool add_special = false, with_pieces = false;  // llama-server's defaults (its /tokenize)
     if (body.contains("add_special")) {
@@ -312,7 +313,8 @@ void http_server::routes() {
   });
   http_.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
     const json body = parse_json_body(req.body);
-    if (!body.is_object() || !body.contains("tokens") || !body["tokens"].is_array())
+    if (body.is_object() && !body.contains("tokens")) fail_request("tokens", "'tokens' is required", "missing_field");
+    if (!body.is_object() || !body["tokens"].is_array())
       fail_request("tokens", "'tokens' must be a list of token ids", "invalid_type");
     std::vector<int32_t> ids;
     for (const json& t : body["tokens"]) {

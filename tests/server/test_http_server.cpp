@@ -463,6 +463,22 @@ TEST(HttpServer, DetokenizeTellsAWrongTypeFromAnIdOutsideTheVocabulary) {
     const std::string msg = e.value("message", "");
     EXPECT_EQ(msg.find("is not in [0, ") != std::string::npos, std::string(c.code) == "invalid_value") << msg;
   }
+  // a body without the field says it is missing (as a completion without 'prompt'), a field of the
+  // wrong type says so
+  struct shape {
+    const char *path, *body, *param, *code;
+  };
+  for (const shape& c : {shape{"/tokenize", "{}", "content", "missing_field"},
+                         shape{"/tokenize", R"({"content":7})", "content", "invalid_type"},
+                         shape{"/tokenize", "[]", "content", "invalid_type"},
+                         shape{"/detokenize", "{}", "tokens", "missing_field"},
+                         shape{"/detokenize", R"({"tokens":"1 2"})", "tokens", "invalid_type"}}) {
+    const reply r = http(s.port(), "POST", c.path, c.body);
+    EXPECT_EQ(r.status, 400) << c.path << " " << c.body << ": " << r.body;
+    const json e = json::parse(r.body, nullptr, false).value("error", json::object());
+    EXPECT_EQ(e.value("code", ""), c.code) << c.path << " " << c.body << ": " << r.body;
+    EXPECT_EQ(e.value("param", ""), c.param) << r.body;
+  }
 }
 
 // A POST without a body (curl -X POST without -d: no Content-Length) is refused by cpp-httplib
