@@ -862,6 +862,8 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
     return n;
   };
   int64_t split = p.split_tokens;
+  int64_t maxlen = 0;
+  for (int64_t l : len) maxlen = std::max(maxlen, l);
   s.tiles = kivi && p.kivi_tiles && kivi_tiles_supported(f.head_dim) && batch > 0 && p.spec.window == 0;
   if (s.tiles) {
     for (int b = 1; b < batch; ++b)
@@ -869,13 +871,9 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
         fail_input("[cuda attn_decode] kivi_tiles: entry " + std::to_string(b) +
                    " holds fewer body rows or pages than entry " + std::to_string(b - 1) +
                    " (the entries must be a prompt chunk's queries in order)");
-    int64_t maxlen = 0;
-    for (int64_t l : len) maxlen = std::max(maxlen, l);
     split = std::max<int64_t>(64, round16(maxlen));  // one work item per entry
   }
   if (split == 0) {
-    int64_t maxlen = 0;
-    for (int64_t l : len) maxlen = std::max(maxlen, l);
     constexpr int64_t kFixed = 96;  // per-item cost in token equivalents (query prep, pipeline fill, merge)
     double best = 1e300;
     split = 64;
