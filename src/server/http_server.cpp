@@ -36,6 +36,16 @@ int64_t unix_now() {
   return std::chrono::duration_cast<std::chrono::seconds>(clock_type::now().time_since_epoch()).count();
 }
 
+// body[key], which must be there (else 400 missing_field) and pass `ok` (else 400 invalid_type: "'key'
+// must be <what>"); a body that is not an object is a wrong type too.
+const json& required_field(const json& body, const char* key, bool (json::*ok)() const noexcept, const char* what) {
+  if (body.is_object() && !body.contains(key))
+    fail_request(key, std::string("'") + key + "' is required", "missing_field");
+  if (!body.is_object() || !(body[key].*ok)())
+    fail_request(key, std::string("'") + key + "' must be " + what, "invalid_type");
+  return body[key];
+}
+
 class http_server final : public server {
  public:
   explicit http_server(const server_params& p);
@@ -288,9 +298,7 @@ void http_server::routes() {
   });
   http_.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
     const json body = parse_json_body(req.body);
-    if (body.is_object() && !body.contains("content")) fail_request("content", "'content' is required", "missing_field");
-    if (!body.is_object() || !body["content"].is_string())
-      fail_request("content", "'content' must be a string", "invalid_type");
+    const json& content = required_field(body, "content", &json::is_string, "a string");
     bool add_special = false, with_pieces = false;  // llama-server's defaults (its /tokenize)
     if (body.contains("add_special")) {
       if (!body["add_special"].is_boolean()) fail_request("add_special", "'add_special' must be a boolean", "invalid_type");
@@ -305,7 +313,7 @@ void http_server::routes() {
       if (!body["parse_special"].is_boolean()) fail_request("parse_special", "'parse_special' must be a boolean", "invalid_type");
       parse_special = body["parse_special"];
     }
-    const auto ids = tok_->encode(body["content"].get<std::string>(), add_special && tok_->add_bos_default(), parse_special);
+    const auto ids = tok_->encode(content.get<std::string>(), add_special && tok_->add_bos_default(), parse_special);
     json tokens = json::array();
     for (int32_t id : ids)
       tokens.push_back(with_pieces ? token_piece_json(id, tok_->token_to_piece(id, /*special=*/true)) : json(id));
@@ -313,11 +321,8 @@ void http_server::routes() {
   });
   http_.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
     const json body = parse_json_body(req.body);
-    if (body.is_object() && !body.contains("tokens")) fail_request("tokens", "'tokens' is required", "missing_field");
-    if (!body.is_object() || !body["tokens"].is_array())
-      fail_request("tokens", "'tokens' must be a list of token ids", "invalid_type");
     std::vector<int32_t> ids;
-    for (const json& t : body["tokens"]) {
+    for (const json& t : required_field(body, "tokens", &json::is_array, "a list of token ids")) {
       if (!t.is_number_integer())
         fail_request(
             "tokens",
