@@ -178,8 +178,8 @@ TEST(SchedulerCuda, CancelFreesPages) {
 // staged rows and statistics, the exact sink rows) is paid first, then 8 pages of 16 tokens hold
 // one sequence at n_ctx 128, so three requests of up to 40 positions (3 pages each) run two at a
 // time at most and return what they return alone. The runner's device bytes (kv_bytes) are then
-// within the budget. A budget below the outside bytes, or below one sequence at n_ctx, is refused
-// at start-up.
+// within the budget. A budget below one sequence at n_ctx is refused at start-up (one below the
+// outside bytes: the next test).
 TEST(SchedulerCuda, KvBudgetSizesTheRunnersPool) {
   KVQ_REQUIRE_DATA(path, kTinylit);
   auto m = model::load(path);
@@ -193,13 +193,7 @@ TEST(SchedulerCuda, KvBudgetSizesTheRunnersPool) {
   const model_hparams& hp = m->hparams();
   const size_t rows = (size_t)hp.n_layer * 3 * hp.n_kv_head * hp.head_dim;
   EXPECT_EQ(outside, rows * (2 * 128 + 2) * 4 + rows * 2 * cp.sink * 2);
-  sp.kv_budget_bytes = outside;  // (refused before the runner is made: checked everywhere)
-  try {
-    scheduler bad(*m, *tok, sp);
-    ADD_FAILURE() << "no error for a budget of the outside bytes only";
-  } catch (const error& e) {
-    EXPECT_NE(std::string(e.what()).find("slots keep outside the GPU page pool"), std::string::npos) << e.what();
-  }
+  // (a budget of the outside bytes alone: KvBudgetBelowTheOutsideBytesIsRefused)
   KVQ_REQUIRE_GPU();
   sp.kv_budget_bytes = outside + 7 * page_bytes + page_bytes / 2;
   try {
@@ -227,26 +221,29 @@ TEST(SchedulerCuda, KvBudgetSizesTheRunnersPool) {
   EXPECT_EQ(s.metrics().pages_in_use, 0);
 }
 
-// The same refusal on any machine: the budget is checked before the runner (and the GPU) is
-// touched, so a --kv-budget that the slots' outside bytes would eat (KIVI: 3 slots' exact sink and
-// residual rows) is an error at start-up that names both figures, GPU or not.
+// A --kv-budget that the slots' outside bytes would eat (q8: 3 slots' staged rows, statistics and
+// sink rows; KIVI: their exact sink and residual rows) is an error at start-up that names both
+// figures, on any machine: the budget is checked before the runner (and the GPU) is touched.
 TEST(SchedulerCuda, KvBudgetBelowTheOutsideBytesIsRefused) {
   KVQ_REQUIRE_DATA(path, kTinylit);
   auto m = model::load(path);
   auto tok = tokenizer::from_gguf(m->gguf());
-  scheduler_params sp = gpu_params("f16");
-  sp.cache.type_k = kv_cache_type::kivi4;
-  sp.cache.type_v = kv_cache_type::q4a;
-  sp.n_parallel = 3;
-  kv_cache_params cp = m->cache_params(sp.n_ctx, sp.cache, sp.n_parallel);
-  const size_t outside = cuda::runner_fixed_kv_bytes(m->hparams(), cp, std::max(sp.n_batch, sp.n_parallel));
-  EXPECT_GT(outside, 0u);
-  sp.kv_budget_bytes = outside;
-  try {
-    scheduler bad(*m, *tok, sp);
-    ADD_FAILURE() << "no error for a budget of " << outside << " bytes";
-  } catch (const error& e) {
-    EXPECT_NE(std::string(e.what()).find("slots keep outside the GPU page pool"), std::string::npos) << e.what();
+  for (const auto& [k, v] :
+       {std::pair{kv_cache_type::q8, kv_cache_type::q8}, {kv_cache_type::kivi4, kv_cache_type::q4a}}) {
+    scheduler_params sp = gpu_params("f16");
+    sp.cache.type_k = k;
+    sp.cache.type_v = v;
+    sp.n_parallel = 3;
+    kv_cache_params cp = m->cache_params(sp.n_ctx, sp.cache, sp.n_parallel);
+    const size_t outside = cuda::runner_fixed_kv_bytes(m->hparams(), cp, std::max(sp.n_batch, sp.n_parallel));
+    EXPECT_GT(outside, 0u);
+    sp.kv_budget_bytes = outside;
+    try {
+      scheduler bad(*m, *tok, sp);
+      ADD_FAILURE() << "no error for a budget of " << outside << " bytes";
+    } catch (const error& e) {
+      EXPECT_NE(std::string(e.what()).find("slots keep outside the GPU page pool"), std::string::npos) << e.what();
+    }
   }
 }
 
