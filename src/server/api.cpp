@@ -17,6 +17,19 @@ json error_body(const api_error& e) {
   return {{"error", err}};
 }
 
+std::optional<int64_t> json_to_int64(const json& v) {
+  if (v.is_number_integer()) {
+    if (v.is_number_unsigned() && v.get<uint64_t>() > (uint64_t)INT64_MAX) return std::nullopt;
+    return v.get<int64_t>();
+  }
+  if (!v.is_number_float()) return std::nullopt;
+  const double d = v.get<double>();
+  // (-2^63, 2^63): every whole double in it converts exactly. -2^63 itself is left out: it is also
+  // what the literal -9223372036854775809 (below the range) rounds to; as an integer literal it parses.
+  if (!std::isfinite(d) || std::trunc(d) != d || d <= -0x1p63 || d >= 0x1p63) return std::nullopt;
+  return (int64_t)d;
+}
+
 json parse_json_body(const std::string& text) {
   try {
     return json::parse(text);
@@ -38,17 +51,17 @@ const json* field(const json& body, const char* key) {
 int64_t get_int(const json& v, const char* key) {
   // An integer literal beyond 64 bits reaches here as unsigned (up to 2^64 - 1) or, past that and
   // below -2^63, as a float (nlohmann-json): both are out of the range, not of the wrong type.
-  const bool huge_integral = v.is_number_float() && std::isfinite(v.get<double>()) &&
-                             std::trunc(v.get<double>()) == v.get<double>() && std::fabs(v.get<double>()) >= 0x1p63;
-  if ((v.is_number_unsigned() && v.get<uint64_t>() > (uint64_t)INT64_MAX) || huge_integral)
+  const bool whole_float =
+      v.is_number_float() && std::isfinite(v.get<double>()) && std::trunc(v.get<double>()) == v.get<double>();
+  if ((v.is_number_unsigned() && v.get<uint64_t>() > (uint64_t)INT64_MAX) ||
+      (whole_float && !json_to_int64(v).has_value()))
     fail_request(key,
                  std::string("'") + key +
                      "' must be a 64-bit integer, in [-9223372036854775808, 9223372036854775807], got " + json_brief(v),
                  "invalid_value");
-  if (!v.is_number_integer())
-    fail_request(key, std::string("'") + key + "' must be an integer, got " + type_name(v) + " " + json_brief(v),
-                 "invalid_type");
-  return v.get<int64_t>();
+  if (const auto i = json_to_int64(v)) return *i;
+  fail_request(key, std::string("'") + key + "' must be an integer, got " + type_name(v) + " " + json_brief(v),
+               "invalid_type");
 }
 
 double get_number(const json& v, const char* key) {
@@ -169,9 +182,10 @@ completion_request parse_completion_request(const json& body, bool chat) {
     } else if (p->is_array() && !p->empty() && (*p)[0].is_number()) {
       r.prompt_is_ids = true;
       for (const json& t : *p) {
-        if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
+        const auto id = json_to_int64(t);
+        if (!id || *id < 0 || *id > INT32_MAX)
           fail_request("prompt", "'prompt' token ids must be non-negative integers, got " + json_brief(t), "invalid_value");
-        r.prompt_ids.push_back((int32_t)t.get<int64_t>());
+        r.prompt_ids.push_back((int32_t)*id);
       }
     } else if (p->is_array() && p->size() > 1) {
       fail_request("prompt", "'prompt' as a list of " + std::to_string(p->size()) +

@@ -49,7 +49,8 @@ struct completion_request {
 // Parses and validates a request body. Throws api_error 400 (type invalid_request_error, param =
 // the field) for: a body that is not a JSON object; a missing prompt / messages; a field of the
 // wrong type (max_tokens not an integer, temperature not a number, stop not a string or list of
-// strings, stream not a boolean...); max_tokens < 1; temperature outside [0, 2] (OpenAI's range);
+// strings, stream not a boolean...; an integer field takes a whole-valued float: 5.0, not 5.5);
+// max_tokens < 1; temperature outside [0, 2] (OpenAI's range);
 // top_p outside (0, 1]; top_k < -1; min_p outside [0, 1]; seed outside the 64-bit integers (-1:
 // random); n != 1; more than 4 stop strings or an empty one;
 // a message without a valid role or a string / text-part content (an assistant's may be null: empty).
@@ -60,6 +61,12 @@ struct completion_request {
 // function_call "none" or "auto", a message's tool_calls []; null is neutral for all of them.
 // Chat: max_completion_tokens wins over max_tokens. Other unknown fields are ignored.
 completion_request parse_completion_request(const nlohmann::json& body, bool chat);
+
+// The integer a JSON number holds: an integer, or a float with a whole value (5.0, 1e3), since JSON
+// does not tell 5 from 5.0 (llama-server and Python's json take either), within the 64-bit
+// integers (a float: strictly inside (-2^63, 2^63), since -2^63 is also what -2^63 - 1 rounds to).
+// nullopt for anything else: 5.5, "5", true, 1e19, 2^63 as an integer.
+std::optional<int64_t> json_to_int64(const nlohmann::json& v);
 
 // Parses `text` as JSON; throws api_error 400 ("invalid_json") naming the parse error's position.
 nlohmann::json parse_json_body(const std::string& text);

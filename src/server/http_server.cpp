@@ -323,14 +323,18 @@ void http_server::routes() {
     const json body = parse_json_body(req.body);
     std::vector<int32_t> ids;
     for (const json& t : required_field(body, "tokens", &json::is_array, "a list of token ids")) {
-      if (!t.is_number_integer())
+      // a whole-valued float is an id (JSON does not tell 5 from 5.0); one beyond 64 bits is out of range
+      const auto id = json_to_int64(t);
+      const bool whole =
+          id || t.is_number_unsigned() || (t.is_number_float() && std::trunc(t.get<double>()) == t.get<double>());
+      if (!whole)
         fail_request(
             "tokens",
             "'tokens' must be a list of integer token ids, got " + std::string(t.type_name()) + " " + json_brief(t),
             "invalid_type");
-      if (t.get<int64_t>() < 0 || t.get<int64_t>() >= tok_->n_vocab())
+      if (!id || *id < 0 || *id >= tok_->n_vocab())
         fail_request("tokens", "token id " + json_brief(t) + " is not in [0, " + std::to_string(tok_->n_vocab()) + ")", "invalid_value");
-      ids.push_back((int32_t)t.get<int64_t>());
+      ids.push_back((int32_t)*id);
     }
     res.set_content(dump({{"content", tok_->decode(ids)}}), "application/json");
   });

@@ -212,6 +212,56 @@ TEST(ServerApi, IntegersBeyond64BitsAreOutOfTheirRange) {
   EXPECT_EQ(mt.code, "invalid_value") << mt.what();
 }
 
+// JSON does not tell 5 from 5.0 (a client computing max_tokens in floating point sends 5.0, and
+// llama-server takes it): a whole-valued float is the integer in every integer field, token ids
+// included; a fractional one stays a 400 naming the field (invalid_type), one beyond 64 bits out of range.
+TEST(ServerApi, WholeValuedFloatsAreIntegers) {
+  auto parse = [](const std::string& fields, bool chat = false) {
+    const std::string head = chat ? R"({"messages":[{"role":"user","content":"q"}],)" : R"({"prompt":"x",)";
+    return parse_completion_request(json::parse(head + fields + "}"), chat);
+  };
+  EXPECT_EQ(parse(R"("max_tokens":5.0)").max_tokens, 5);
+  EXPECT_EQ(parse(R"("max_tokens":1e3)").max_tokens, 1000);
+  EXPECT_EQ(parse(R"("max_completion_tokens":7.0)", true).max_tokens, 7);
+  EXPECT_EQ(parse(R"("n":1.0)").max_tokens, 16);
+  EXPECT_EQ(parse(R"("top_k":3.0)").sampling.top_k, 3);
+  EXPECT_EQ(parse(R"("top_k":-1.0)").sampling.top_k, -1);
+  EXPECT_EQ(parse(R"("seed":42.0)").sampling.seed, 42u);
+  EXPECT_EQ(parse(R"("seed":-1.0)").sampling.seed, 0xFFFFFFFFu);
+  EXPECT_EQ(parse(R"("seed":-2.0)").sampling.seed, ~0ull - 1);
+  EXPECT_EQ(parse(R"("seed":4294967296.0)").sampling.seed, 1ull << 32);
+  const auto ids = parse_completion_request(json::parse(R"({"prompt":[1.0,2,3e0]})"), false);
+  EXPECT_EQ(ids.prompt_ids, (std::vector<int32_t>{1, 2, 3}));
+  // the range checks still apply to the value
+  EXPECT_EQ(error_of(json::parse(R"({"prompt":"x","max_tokens":0.0})"), false).code, "invalid_value");
+  EXPECT_EQ(error_of(json::parse(R"({"prompt":"x","n":2.0})"), false).param, "n");
+  for (const char* f : {"max_tokens", "n", "top_k", "seed"}) {
+    const std::string body = std::string(R"({"prompt":"x",")") + f + R"(":5.5})";
+    const api_error e = error_of(json::parse(body), false);
+    EXPECT_EQ(e.status, 400) << body;
+    EXPECT_EQ(e.param, f) << body;
+    EXPECT_EQ(e.code, "invalid_type") << body;
+    EXPECT_NE(std::string(e.what()).find(std::string("'") + f + "' must be an integer, got number 5.5"),
+              std::string::npos)
+        << e.what();
+  }
+  const api_error big = error_of(json::parse(R"({"prompt":"x","seed":9223372036854775808.0})"), false);  // 2^63
+  EXPECT_EQ(big.code, "invalid_value") << big.what();
+  EXPECT_EQ(error_of(json::parse(R"({"prompt":[1,2.5]})"), false).param, "prompt");
+  // the helper itself, against the integers the doubles hold
+  EXPECT_EQ(json_to_int64(json(5)), 5);
+  EXPECT_EQ(json_to_int64(json(-5.0)), -5);
+  EXPECT_EQ(json_to_int64(json(0x1p62)), (int64_t)1 << 62);
+  EXPECT_FALSE(json_to_int64(json(0x1p63)).has_value());
+  EXPECT_FALSE(json_to_int64(json((uint64_t)INT64_MAX + 1)).has_value());
+  EXPECT_EQ(json_to_int64(json(INT64_MIN)), INT64_MIN);    // as an integer
+  EXPECT_FALSE(json_to_int64(json(-0x1p63)).has_value());  // as a float: also -2^63 - 1 rounded
+  EXPECT_EQ(json_to_int64(json(-0x1p63 + 1024)), INT64_MIN + 1024);
+  EXPECT_FALSE(json_to_int64(json(0.5)).has_value());
+  EXPECT_FALSE(json_to_int64(json("5")).has_value());
+  EXPECT_FALSE(json_to_int64(json(true)).has_value());
+}
+
 // The refusal of a role lists the roles accepted, all of them: each of OpenAI's roles either parses
 // and is in the list, or is refused and is not (the list left out "developer", which is accepted).
 TEST(ServerApi, RoleErrorListsEveryAcceptedRole) {

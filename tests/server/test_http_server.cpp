@@ -447,6 +447,13 @@ TEST(HttpServer, DetokenizeTellsAWrongTypeFromAnIdOutsideTheVocabulary) {
   // (the vocabulary's pieces: a leading space from SentencePiece's space prefix)
   EXPECT_NE(json::parse(back.body)["content"].get<std::string>().find("Once upon a time"), std::string::npos)
       << back.body;
+  // the same ids as whole-valued floats (JSON does not tell 5 from 5.0) give the same text
+  json float_ids = json::array();
+  for (const json& id : ids) float_ids.push_back((double)id.get<int64_t>());
+  ASSERT_TRUE(float_ids[0].is_number_float());
+  const reply back_f = http(s.port(), "POST", "/detokenize", json({{"tokens", float_ids}}).dump());
+  ASSERT_EQ(back_f.status, 200) << back_f.body;
+  EXPECT_EQ(json::parse(back_f.body)["content"], json::parse(back.body)["content"]);
   const json n_vocab = json::parse(http(s.port(), "GET", "/v1/models", "").body)["data"][0]["meta"]["n_vocab"];
   struct bad {
     json id;
@@ -454,7 +461,8 @@ TEST(HttpServer, DetokenizeTellsAWrongTypeFromAnIdOutsideTheVocabulary) {
   };
   for (const bad& c :
        {bad{1.5, "invalid_type"}, bad{"a", "invalid_type"}, bad{true, "invalid_type"},
-        bad{json::array({1}), "invalid_type"}, bad{-1, "invalid_value"}, bad{n_vocab, "invalid_value"}}) {
+        bad{json::array({1}), "invalid_type"}, bad{-1, "invalid_value"}, bad{n_vocab, "invalid_value"},
+        bad{-1.0, "invalid_value"}, bad{1e19, "invalid_value"}, bad{(uint64_t)1 << 63, "invalid_value"}}) {
     const reply r = http(s.port(), "POST", "/detokenize", json({{"tokens", {1, c.id}}}).dump());
     EXPECT_EQ(r.status, 400) << c.id << ": " << r.body;
     const json e = json::parse(r.body, nullptr, false).value("error", json::object());
