@@ -57,6 +57,12 @@ void add_kv_flags(CLI::App* app, kv_flags& f, bool& explicit_kv);
 // 2); the command then asks kv_flags::params(device == cuda) and the library refuses what the GPU
 // does not run (cuda::check_supported) and a build or machine without a GPU (exit 2).
 void add_device_flag(CLI::App* app, std::string& device);
+// Validator of a float option: the value must be a finite float, so --temp inf, nan or 1e40 (beyond
+// float's range: inf once parsed) exit 2 with "--temp: must be a finite number, got inf".
+CLI::Validator finite_float();
+// Validator of a 64-bit integer option: "--seed: must be a 64-bit integer, in [-9223372036854775808,
+// 9223372036854775807], got X" (CLI11's own message for a value beyond it says only "could not convert").
+CLI::Validator int64_value();
 // --json (one JSON object on stdout) and --no-progress, as the measuring commands take them.
 void add_report_flags(CLI::App* app, bool& json, bool& no_progress);
 

@@ -4,10 +4,11 @@
 
 #include "certified_report.h"
 #include "cli.h"
-#include "result_json.h"
-#include "kvq/error.h"
 #include "kvq/certified.h"
+#include "kvq/error.h"
 #include "kvq/generate.h"
+#include "kvq/sampling.h"
+#include "result_json.h"
 
 namespace kvq::cli {
 namespace {
@@ -73,14 +74,18 @@ const registrar reg{{"generate", "generate text from a prompt", [](CLI::App* app
   app->add_option("-c,--ctx-size", o->p.n_ctx, "context size in tokens (0: min(model, 4096))")->capture_default_str();
   app->add_option("-b,--batch-size", o->p.n_batch, "prompt tokens per prefill pass")->capture_default_str();
   app->add_option("-t,--threads", o->p.n_threads, "threads (0: all)")->capture_default_str()->check(CLI::Range(0, 1024));
-  app->add_option("--temp", o->p.sampling.temp, "temperature (<= 0: greedy)")->capture_default_str();
+  app->add_option("--temp", o->p.sampling.temp, "temperature (<= 0: greedy)")
+      ->capture_default_str()
+      ->check(finite_float());
   app->add_option("--top-k", o->p.sampling.top_k, "top-k (<= 0: off)")->capture_default_str();
-  app->add_option("--top-p", o->p.sampling.top_p, "top-p (1: off)")->capture_default_str();
-  app->add_option("--min-p", o->p.sampling.min_p, "min-p (0: off)")->capture_default_str();
+  app->add_option("--top-p", o->p.sampling.top_p, "top-p (1: off)")->capture_default_str()->check(finite_float());
+  app->add_option("--min-p", o->p.sampling.min_p, "min-p (0: off)")->capture_default_str()->check(finite_float());
+  // the server's range (docs/server.md, "Request fields"), so a request's seed reproduces here
   app->add_option_function<int64_t>(
-         "-s,--seed", [o](int64_t s) { o->p.sampling.seed = s < 0 ? 0xFFFFFFFFu : (uint64_t)s; },
-         "RNG seed, 0..4294967295 (-1 or 4294967295: random, the default)")
-      ->check(CLI::Range((int64_t)-1, (int64_t)0xFFFFFFFF));
+         "-s,--seed", [o](int64_t s) { o->p.sampling.seed = sampling_seed(s); },
+         "RNG seed, any 64-bit integer as the server takes it (-1 or 4294967295: random, the default; a negative "
+         "seed is its two's complement)")
+      ->check(int64_value());
   app->add_flag("--ignore-eos", o->p.ignore_eos, "keep generating after end-of-generation tokens");
   app->add_flag("--json", o->json, "print one JSON object instead of streaming text");
   add_device_flag(app, o->device);

@@ -1,12 +1,16 @@
 // kvq: LLM inference with a compressed KV cache. Subcommands are registered by tools/cmd_*.cpp.
 // Exit codes: 0 success, 2 bad input (flags, files, unsupported model/format), 1 internal error.
 #include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <limits>
-#include <sstream>
 #include <map>
 #include <memory>
+#include <sstream>
 
 #include <unistd.h>
 
@@ -142,6 +146,34 @@ void add_device_flag(CLI::App* app, std::string& device) {
   app->add_option("--device", device,
                   "where the model runs: cpu, or cuda (every layer on the GPU; f16, q8, q4 and kivi4 / q4a or kivi4 caches; llama / mistral / qwen2)")
       ->capture_default_str();
+}
+
+CLI::Validator finite_float() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        float v = 0;
+        if (!CLI::detail::lexical_cast(s, v)) return "'" + s + "' is not a number";
+        if (!std::isfinite(v)) {
+          std::string lower = s;
+          for (char& c : lower) c = (char)std::tolower((unsigned char)c);
+          const bool spelled = lower.find("inf") != std::string::npos || lower.find("nan") != std::string::npos;
+          return "must be a finite number, got " + s + (spelled ? "" : " (beyond the float range: inf)");
+        }
+        return {};
+      },
+      "FINITE");
+}
+
+CLI::Validator int64_value() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        int64_t v = 0;
+        const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+        if (ec != std::errc() || end != s.data() + s.size())
+          return "must be a 64-bit integer, in [-9223372036854775808, 9223372036854775807], got " + s;
+        return {};
+      },
+      "INT64");
 }
 
 void add_report_flags(CLI::App* app, bool& json, bool& no_progress) {

@@ -19,9 +19,14 @@ struct sampling_params {
   uint64_t seed = 0xFFFFFFFFu;
 };
 
+// A seed as a request or a flag gives it, any 64-bit integer (OpenAI's range): -1 (llama-server's,
+// llama.cpp's) is the random seed 0xFFFFFFFF; another negative seed is its two's complement.
+inline uint64_t sampling_seed(int64_t s) { return s == -1 ? 0xFFFFFFFFu : (uint64_t)s; }
+
 class sampler {
  public:
-  // Throws invalid_input for NaN temperature, top_p outside (0, 1], min_p outside [0, 1].
+  // Throws invalid_input for a temperature that is not finite (NaN, +-Inf), top_p NaN, infinite or
+  // <= 0, min_p outside [0, 1].
   explicit sampler(const sampling_params& p);
   // logits: [n_vocab] f32. Returns the chosen token id. Throws invalid_input when every logit is
   // NaN or -Inf.

@@ -51,8 +51,6 @@ nb::dict to_dict(const nlohmann::json& j) {
 nb::object run_generate(py_model& self, const std::string& prompt, int max_tokens, float temperature, int top_k,
                         float top_p, float min_p, int64_t seed, int n_ctx, int n_batch, int n_threads, bool ignore_eos,
                         bool add_bos, bool details, nb::object on_token, const nb::kwargs& cache) {
-  if (seed < -1 || seed > (int64_t)0xFFFFFFFF)
-    fail_input("[generate] seed " + std::to_string(seed) + " must be in [0, 4294967295] or -1 (random)");
   const generate_params p{.prompt = prompt,
                           .n_predict = max_tokens,
                           .n_ctx = n_ctx,
@@ -64,7 +62,7 @@ nb::object run_generate(py_model& self, const std::string& prompt, int max_token
                                        .top_k = top_k,
                                        .top_p = top_p,
                                        .min_p = min_p,
-                                       .seed = seed < 0 ? 0xFFFFFFFFu : (uint64_t)seed},
+                                       .seed = sampling_seed(seed)},  // any int64, as the CLI and server
                           .cache = cache_options(cache, "generate", true)};
   generate_result r;
   {
@@ -151,7 +149,8 @@ void bind_model(nb::module_& m) {
            "ignore_eos"_a = gp.ignore_eos, "add_bos"_a = gp.add_bos, "details"_a = false,
            "on_token"_a = nb::none(), "cache"_a,
            "Generates up to max_tokens tokens after `prompt` as `kvq generate` does (greedy by default: "
-           "temperature 0; the CLI's --temp default is 0.8) and returns the generated text, or with details=True "
+           "temperature 0; the CLI's --temp default is 0.8; seed: any 64-bit integer as the CLI's --seed, -1: "
+           "random) and returns the generated text, or with details=True "
            "the dict of `kvq generate --json` (ids, text, stop_reason, speeds, KV bytes). Cache options as "
            "keyword arguments spelled as the CLI's flags: type_k='q4' (-ctk), type_v (-ctv), rotation (--kv-rot), "
            "group_size (--kv-group), sink (--kv-sink), recent (--kv-exact-recent), kivi_group, kivi_residual, "

@@ -9,8 +9,9 @@
 namespace kvq {
 
 sampler::sampler(const sampling_params& p) : p_(p) {
-  if (std::isnan(p.temp)) fail_input("[sampling] temperature is NaN");
-  if (std::isnan(p.top_p) || p.top_p <= 0.0f)
+  if (!std::isfinite(p.temp))
+    fail_input("[sampling] temperature " + std::to_string(p.temp) + " must be a finite number (<= 0: greedy)");
+  if (!std::isfinite(p.top_p) || p.top_p <= 0.0f)
     fail_input("[sampling] top_p " + std::to_string(p.top_p) + " must be in (0, 1] (>= 1 turns it off)");
   if (!(p.min_p >= 0.0f && p.min_p <= 1.0f))
     fail_input("[sampling] min_p " + std::to_string(p.min_p) + " must be in [0, 1]");

@@ -241,8 +241,7 @@ completion_request parse_completion_request(const json& body, bool chat) {
   if (const json* v = field(body, "seed")) {
     // any 64-bit integer, as OpenAI takes it; -1 (llama-server's) and 4294967295 (llama.cpp's
     // LLAMA_DEFAULT_SEED) draw a random seed; a negative one is its two's complement
-    const int64_t s = get_int(*v, "seed");
-    r.sampling.seed = s == -1 ? 0xFFFFFFFFu : (uint64_t)s;
+    r.sampling.seed = sampling_seed(get_int(*v, "seed"));
   }
   if (const json* v = field(body, "stop")) {
     if (v->is_string()) {

@@ -67,6 +67,14 @@ def test_sampled_generate_equals_cli_with_the_same_seed(model, stories260k):
                    "--top-k", "20", "--top-p", "0.9", "--min-p", "0.02", "-s", "1234", "-t", str(THREADS),
                    "-ctk", "q4", "-ctv", "q8")
     assert py["ids"] == cli["ids"] and py["seed"] == cli["seed"] == 1234
+    # any 64-bit seed, as the CLI and the server take it (both refused it above 2^32 - 1); a negative
+    # seed is its two's complement
+    for seed in (2**40 + 1234, -7):
+        py = model.generate(prompt, 16, temperature=0.8, seed=seed, n_ctx=128, n_threads=THREADS, details=True)
+        cli = cli_json("generate", "-m", stories260k, "-p", prompt, "-n", "16", "-c", "128", "--temp", "0.8",
+                       "-s", str(seed), "-t", str(THREADS))
+        assert py["seed"] == cli["seed"] == seed % 2**64
+        assert py["ids"] == cli["ids"]
 
 
 def test_stream_yields_the_generated_text(model):

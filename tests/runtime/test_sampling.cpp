@@ -72,6 +72,10 @@ TEST(Sampling, SeedsBelowAndAbove2To32) {
 
 TEST(Sampling, BadInputs) {
   EXPECT_THROW(sampler({NAN, 40, 0.9f, 0.0f, 1}), kvq::error);
+  EXPECT_THROW(sampler({INFINITY, 40, 0.9f, 0.0f, 1}), kvq::error);   // was uniform over the top-k
+  EXPECT_THROW(sampler({-INFINITY, 40, 0.9f, 0.0f, 1}), kvq::error);  // was greedy
+  EXPECT_THROW(sampler({1.0f, 40, INFINITY, 0.0f, 1}), kvq::error);
+  EXPECT_THROW(sampler({1.0f, 40, NAN, 0.0f, 1}), kvq::error);
   EXPECT_THROW(sampler({1.0f, 40, 0.0f, 0.0f, 1}), kvq::error);
   EXPECT_THROW(sampler({1.0f, 40, 0.9f, 1.5f, 1}), kvq::error);
   sampler s({0.0f, 40, 0.9f, 0.0f, 1});

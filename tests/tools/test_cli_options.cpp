@@ -27,11 +27,43 @@ TEST(CliOptions, SeedMinusOneIsRandomAndOutOfRangeIsRefused) {
   const auto sb = nlohmann::json::parse(b.out)["seed"].get<uint64_t>();
   EXPECT_NE(sa, sb);  // two random seeds (2^-32 chance to collide)
   EXPECT_EQ(nlohmann::json::parse(c.out)["seed"].get<uint64_t>(), 42u);
-  for (const char* bad : {"-2", "4294967296"}) {
+  // any 64-bit integer, as the server takes a request's seed (it refused 4294967296 and -2); a
+  // negative seed is its two's complement, and s + 2^32 is another stream than s
+  const auto big = gen("4294967296"), zero = gen("0"), neg = gen("-2"), top = gen("9223372036854775807");
+  for (const auto* r : {&big, &zero, &neg, &top}) ASSERT_EQ(r->rc, 0) << r->err;
+  EXPECT_EQ(nlohmann::json::parse(big.out)["seed"].get<uint64_t>(), 1ull << 32);
+  EXPECT_EQ(nlohmann::json::parse(neg.out)["seed"].get<uint64_t>(), ~0ull - 1);
+  EXPECT_EQ(nlohmann::json::parse(top.out)["seed"].get<uint64_t>(), (uint64_t)INT64_MAX);
+  EXPECT_EQ(nlohmann::json::parse(gen("4294967296").out)["ids"], nlohmann::json::parse(big.out)["ids"]);  // reproduces
+  for (const char* bad : {"9223372036854775808", "-9223372036854775809", "1.5", "x"}) {
     const auto r = gen(bad);
     EXPECT_EQ(r.rc, 2) << bad;
-    EXPECT_NE(r.err.find("--seed"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("--seed: must be a 64-bit integer, in [-9223372036854775808, 9223372036854775807], got " +
+                         std::string(bad)),
+              std::string::npos)
+        << r.err;
   }
+}
+
+// --temp / --top-p / --min-p that are not finite numbers are refused naming the flag (--temp inf
+// sampled uniformly among the top-k, -inf was greedy, 1e40 is inf as a float), before the model loads.
+TEST(CliOptions, NonFiniteSamplingValuesAreRefused) {
+  KVQ_REQUIRE_DATA(model, "models/stories260K/stories260K.gguf");
+  struct bad {
+    const char *flag, *value;
+  };
+  for (const bad& c :
+       {bad{"--temp", "inf"}, bad{"--temp", "-inf"}, bad{"--temp", "nan"}, bad{"--temp", "1e40"}, bad{"--temp", "INF"},
+        bad{"--top-p", "inf"}, bad{"--top-p", "nan"}, bad{"--min-p", "nan"}, bad{"--min-p", "-inf"}}) {
+    const auto r = run_cmd({test::kvq_bin(), "generate", "-m", model, "-p", "Hi", "-n", "2", c.flag, c.value});
+    EXPECT_EQ(r.rc, 2) << c.flag << " " << c.value << ": " << r.err;
+    EXPECT_NE(r.err.find(std::string(c.flag) + ": must be a finite number, got " + c.value), std::string::npos)
+        << r.err;
+    EXPECT_TRUE(r.out.empty()) << r.out;
+  }
+  const auto ok = run_cmd({test::kvq_bin(), "generate", "-m", model, "-p", "Hi", "-n", "2", "--temp", "1e30", "--top-p",
+                           "0.5", "--min-p", "0", "--json"});
+  EXPECT_EQ(ok.rc, 0) << ok.err;
 }
 
 // An empty prompt generates from BOS alone, as llama.cpp does (stories260K adds BOS = 1).
