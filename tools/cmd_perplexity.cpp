@@ -46,6 +46,13 @@ int run_perplexity(perplexity_opts& o) {
   std::printf("%d chunks of %d tokens, %lld scored tokens, %.1f s (%.0f tok/s)\n", r.n_chunk, r.n_ctx,
               (long long)r.ppl.n_scored, r.seconds, r.tokens_per_s);
   std::printf("Final estimate: PPL = %.4f +/- %.5f\n", r.ppl.ppl, r.ppl.ppl_err);
+  if (!o.p.kl_base_out.empty()) {
+    const std::string records =
+        r.kl_base_top_k > 0 ? "top-" + std::to_string(r.kl_base_top_k) + " + rest" : "full vocabulary";
+    std::printf("KL base written to %s: %lld records (%d chunks x %d scored tokens, %s), %llu bytes\n",
+                o.p.kl_base_out.c_str(), (long long)r.kl_base_records, r.n_chunk, r.n_scored_per_chunk, records.c_str(),
+                (unsigned long long)r.kl_base_bytes);
+  }
   if (r.has_kld) {
     const kld_stats& k = r.kld;
     std::printf("\nKL divergence vs %s%s, %lld tokens\n", k.base_desc.c_str(),

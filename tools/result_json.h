@@ -63,6 +63,11 @@ inline nlohmann::json perplexity_json(const std::string& model_path, const perpl
                    {"ppl_running_per_chunk", r.chunk_ppl},  // as llama.cpp prints [1] .. [n]
                    {"seconds", r.seconds},
                    {"tokens_per_s", r.tokens_per_s}};
+  if (!p.kl_base_out.empty())
+    j["kl_base_out"] = {{"path", p.kl_base_out},
+                        {"records", r.kl_base_records},
+                        {"top_k", r.kl_base_top_k},
+                        {"bytes", r.kl_base_bytes}};
   if (r.has_kld) {
     const kld_stats& k = r.kld;
     j["kld"] = {{"base", k.base_desc}, {"top_k", k.top_k}, {"n", k.n},

@@ -103,6 +103,12 @@ struct perplexity_result {
   double kv_bytes_per_token = 0, kv_bytes_per_token_f16 = 0;
   double seconds = 0, tokens_per_s = 0;  // wall time of the evaluation (all caches evaluated)
   std::vector<double> chunk_ppl;         // running PPL after each chunk (as llama.cpp prints)
+  // The KL base file written (perplexity_params::kl_base_out; all 0 without one): its records (one
+  // per scored token: n_chunk x n_scored_per_chunk), their top_k (0: full vocabulary) and the
+  // file's bytes (magic, header and records).
+  int64_t kl_base_records = 0;
+  int kl_base_top_k = 0;
+  uint64_t kl_base_bytes = 0;
   // One report per certified cache the call created (the cache under test, then the --compare
   // one), taken after the last chunk (append_certified_report, certified.h); empty otherwise.
   std::vector<certified_report> certified;

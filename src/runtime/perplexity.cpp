@@ -397,7 +397,12 @@ perplexity_result perplexity(model& m, std::span<const int32_t> tokens, int32_t 
       r.kld.base_desc = "file " + p.kl_base_in + " (" + base_in->header().value("type_k", "?") + "/" +
                         base_in->header().value("type_v", "?") + ")";
   }
-  if (base_out) base_out->commit();
+  if (base_out) {
+    base_out->commit();
+    r.kl_base_records = (int64_t)r.n_chunk * n_scored;
+    r.kl_base_top_k = out_codec.top_k;
+    r.kl_base_bytes = base_out->bytes();
+  }
   if (kv_cache* c = eng.cpu_cache()) append_certified_report(*c, r.certified);
   if (ref_eng) append_certified_report(*ref_eng->cpu_cache(), r.certified);
   return r;

@@ -140,6 +140,7 @@ kl_file_writer::~kl_file_writer() {
 void kl_file_writer::write(const uint8_t* data, size_t n) {
   if (std::fwrite(data, 1, n, f_) != n)
     fail(errc::io, "[perplexity] write to '" + tmp_ + "' failed (disk full?)");
+  bytes_ += n;
 }
 
 void kl_file_writer::commit() {

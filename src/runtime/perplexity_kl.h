@@ -48,10 +48,12 @@ class kl_file_writer {
   ~kl_file_writer();
   void write(const uint8_t* data, size_t n);
   void commit();
+  uint64_t bytes() const { return bytes_; }  // written so far: magic, header and records
 
  private:
   std::string path_, tmp_;
   std::FILE* f_ = nullptr;
+  uint64_t bytes_ = 0;
 };
 
 // Reader: parses and checks the header and the file size up front.

@@ -206,8 +206,29 @@ TEST(Perplexity, KldEqualsFloat64ReferenceAndFileEqualsSideBySide) {
   const perplexity_result wr = perplexity(*l.m, l.ids, perplexity_bos(*l.tok), w);
   w.kl_base_out = base16;
   w.kl_top_k = 16;
-  perplexity(*l.m, l.ids, perplexity_bos(*l.tok), w);
+  const perplexity_result wr16 = perplexity(*l.m, l.ids, perplexity_bos(*l.tok), w);
   ASSERT_TRUE(fs::exists(base));
+  // What the result says was written: one record per scored token, the file's size on disk, which
+  // is the magic, the u32 header length and the header, then the records of the format
+  // (perplexity.h): f32 + f32[n_vocab] in full, f32 + (i32 + f32)[16] + f32 at top-16.
+  auto header_bytes = [](const std::string& path) {
+    std::ifstream f(path, std::ios::binary);
+    uint32_t n = 0;
+    f.seekg(8);
+    f.read(reinterpret_cast<char*>(&n), 4);
+    return 12 + (uint64_t)n;
+  };
+  EXPECT_EQ(wr.kl_base_records, (int64_t)n_chunk * (n_ctx / 2 - 1));
+  EXPECT_EQ(wr.kl_base_records, wr.ppl.n_scored);
+  EXPECT_EQ(wr.kl_base_top_k, 0);  // 512 tokens: full records
+  EXPECT_EQ(wr.kl_base_bytes, fs::file_size(base));
+  EXPECT_EQ(wr.kl_base_bytes, header_bytes(base) + (uint64_t)wr.kl_base_records * (4 + 4 * (uint64_t)V));
+  EXPECT_EQ(wr16.kl_base_records, wr.kl_base_records);
+  EXPECT_EQ(wr16.kl_base_top_k, 16);
+  EXPECT_EQ(wr16.kl_base_bytes, fs::file_size(base16));
+  EXPECT_EQ(wr16.kl_base_bytes, header_bytes(base16) + (uint64_t)wr16.kl_base_records * (4 + 16 * 8 + 4));
+  EXPECT_EQ(side.kl_base_bytes, 0u);  // no file, no figures
+  EXPECT_EQ(side.kl_base_records, 0);
   perplexity_params rd = p;
   rd.compare_type.reset();
   rd.kl_base_in = base;
@@ -408,6 +429,22 @@ TEST(Perplexity, CliRefusesKlBaseEqualToKlCompare) {
   const auto r = test::run_cmd({bin, "perplexity", "-m", mp, "-f", tp, "-c", "64", "--chunks", "1", "--kl-base", x,
                                 "--no-progress"});
   EXPECT_EQ(r.rc, 0) << r.err;
+  // one line confirms the file: its records (one per scored token: 64 / 2 - 1 in the one chunk) and
+  // its size on disk (it printed nothing before)
+  ASSERT_TRUE(fs::exists(x));
+  EXPECT_NE(r.out.find("KL base written to " + x + ": 31 records (1 chunks x 31 scored tokens, full vocabulary), " +
+                       std::to_string(fs::file_size(x)) + " bytes\n"),
+            std::string::npos)
+      << r.out;
+  fs::remove(x);
+  const auto rj = test::run_cmd(
+      {bin, "perplexity", "-m", mp, "-f", tp, "-c", "64", "--chunks", "1", "--kl-base", x, "--no-progress", "--json"});
+  ASSERT_EQ(rj.rc, 0) << rj.err;
+  const nlohmann::json out = nlohmann::json::parse(rj.out)["kl_base_out"];
+  EXPECT_EQ(out["path"], x);
+  EXPECT_EQ(out["records"], 31);
+  EXPECT_EQ(out["top_k"], 0);
+  EXPECT_EQ(out["bytes"].get<uint64_t>(), fs::file_size(x));
   const auto r2 = test::run_cmd({bin, "perplexity", "-m", mp, "-f", tp, "-c", "64", "--chunks", "1", "--kl-base",
                                  (dir / "y.kld").string(), "--kl-compare", x, "--no-progress"});
   EXPECT_EQ(r2.rc, 0) << r2.err;
