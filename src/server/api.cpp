@@ -80,8 +80,11 @@ chat_message parse_message(const json& m, size_t i) {
   const std::string where = "messages[" + std::to_string(i) + "]";
   if (!m.is_object()) fail_request(where, where + " must be an object, got " + type_name(m), "invalid_type");
   chat_message r;
-  const json* role = field(m, "role");
-  if (!role || !role->is_string()) fail_request(where + ".role", where + ".role must be a string", "invalid_type");
+  // a field left out is missing (as 'prompt' / 'messages' are); one of the wrong type, null included, says so
+  const auto role = m.find("role");
+  if (role == m.end()) fail_request(where + ".role", where + ".role is required", "missing_field");
+  if (!role->is_string())
+    fail_request(where + ".role", where + ".role must be a string, got " + type_name(*role), "invalid_type");
   r.role = role->get<std::string>();
   if (r.role != "system" && r.role != "user" && r.role != "assistant" && r.role != "developer")
     fail_request(where + ".role",
@@ -96,7 +99,10 @@ chat_message parse_message(const json& m, size_t i) {
     r.parts = {std::string()};
     return r;
   }
-  if (!content) fail_request(where + ".content", where + ".content is missing", "invalid_type");
+  if (!m.contains("content")) fail_request(where + ".content", where + ".content is required", "missing_field");
+  if (!content)
+    fail_request(where + ".content", where + ".content must be a string or a list of text parts, got null",
+                 "invalid_type");
   if (content->is_string()) {
     r.parts = {content->get<std::string>()};
   } else if (content->is_array()) {
@@ -175,18 +181,25 @@ completion_request parse_completion_request(const json& body, bool chat) {
   } else {
     const json* p = field(body, "prompt");
     if (!p) fail_request("prompt", "'prompt' is required", "missing_field");
+    // token ids: a list of numbers, or one such list in a list (OpenAI's list of token lists)
+    const json* ids = nullptr;
+    if (p->is_array() && !p->empty() && (*p)[0].is_number()) ids = p;
+    else if (p->is_array() && p->size() == 1 && (*p)[0].is_array() && !(*p)[0].empty() && (*p)[0][0].is_number())
+      ids = &(*p)[0];
     if (p->is_string()) {
       r.prompt = p->get<std::string>();
     } else if (p->is_array() && p->size() == 1 && (*p)[0].is_string()) {
       r.prompt = (*p)[0].get<std::string>();
-    } else if (p->is_array() && !p->empty() && (*p)[0].is_number()) {
+    } else if (ids) {
       r.prompt_is_ids = true;
-      for (const json& t : *p) {
+      for (const json& t : *ids) {
         const auto id = json_to_int64(t);
         if (!id || *id < 0 || *id > INT32_MAX)
           fail_request("prompt", "'prompt' token ids must be non-negative integers, got " + json_brief(t), "invalid_value");
         r.prompt_ids.push_back((int32_t)*id);
       }
+    } else if (p->is_array() && p->empty()) {
+      fail_request("prompt", "'prompt' is an empty list (give a string or a list of token ids)", "invalid_value");
     } else if (p->is_array() && p->size() > 1) {
       fail_request("prompt", "'prompt' as a list of " + std::to_string(p->size()) +
                                  " prompts is not supported (one prompt per request)", "invalid_value");

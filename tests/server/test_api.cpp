@@ -88,6 +88,18 @@ TEST(ServerApi, PromptAsTokenIds) {
   EXPECT_TRUE(r.prompt_is_ids);
   EXPECT_EQ(r.prompt_ids, (std::vector<int32_t>{1, 2, 3}));
   EXPECT_EQ(parse_completion_request(json::parse(R"({"prompt":["one"]})"), false).prompt, "one");
+  // OpenAI's prompt types include a list of token lists: one of them is one prompt (it was refused
+  // as "must be a string or a list of token ids"); two are two prompts, refused as ["a","b"] is
+  const auto nested = parse_completion_request(json::parse(R"({"prompt":[[4,5,6]]})"), false);
+  EXPECT_TRUE(nested.prompt_is_ids);
+  EXPECT_EQ(nested.prompt_ids, (std::vector<int32_t>{4, 5, 6}));
+  const api_error two = error_of(json::parse(R"({"prompt":[[1],[2]]})"), false);
+  EXPECT_EQ(two.param, "prompt");
+  EXPECT_NE(std::string(two.what()).find("list of 2 prompts"), std::string::npos) << two.what();
+  EXPECT_EQ(error_of(json::parse(R"({"prompt":[[1,-2]]})"), false).code, "invalid_value");
+  const api_error empty = error_of(json::parse(R"({"prompt":[]})"), false);
+  EXPECT_EQ(empty.code, "invalid_value");
+  EXPECT_NE(std::string(empty.what()).find("'prompt' is an empty list"), std::string::npos) << empty.what();
 }
 
 TEST(ServerApi, RejectsBadInputWithFieldAndStatus) {
@@ -260,6 +272,33 @@ TEST(ServerApi, WholeValuedFloatsAreIntegers) {
   EXPECT_FALSE(json_to_int64(json(0.5)).has_value());
   EXPECT_FALSE(json_to_int64(json("5")).has_value());
   EXPECT_FALSE(json_to_int64(json(true)).has_value());
+}
+
+// A message without its role or content says the field is missing (code missing_field, as a request
+// without 'prompt' or 'messages', and /tokenize without 'content'); it said "content is missing" with
+// code invalid_type, and "role must be a string" for a role left out. A null or a wrong type stays
+// invalid_type, naming the type; an assistant's content may be null or left out (OpenAI).
+TEST(ServerApi, MessageWithoutRoleOrContentSaysItIsMissing) {
+  struct bad {
+    const char *messages, *param, *code, *says;
+  };
+  for (const bad& c :
+       {bad{R"([{"role":"user"}])", "messages[0].content", "missing_field", "messages[0].content is required"},
+        bad{R"([{"role":"user","content":"a"},{"content":"b"}])", "messages[1].role", "missing_field",
+            "messages[1].role is required"},
+        bad{R"([{"role":"user","content":null}])", "messages[0].content", "invalid_type", "got null"},
+        bad{R"([{"role":null,"content":"a"}])", "messages[0].role", "invalid_type",
+            "messages[0].role must be a string, got null"},
+        bad{R"([{"role":5,"content":"a"}])", "messages[0].role", "invalid_type", "got number"}}) {
+    const api_error e = error_of(json::parse(std::string(R"({"messages":)") + c.messages + "}"), true);
+    EXPECT_EQ(e.status, 400) << c.messages;
+    EXPECT_EQ(e.param, c.param) << c.messages;
+    EXPECT_EQ(e.code, c.code) << c.messages << ": " << e.what();
+    EXPECT_NE(std::string(e.what()).find(c.says), std::string::npos) << e.what();
+  }
+  for (const char* ok : {R"([{"role":"assistant"}])", R"([{"role":"assistant","content":null}])"})
+    EXPECT_EQ(parse_completion_request(json::parse(std::string(R"({"messages":)") + ok + "}"), true).messages[0].parts,
+              std::vector<std::string>{""});
 }
 
 // The refusal of a role lists the roles accepted, all of them: each of OpenAI's roles either parses
