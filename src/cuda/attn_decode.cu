@@ -3,6 +3,7 @@
 // Grid (work item, kv head); 4 warps per block. A work item is a token range of one sequence
 // (split-KV); its 16-token chunks go round-robin to the warps, each with its own cp.async
 // pipeline and its own online-softmax state for the GQA group (<= 8 query heads, one MMA N tile).
+// q4 up to head_dim 128 takes the warp's chunks two per pipeline stage and softmax step.
 //   scores  S[head][tok] = mma.m16n8k32 s8: rotated Q quantized per K scale group (rows = heads;
 //           q4: int8, q8: int16 as two int8 MMAs, 254 hi + lo) x K codes (q4 nibbles unpacked by
 //           two LOPs: the code layout already matches the B fragment), per-block int32 dots read
@@ -67,13 +68,29 @@ struct cfg {
   static constexpr int PS = S::CB % 16 == 0 ? 16 : 8;               // cp.async piece
   static constexpr int PPR = S::CB / PS;
   static constexpr int SCALE_BYTES = kChunk * S::NS * 2;  // one side, one chunk
-  static constexpr int STAGE = 2 * kChunk * SR + 2 * SCALE_BYTES;
-  // f16: up to 4 stages in ~110 KB (2 blocks per SM); q8/q4: 4 stages (measured best, docs/perf.md)
+  static constexpr int SUB = 2 * kChunk * SR + 2 * SCALE_BYTES;  // one 16-token chunk in shared memory
+  // 16-token chunks per pipeline stage and online-softmax step. q4 up to head_dim 128 takes two: one
+  // wait, one row max and one rescale per 32 tokens, and the two chunks' scores and P·V in one
+  // basic block (docs/perf.md, "q4 in 32-token steps"); q8 / f16 (and q4 at 256) one.
+#ifndef KVQ_CUDA_Q4_SUB
+#define KVQ_CUDA_Q4_SUB 2
+#endif
+  static constexpr int NSUB = (F == dfmt::q4 && HD <= 128) ? KVQ_CUDA_Q4_SUB : 1;
+  static constexpr int STAGE = NSUB * SUB;
+  // f16: up to 4 stages in ~110 KB (2 blocks per SM); q8/q4: 4 stages (measured best, docs/perf.md);
+  // q4 in 32-token steps: 2 (one step, two chunks, ahead per warp; measured faster than 3, docs/perf.md)
   static constexpr int STAGES_FIT = 110 * 1024 / (kWarps * STAGE);
 #ifndef KVQ_CUDA_Q_STAGES
 #define KVQ_CUDA_Q_STAGES 4
 #endif
-  static constexpr int STAGES = F != dfmt::f16 ? KVQ_CUDA_Q_STAGES : STAGES_FIT < 2 ? 2 : STAGES_FIT > 4 ? 4 : STAGES_FIT;
+#ifndef KVQ_CUDA_Q4_STAGES
+#define KVQ_CUDA_Q4_STAGES 2
+#endif
+  static constexpr int STAGES = F == dfmt::f16 ? (STAGES_FIT < 2   ? 2
+                                                  : STAGES_FIT > 4 ? 4
+                                                                   : STAGES_FIT)
+                                : NSUB > 1     ? KVQ_CUDA_Q4_STAGES
+                                               : KVQ_CUDA_Q_STAGES;
   static constexpr int PIPE = kWarps * STAGES * STAGE;
   static constexpr int EPI = kWarps * kMaxGroup * HD * 4 + kWarps * kMaxGroup * 8;
   static constexpr int REGION0 = (PIPE > EPI ? PIPE : EPI + 15) / 16 * 16;
@@ -88,7 +105,11 @@ struct cfg {
 #ifndef KVQ_CUDA_Q4_MIN_BLOCKS
 #define KVQ_CUDA_Q4_MIN_BLOCKS (HD <= 64 ? 4 : 3)
 #endif
-  static constexpr int MIN_BLOCKS = (F == dfmt::q4 && HD <= 128) ? KVQ_CUDA_Q4_MIN_BLOCKS : 1;
+  // q8 at head_dim 128 is held to 3 blocks per SM as well (<= 168 registers: the compiler's choice
+  // was 168 before the two-chunk q4 loop, 179 with its shared code, i.e. 2 blocks)
+  static constexpr int MIN_BLOCKS = (F == dfmt::q4 && HD <= 128)   ? KVQ_CUDA_Q4_MIN_BLOCKS
+                                    : (F == dfmt::q8 && HD == 128) ? 3
+                                                                   : 1;
 };
 
 // The f16 scales of one token row as packed 32-bit words (NS = 1, 3: assembled from 16-bit loads).
@@ -123,12 +144,28 @@ __device__ __forceinline__ void load_scale_words(const uint8_t* sp, uint32_t (&w
 __host__ __device__ constexpr unsigned q4_pair_sel(int b) {
   return (unsigned)(b | b << 4 | (4 + b) << 8 | (4 + b) << 12);
 }
+// (a & m) | c as one LOP3: written in C with two immediates, the compiler emits two (SASS LOP3 takes
+// one immediate; here it keeps the other constant in a register).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t m, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(m), "r"(c));
+  return d;
+}
+// cp.async of 16 bytes where p holds, predicated rather than branched around.
+__device__ __forceinline__ void cp_async16_if(void* dst, const void* src, bool p) {
+  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"((int)p)
+               : "memory");
+}
 // Low nibble u of each 16-bit lane -> f16 (u - 8): 0x6400 | u is 1024 + u, minus 1032, exact.
-__device__ __forceinline__ uint32_t q4_lo_f16(uint32_t pr) { return hsub2_u32((pr & 0x000F000Fu) | 0x64006400u, 0x64086408u); }
+__device__ __forceinline__ uint32_t q4_lo_f16(uint32_t pr) {
+  return hsub2_u32(and_or(pr, 0x000F000Fu, 0x64006400u), 0x64086408u);
+}
 // High nibble u of each lane's low byte -> f16 (u - 8): 0x6400 | 16 u is 1024 + 16 u; times 1/16
 // (0x2C00) minus 72 (0xD480) is u - 8, exact (one fused rounding of an exact value).
 __device__ __forceinline__ uint32_t q4_hi_f16(uint32_t pr) {
-  const uint32_t x = (pr & 0x00F000F0u) | 0x64006400u;
+  const uint32_t x = and_or(pr, 0x00F000F0u, 0x64006400u);
   const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&x), __halves2half2(__ushort_as_half(0x2C00), __ushort_as_half(0x2C00)),
                             __halves2half2(__ushort_as_half(0xD480), __ushort_as_half(0xD480)));
   return *reinterpret_cast<const uint32_t*>(&r);
@@ -151,6 +188,7 @@ template <dfmt F, int HD>
 __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kernel(decode_args a) {
   using S = shape<F, HD>;
   using C = cfg<F, HD>;
+  constexpr int NSUB = C::NSUB;
   extern __shared__ __align__(16) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   for (int work = blockIdx.x; work < a.n_work; work += gridDim.x) {
@@ -158,19 +196,30 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
   const int seq = it.x, t0 = it.y, t1 = it.z, h = work % a.n_kv_head;
   const int nchunk = (t1 - t0 + kChunk - 1) / kChunk;
   const int my_chunks = nchunk > warp ? (nchunk - warp + kWarps - 1) / kWarps : 0;
+  const int my_steps = (my_chunks + NSUB - 1) / NSUB;  // pipeline stages / softmax steps of NSUB chunks
   const int32_t* pages = a.indices + it.w;
   const uint8_t* head_base = a.pool + (int64_t)h * a.geo.head_bytes;
   uint8_t* wbuf = smem + warp * C::STAGES * C::STAGE;
-  // Page ids of this warp's chunks [pg_base, pg_base + 32), one per lane (read 32 at a time, so the
-  // chunk loop never waits on a page-table load).
-  int pg_cache = 0, pg_base = -64;
-  auto page_of = [&](int i) {  // warp-uniform, i non-decreasing
-    if (i >= pg_base + 32) {
-      pg_base = i;
-      const int ii = i + lane;
-      pg_cache = ii < my_chunks ? pages[(t0 + (warp + ii * kWarps) * kChunk) >> a.geo.page_shift] : 0;
+  auto chunk_tok = [&](int c) { return t0 + (warp + c * kWarps) * kChunk; };  // first token of chunk c
+  // Page ids of this warp's chunks [32 b, 32 b + 32) (pg_cur) and of the next 32 (pg_nxt), one per
+  // lane: a block's page-table load is issued 32 chunks before its first use, so no issue waits on it.
+  auto pg_load = [&](int b) {
+    const int c = 32 * b + lane;
+    return c < my_chunks ? pages[chunk_tok(c) >> a.geo.page_shift] : 0;
+  };
+  int pg_cur = pg_load(0), pg_nxt = pg_load(1);
+  auto page_of = [&](int c) {  // warp-uniform; called for c = 0, 1, 2, ... in order
+    if ((c & 31) == 0 && c > 0) {
+      pg_cur = pg_nxt;
+      pg_nxt = pg_load((c >> 5) + 1);
     }
-    return __shfl_sync(kFull, pg_cache, (i - pg_base) & 31);
+    return __shfl_sync(kFull, pg_cur, c & 31);
+  };
+  // pages of the next stage to issue, looked up one stage ahead (the shuffle's latency off the issue)
+  int pg_next[NSUB];
+  auto fetch_pages = [&](int j) {
+#pragma unroll
+    for (int u = 0; u < NSUB; ++u) pg_next[u] = j * NSUB + u < my_chunks ? page_of(j * NSUB + u) : 0;
   };
 
   // Full chunks (all but an item's last) are kChunk consecutive rows of one page, so piece p (PS bytes)
@@ -187,57 +236,70 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
   const int lane_sd = 2 * kChunk * C::SR + (lane_vs ? C::SCALE_BYTES + 16 * (lane - NSP) : 16 * lane);
   const uint32_t page_bytes = (uint32_t)a.geo.page_bytes;  // < 2^32 (paged_kv_geometry_of)
 
-  // Loads this warp's i-th chunk into stage i % STAGES (one commit group, possibly empty).
-  auto issue = [&](int i) {
-    const uint32_t page = (uint32_t)page_of(i);
-    if (i < my_chunks) {
-      const int tok = t0 + (warp + i * kWarps) * kChunk;
-      const int nvalid = min(kChunk, t1 - tok);
-      const int off = tok & (a.geo.page_size - 1);
-      uint8_t* dst = wbuf + (i % C::STAGES) * C::STAGE;
-      if (nvalid == kChunk) {
-        const uint64_t co = (uint64_t)page * page_bytes + (uint32_t)(off * S::CB);
-        const uint8_t* ks = lane_k + co;
-        const uint8_t* vs = lane_v + co;
+  // Loads this warp's stage j (chunks j * NSUB + u) into buffer j % STAGES (one commit group, possibly
+  // empty), then looks up the pages of stage j + 1.
+  auto issue = [&](int j) {
+    uint8_t* const sdst = wbuf + (j % C::STAGES) * C::STAGE;
 #pragma unroll
-        for (int it = 0; it < (NP + 31) / 32; ++it) {
-          const int p = lane + 32 * it;
-          if (NP % 32 == 0 || p < NP) {
-            uint8_t* d = dst + (p / C::PPR) * C::SR + (p % C::PPR) * C::PS;
-            cp_async<C::PS>(d, ks + 32 * it * C::PS, true);
-            cp_async<C::PS>(d + kChunk * C::SR, vs + 32 * it * C::PS, true);
+    for (int u = 0; u < NSUB; ++u) {
+      const int c = j * NSUB + u;
+      uint8_t* dst = sdst + u * C::SUB;
+      if (c < my_chunks) {
+        const uint32_t page = (uint32_t)pg_next[u];
+        const int tok = chunk_tok(c);
+        const int nvalid = min(kChunk, t1 - tok);
+        const int off = tok & (a.geo.page_size - 1);
+        if (nvalid == kChunk) {
+          const uint64_t co = (uint64_t)page * page_bytes + (uint32_t)(off * S::CB);
+          const uint8_t* ks = lane_k + co;
+          const uint8_t* vs = lane_v + co;
+#pragma unroll
+          for (int it = 0; it < (NP + 31) / 32; ++it) {
+            const int p = lane + 32 * it;
+            if (NP % 32 == 0 || p < NP) {
+              uint8_t* d = dst + (p / C::PPR) * C::SR + (p % C::PPR) * C::PS;
+              cp_async<C::PS>(d, ks + 32 * it * C::PS, true);
+              cp_async<C::PS>(d + kChunk * C::SR, vs + 32 * it * C::PS, true);
+            }
+          }
+          if constexpr (S::NS > 0)
+            cp_async16_if(dst + lane_sd, lane_s + ((uint64_t)page * page_bytes + (uint32_t)(off * S::NS * 2)),
+                          lane < 2 * NSP);
+        } else {  // the item's last, partial chunk: rows past the end zero-filled
+          const uint8_t* blk = head_base + (int64_t)page * a.geo.page_bytes;
+          for (int p = lane; p < NP; p += 32) {
+            const int r = p / C::PPR, jj = p % C::PPR;
+            const bool ok = r < nvalid;
+            const int64_t so = (int64_t)(off + (ok ? r : 0)) * S::CB + jj * C::PS;
+            cp_async<C::PS>(dst + r * C::SR + jj * C::PS, blk + a.geo.k_codes + so, ok);
+            cp_async<C::PS>(dst + (kChunk + r) * C::SR + jj * C::PS, blk + a.geo.v_codes + so, ok);
+          }
+          if constexpr (S::NS > 0) {  // plain copy, scales of missing rows zeroed
+            uint8_t* sd = dst + 2 * kChunk * C::SR;
+            const int64_t so = (int64_t)off * S::NS * 2;
+            const uint16_t* ks = reinterpret_cast<const uint16_t*>(blk + a.geo.k_scales + so);
+            const uint16_t* vs = reinterpret_cast<const uint16_t*>(blk + a.geo.v_scales + so);
+            for (int p = lane; p < kChunk * S::NS; p += 32) {
+              const bool ok = p / S::NS < nvalid;
+              reinterpret_cast<uint16_t*>(sd)[p] = ok ? ks[p] : (uint16_t)0;
+              reinterpret_cast<uint16_t*>(sd + C::SCALE_BYTES)[p] = ok ? vs[p] : (uint16_t)0;
+            }
           }
         }
-        if constexpr (S::NS > 0) {
-          if (lane < 2 * NSP)
-            cp_async<16>(dst + lane_sd, lane_s + ((uint64_t)page * page_bytes + (uint32_t)(off * S::NS * 2)), true);
-        }
-      } else {  // the item's last, partial chunk: rows past the end zero-filled
-        const uint8_t* blk = head_base + (int64_t)page * a.geo.page_bytes;
-        for (int p = lane; p < NP; p += 32) {
-          const int r = p / C::PPR, j = p % C::PPR;
-          const bool ok = r < nvalid;
-          const int64_t so = (int64_t)(off + (ok ? r : 0)) * S::CB + j * C::PS;
-          cp_async<C::PS>(dst + r * C::SR + j * C::PS, blk + a.geo.k_codes + so, ok);
-          cp_async<C::PS>(dst + (kChunk + r) * C::SR + j * C::PS, blk + a.geo.v_codes + so, ok);
-        }
-        if constexpr (S::NS > 0) {  // plain copy, scales of missing rows zeroed
-          uint8_t* sd = dst + 2 * kChunk * C::SR;
-          const int64_t so = (int64_t)off * S::NS * 2;
-          const uint16_t* ks = reinterpret_cast<const uint16_t*>(blk + a.geo.k_scales + so);
-          const uint16_t* vs = reinterpret_cast<const uint16_t*>(blk + a.geo.v_scales + so);
-          for (int p = lane; p < kChunk * S::NS; p += 32) {
-            const bool ok = p / S::NS < nvalid;
-            reinterpret_cast<uint16_t*>(sd)[p] = ok ? ks[p] : (uint16_t)0;
-            reinterpret_cast<uint16_t*>(sd + C::SCALE_BYTES)[p] = ok ? vs[p] : (uint16_t)0;
-          }
-        }
+      } else if (NSUB > 1 && j < my_steps) {
+        // a stage's chunk past the warp's last: its rows are masked out of the softmax (p = 0), but
+        // its V scales (uninitialised shared memory, possibly NaN) enter P' = p * scale: zeroed
+        if constexpr (S::NS > 0)
+          for (int p = lane; p < C::SCALE_BYTES / 4; p += 32)
+            reinterpret_cast<uint32_t*>(dst + 2 * kChunk * C::SR + C::SCALE_BYTES)[p] = 0u;
       }
     }
     cp_async_commit();
+    fetch_pages(j + 1);
   };
+  fetch_pages(0);
 #pragma unroll
-  for (int i = 0; i < C::STAGES - 1; ++i) issue(i);
+  for (int j = 0; j < C::STAGES - 1; ++j) issue(j);
 
   // ---- queries of the group: rotate (f32), then quantize per K scale group (as kv_cache_quant:
   // int16 for q8 K, int8 for q4 K; one scale per K group) or round to f16 ----
@@ -315,7 +377,9 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
   constexpr int NQ = F == dfmt::f16 ? HD / 16 : S::NB;
   constexpr int NL = Q16 ? S::NB : 1;
   uint32_t qa0[NQ], qa2[NQ], ql0[NL], ql2[NL];
-  int cinit[S::NB];
+  // q4: the -8 offset of the codes, 8 * (the block's query sum), enters through the float bias the
+  // block dot is read back with, so every score MMA starts from the same constant accumulator
+  float qbias[S::NB];
   float qsc[C::NQS];  // this thread's head's query scales, one per K scale group (NQS > 1)
   float sfac;
   if constexpr (F != dfmt::f16) {
@@ -340,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
           ql2[bb] = lds32(qr + kMaxGroup * HD + 16 + 4 * t);
         }
       }
-      cinit[bb] = kBias + (F == dfmt::q4 ? -8 * qsum[g * S::NB + bb] : 0);
+      qbias[bb] = kBiasF + (F == dfmt::q4 ? (float)(8 * qsum[g * S::NB + bb]) : 0.0f);  // exact (< 2^24)
     }
 #pragma unroll
     for (int k = 0; k < C::NQS; ++k) qsc[k] = qscale[g * C::NQS + k];
@@ -355,7 +419,7 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
     sfac = a.sm_scale_log2;
   }
 
-  // ---- main loop over this warp's chunks ----
+  // ---- main loop over this warp's stages of NSUB chunks ----
   float m_run = -INFINITY, d_run = 0.0f;
   float acc[C::MT][4];
 #pragma unroll
@@ -364,109 +428,132 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
   // q4 rows of this thread in the P·V tiles (pv_out_channels_q4): byte 2 mu + (g >> 2) of word g & 3
   // of each block, its low nibble in A row g and its high nibble in row g + 8 (one byte permute each)
   const unsigned q4_sel[2] = {q4_pair_sel(g >> 2), q4_pair_sel(2 + (g >> 2))};
+  // token rows of this thread's score / P columns: 2t, 2t+1, 8+2t, 9+2t
+  const int rows[4] = {2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
 
-  for (int i = 0; i < my_chunks; ++i) {
+  // ---- scores s[u][k] of row rows[k] of chunk u of stage i, head g (log2 units), unmasked ----
+  auto stage_raw = [&](int i, float(&s)[NSUB][4]) {
+    const uint8_t* stg = wbuf + (i % C::STAGES) * C::STAGE;
+#pragma unroll
+    for (int u = 0; u < NSUB; ++u) {
+      const uint8_t* kc = stg + u * C::SUB;
+      const uint8_t* ksc = kc + 2 * kChunk * C::SR;
+      if constexpr (F == dfmt::f16) {
+        float cc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        const uint8_t* base = kc + ((lane & 7) + 8 * (lane >> 4)) * C::SR + 16 * ((lane >> 3) & 1);
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ++ks) {
+          uint32_t r[4];
+          ldsm_x4(r, base + 32 * ks);
+          mma_f16(cc[0], qa0[ks], 0u, qa2[ks], 0u, r[0], r[1]);
+          mma_f16(cc[1], qa0[ks], 0u, qa2[ks], 0u, r[2], r[3]);
+        }
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          s[u][2 * n] = cc[n][0] * sfac;
+          s[u][2 * n + 1] = cc[n][1] * sfac;
+        }
+      } else {
+        uint32_t kw[4][(S::NS + 1) / 2];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) load_scale_words<S::NS>(ksc + rows[k] * S::NS * 2, kw[k]);
+        s[u][0] = s[u][1] = s[u][2] = s[u][3] = 0.0f;
+#pragma unroll
+        for (int bb = 0; bb < S::NB; ++bb) {
+          const bool last_partial = S::PARTIAL && bb == S::NB - 1;
+          const int si = S::scale_index(bb);
+#pragma unroll
+          for (int n = 0; n < 2; ++n) {
+            const uint8_t* row = kc + (8 * n + g) * C::SR;
+            uint32_t b0, b1;
+            if constexpr (F == dfmt::q4) {
+              const uint32_t w = (last_partial && t >= 2) ? 0u : lds32(row + 16 * bb + 4 * t);
+              b0 = w & 0x0F0F0F0Fu;
+              b1 = (w >> 4) & 0x0F0F0F0Fu;
+            } else {
+              b0 = lds32(row + 32 * bb + 4 * t);
+              b1 = last_partial ? 0u : lds32(row + 32 * bb + 16 + 4 * t);
+            }
+            // q4: one constant accumulator for every score MMA; q8 keeps (kBias, kBias, 0, 0), which
+            // its register allocation prefers
+            int cc[4] = {kBias, kBias, F == dfmt::q4 ? kBias : 0, F == dfmt::q4 ? kBias : 0};
+            mma_s8(cc, qa0[bb], 0u, qa2[bb], 0u, b0, b1);
+            // exact block dots: kBias + raw read as a float is 1.5 * 2^23 + raw, and qbias is 1.5 * 2^23
+            // + 8 * the query sum (q4), all integers below 2^24
+            float d0 = __int_as_float(cc[0]) - qbias[bb], d1 = __int_as_float(cc[1]) - qbias[bb];
+            if constexpr (Q16) {
+              // int16 query: dot = 254 dot(hi) + dot(lo), each |.| < 2^22 (exact through the bias);
+              // one FMA rounds the exact sum once, as the CPU's int32 -> float conversion does
+              int cl[4] = {kBias, kBias, 0, 0};
+              mma_s8(cl, ql0[bb], 0u, ql2[bb], 0u, b0, b1);
+              d0 = fmaf(254.0f, d0, __int_as_float(cl[0]) - kBiasF);
+              d1 = fmaf(254.0f, d1, __int_as_float(cl[1]) - kBiasF);
+            }
+            if constexpr (C::NQS > 1) {  // the query scale of this K scale group (NQS == 1: in sfac)
+              d0 *= qsc[si];
+              d1 *= qsc[si];
+            }
+            s[u][2 * n] = fmaf(scale_at(kw[2 * n], si), d0, s[u][2 * n]);
+            s[u][2 * n + 1] = fmaf(scale_at(kw[2 * n + 1], si), d1, s[u][2 * n + 1]);
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) s[u][k] *= sfac;
+      }
+    }
+  };
+  // softcap, rows past the item's end, rows before a sliding window
+  auto stage_mask = [&](int i, float(&s)[NSUB][4]) {
+#pragma unroll
+    for (int u = 0; u < NSUB; ++u) {
+      const int c = i * NSUB + u;
+      const int tok = chunk_tok(c);
+      const int nvalid = c < my_chunks ? min(kChunk, t1 - tok) : 0;
+      if (a.softcap_log2 > 0.0f) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) s[u][k] = softcap_log2(s[u][k], a.softcap_log2);
+      }
+      if (nvalid < kChunk) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (rows[k] >= nvalid) s[u][k] = -INFINITY;
+      }
+      if (a.seq_lo) {  // sliding window: rows before the first visible token of the sequence
+        const int skip = a.seq_lo[seq] - tok;
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (rows[k] < skip) s[u][k] = -INFINITY;
+      }
+    }
+  };
+
+  for (int i = 0; i < my_steps; ++i) {
     cp_async_wait<C::STAGES - 2>();
     __syncwarp();
     issue(i + C::STAGES - 1);
-    const uint8_t* kc = wbuf + (i % C::STAGES) * C::STAGE;
-    const uint8_t* vc = kc + kChunk * C::SR;
-    const uint8_t* ksc = kc + 2 * kChunk * C::SR;
-    const uint8_t* vsc = ksc + C::SCALE_BYTES;
-    const int tok = t0 + (warp + i * kWarps) * kChunk;
-    const int nvalid = min(kChunk, t1 - tok);
-    // token rows of this thread's score / P columns: 2t, 2t+1, 8+2t, 9+2t
-    const int rows[4] = {2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
+    float s[NSUB][4];
+    stage_raw(i, s);
+    stage_mask(i, s);
+    const uint8_t* stg = wbuf + (i % C::STAGES) * C::STAGE;
 
-    float s[2][2];
-    if constexpr (F == dfmt::f16) {
-      float cc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-      const uint8_t* base = kc + ((lane & 7) + 8 * (lane >> 4)) * C::SR + 16 * ((lane >> 3) & 1);
+    // ---- online softmax (log2 domain) over the stage's NSUB chunks, one row (head g) per 4 lanes ----
+    float mx = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[0][2], s[0][3]));
 #pragma unroll
-      for (int ks = 0; ks < HD / 16; ++ks) {
-        uint32_t r[4];
-        ldsm_x4(r, base + 32 * ks);
-        mma_f16(cc[0], qa0[ks], 0u, qa2[ks], 0u, r[0], r[1]);
-        mma_f16(cc[1], qa0[ks], 0u, qa2[ks], 0u, r[2], r[3]);
-      }
-#pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        s[n][0] = cc[n][0] * sfac;
-        s[n][1] = cc[n][1] * sfac;
-      }
-    } else {
-      uint32_t kw[4][(S::NS + 1) / 2];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) load_scale_words<S::NS>(ksc + rows[k] * S::NS * 2, kw[k]);
-      s[0][0] = s[0][1] = s[1][0] = s[1][1] = 0.0f;
-#pragma unroll
-      for (int bb = 0; bb < S::NB; ++bb) {
-        const bool last_partial = S::PARTIAL && bb == S::NB - 1;
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-          const uint8_t* row = kc + (8 * n + g) * C::SR;
-          uint32_t b0, b1;
-          if constexpr (F == dfmt::q4) {
-            const uint32_t w = (last_partial && t >= 2) ? 0u : lds32(row + 16 * bb + 4 * t);
-            b0 = w & 0x0F0F0F0Fu;
-            b1 = (w >> 4) & 0x0F0F0F0Fu;
-          } else {
-            b0 = lds32(row + 32 * bb + 4 * t);
-            b1 = last_partial ? 0u : lds32(row + 32 * bb + 16 + 4 * t);
-          }
-          int cc[4] = {cinit[bb], cinit[bb], 0, 0};
-          mma_s8(cc, qa0[bb], 0u, qa2[bb], 0u, b0, b1);
-          float d0 = __int_as_float(cc[0]) - kBiasF, d1 = __int_as_float(cc[1]) - kBiasF;  // exact block dots
-          if constexpr (Q16) {
-            // int16 query: dot = 254 dot(hi) + dot(lo), each |.| < 2^22 (exact through the bias);
-            // one FMA rounds the exact sum once, as the CPU's int32 -> float conversion does
-            int cl[4] = {kBias, kBias, 0, 0};
-            mma_s8(cl, ql0[bb], 0u, ql2[bb], 0u, b0, b1);
-            d0 = fmaf(254.0f, d0, __int_as_float(cl[0]) - kBiasF);
-            d1 = fmaf(254.0f, d1, __int_as_float(cl[1]) - kBiasF);
-          }
-          const int si = S::scale_index(bb);
-          if constexpr (C::NQS > 1) {  // the query scale of this K scale group (NQS == 1: in sfac)
-            d0 *= qsc[si];
-            d1 *= qsc[si];
-          }
-          s[n][0] = fmaf(scale_at(kw[2 * n], si), d0, s[n][0]);
-          s[n][1] = fmaf(scale_at(kw[2 * n + 1], si), d1, s[n][1]);
-        }
-      }
-#pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        s[n][0] *= sfac;
-        s[n][1] *= sfac;
-      }
-    }
-    if (a.softcap_log2 > 0.0f) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) s[k >> 1][k & 1] = softcap_log2(s[k >> 1][k & 1], a.softcap_log2);
-    }
-    if (nvalid < kChunk) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (rows[k] >= nvalid) s[k >> 1][k & 1] = -INFINITY;
-    }
-    if (a.seq_lo) {  // sliding window: rows before the first visible token of the sequence
-      const int skip = a.seq_lo[seq] - tok;
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (rows[k] < skip) s[k >> 1][k & 1] = -INFINITY;
-    }
-
-    // ---- online softmax (log2 domain), one row (head g) per 4 lanes ----
-    float mx = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+    for (int u = 1; u < NSUB; ++u) mx = fmaxf(mx, fmaxf(fmaxf(s[u][0], s[u][1]), fmaxf(s[u][2], s[u][3])));
     mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
     const float m_new = fmaxf(m_run, mx);
     const float m_use = m_new == -INFINITY ? 0.0f : m_new;
     const float alpha = ex2(m_run - m_use);
-    float p[4];
+    float p[NSUB][4];
+    float psum = 0.0f;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) p[k] = ex2(s[k >> 1][k & 1] - m_use);
-    d_run = d_run * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
+    for (int u = 0; u < NSUB; ++u) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) p[u][k] = ex2(s[u][k] - m_use);
+      psum += (p[u][0] + p[u][1]) + (p[u][2] + p[u][3]);
+    }
+    d_run = d_run * alpha + psum;
     m_run = m_new;
     if (__any_sync(kFull, alpha != 1.0f)) {  // lazy rescale: skipped once the maxima settle
       const float al0 = __shfl_sync(kFull, alpha, 8 * t), al1 = __shfl_sync(kFull, alpha, 8 * t + 4);
@@ -481,19 +568,26 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
 
     // ---- P·V ----
     if constexpr (F == dfmt::f16) {
-      const uint32_t pb0 = pack_half2(p[0], p[1]), pb1 = pack_half2(p[2], p[3]);
-      const uint8_t* base = vc + ((lane & 7) + 8 * (lane >> 4)) * C::SR + 16 * ((lane >> 3) & 1);
 #pragma unroll
-      for (int mt = 0; mt < C::MT; ++mt) {
-        uint32_t r[4];
-        ldsm_x4_trans(r, base + 32 * mt);
-        mma_f16(acc[mt], r[0], r[1], r[2], r[3], pb0, pb1);
+      for (int u = 0; u < NSUB; ++u) {
+        const uint32_t pb0 = pack_half2(p[u][0], p[u][1]), pb1 = pack_half2(p[u][2], p[u][3]);
+        const uint8_t* vc = stg + u * C::SUB + kChunk * C::SR;
+        const uint8_t* base = vc + ((lane & 7) + 8 * (lane >> 4)) * C::SR + 16 * ((lane >> 3) & 1);
+#pragma unroll
+        for (int mt = 0; mt < C::MT; ++mt) {
+          uint32_t r[4];
+          ldsm_x4_trans(r, base + 32 * mt);
+          mma_f16(acc[mt], r[0], r[1], r[2], r[3], pb0, pb1);
+        }
       }
     } else {
       if (i == 0) {  // exact power of two that brings this warp's V scales near 1 in f16
         float vmax = 0.0f;
-        for (int k = lane; k < kChunk * S::NS; k += 32)
-          vmax = fmaxf(vmax, __half2float(reinterpret_cast<const __half*>(vsc)[k]));
+        for (int k = lane; k < NSUB * kChunk * S::NS; k += 32) {
+          const int u = k / (kChunk * S::NS), kk = k % (kChunk * S::NS);
+          const uint8_t* vsc = stg + u * C::SUB + 2 * kChunk * C::SR + C::SCALE_BYTES;
+          vmax = fmaxf(vmax, __half2float(reinterpret_cast<const __half*>(vsc)[kk]));
+        }
         vmax = warp_max(vmax);
         int e = 0;
         if (vmax > 0.0f) frexpf(vmax, &e);
@@ -501,48 +595,53 @@ __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kerne
         pscale = ldexpf(1.0f, -e);
         inv_pscale = ldexpf(1.0f, e);
       }
-      // P' = f16(p * 2^-e) * f16 V scale, in f16x2 (two roundings of 2^-11: far below the 1e-3 budget)
-      const uint32_t ph01 = pack_half2(p[0] * pscale, p[1] * pscale), ph23 = pack_half2(p[2] * pscale, p[3] * pscale);
-      uint32_t vw[4][(S::NS + 1) / 2];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) load_scale_words<S::NS>(vsc + rows[k] * S::NS * 2, vw[k]);
+      for (int u = 0; u < NSUB; ++u) {
+        const uint8_t* vc = stg + u * C::SUB + kChunk * C::SR;
+        const uint8_t* vsc = vc + kChunk * C::SR + C::SCALE_BYTES;
+        // P' = f16(p * 2^-e) * f16 V scale, in f16x2 (two roundings of 2^-11: far below the 1e-3 budget)
+        const uint32_t ph01 = pack_half2(p[u][0] * pscale, p[u][1] * pscale),
+                       ph23 = pack_half2(p[u][2] * pscale, p[u][3] * pscale);
+        uint32_t vw[4][(S::NS + 1) / 2];
 #pragma unroll
-      for (int bb = 0; bb < S::NB; ++bb) {
-        const int si = S::scale_index(bb);
-        const unsigned sel = (si & 1) ? 0x7632u : 0x5410u;
-        const uint32_t pb0 = hmul2_u32(ph01, __byte_perm(vw[0][si >> 1], vw[1][si >> 1], sel));
-        const uint32_t pb1 = hmul2_u32(ph23, __byte_perm(vw[2][si >> 1], vw[3][si >> 1], sel));
-        const bool last_partial = S::PARTIAL && bb == S::NB - 1;
-        uint32_t w[4];
+        for (int k = 0; k < 4; ++k) load_scale_words<S::NS>(vsc + rows[k] * S::NS * 2, vw[k]);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const uint8_t* row = vc + rows[k] * C::SR;
-          if constexpr (F == dfmt::q4)
-            w[k] = (last_partial && (g & 3) >= 2) ? 0u : lds32(row + 16 * bb + 4 * (g & 3));
-          else
-            w[k] = (last_partial && g >= 4) ? 0u : lds32(row + 32 * bb + 4 * g);
-        }
+        for (int bb = 0; bb < S::NB; ++bb) {
+          const int si = S::scale_index(bb);
+          const unsigned sel = (si & 1) ? 0x7632u : 0x5410u;
+          const uint32_t pb0 = hmul2_u32(ph01, __byte_perm(vw[0][si >> 1], vw[1][si >> 1], sel));
+          const uint32_t pb1 = hmul2_u32(ph23, __byte_perm(vw[2][si >> 1], vw[3][si >> 1], sel));
+          const bool last_partial = S::PARTIAL && bb == S::NB - 1;
+          uint32_t w[4];
 #pragma unroll
-        for (int mu = 0; mu < 2; ++mu) {
-          uint32_t x[4];
-          if constexpr (F == dfmt::q4) {
-            // one byte of tokens (2t, 2t+1) and of (8+2t, 9+2t); A rows g <- its low nibbles (x[0],
-            // x[2]), g + 8 <- its high nibbles (x[1], x[3]), both exact f16 (u - 8)
-            const uint32_t pa = __byte_perm(w[0], w[1], q4_sel[mu]), pb = __byte_perm(w[2], w[3], q4_sel[mu]);
-            x[0] = q4_lo_f16(pa);
-            x[1] = q4_hi_f16(pa);
-            x[2] = q4_lo_f16(pb);
-            x[3] = q4_hi_f16(pb);
-          } else {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-              // r: 0 = (tokens 2t, 2t+1; byte 2mu), 1 = (same tokens; byte 2mu+1), 2, 3 = tokens 8+2t, 9+2t
-              const uint32_t pr = pair_bytes(w[(r >> 1) * 2], w[(r >> 1) * 2 + 1], 2 * mu + (r & 1));
-              x[r] = hsub2_u32((pr & 0x00FF00FFu) ^ 0x64806480u, 0x64806480u);
-            }
+          for (int k = 0; k < 4; ++k) {
+            const uint8_t* row = vc + rows[k] * C::SR;
+            if constexpr (F == dfmt::q4)
+              w[k] = (last_partial && (g & 3) >= 2) ? 0u : lds32(row + 16 * bb + 4 * (g & 3));
+            else w[k] = (last_partial && g >= 4) ? 0u : lds32(row + 32 * bb + 4 * g);
           }
-          // A rows (q8): g <- byte 2mu (x[0] tokens 2t.., x[2] tokens 8+2t..), g + 8 <- byte 2mu + 1
-          mma_f16(acc[2 * bb + mu], x[0], x[1], x[2], x[3], pb0, pb1);
+#pragma unroll
+          for (int mu = 0; mu < 2; ++mu) {
+            uint32_t x[4];
+            if constexpr (F == dfmt::q4) {
+              // one byte of tokens (2t, 2t+1) and of (8+2t, 9+2t); A rows g <- its low nibbles (x[0],
+              // x[2]), g + 8 <- its high nibbles (x[1], x[3]), both exact f16 (u - 8)
+              const uint32_t pa = __byte_perm(w[0], w[1], q4_sel[mu]), pb = __byte_perm(w[2], w[3], q4_sel[mu]);
+              x[0] = q4_lo_f16(pa);
+              x[1] = q4_hi_f16(pa);
+              x[2] = q4_lo_f16(pb);
+              x[3] = q4_hi_f16(pb);
+            } else {
+#pragma unroll
+              for (int r = 0; r < 4; ++r) {
+                // r: 0 = (tokens 2t, 2t+1; byte 2mu), 1 = (same tokens; byte 2mu+1), 2, 3 = tokens 8+2t, 9+2t
+                const uint32_t pr = pair_bytes(w[(r >> 1) * 2], w[(r >> 1) * 2 + 1], 2 * mu + (r & 1));
+                x[r] = hsub2_u32((pr & 0x00FF00FFu) ^ 0x64806480u, 0x64806480u);
+              }
+            }
+            // A rows (q8): g <- byte 2mu (x[0] tokens 2t.., x[2] tokens 8+2t..), g + 8 <- byte 2mu + 1
+            mma_f16(acc[2 * bb + mu], x[0], x[1], x[2], x[3], pb0, pb1);
+          }
         }
       }
     }
