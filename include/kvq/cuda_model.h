@@ -123,6 +123,25 @@ class model_runner {
   // NaN/Inf (checked on the device when only argmax is asked for).
   void decode(std::span<const int32_t> seq_ids, std::span<const int32_t> tokens, float* logits, int32_t* argmax);
 
+  // One step of a server's continuous batching: decode rows and a prompt piece in one pass over the
+  // layers (one embedding, norm, RoPE, append and activation kernel per layer for all rows).
+  // tokens / seq_ids [n]: rows [0, n_decode) one token each of distinct sequences at their next
+  // position (as decode()), rows [n_decode, n) a piece of one other sequence continuing what it
+  // holds (as forward()); output [n - n_decode]: the piece's flags (empty: its last token). Every
+  // row's result equals what decode() and forward() return run apart, bit for bit: the weight
+  // products run as two GEMMs (the decode rows, the piece's rows: each the row count it has apart, so
+  // cuBLAS picks the same kernel) and each part's attention through the plan it gets apart (the
+  // decode kernel's plan over the decode rows; the piece's prefill or per-token plan); the other
+  // kernels work row by row. logits: host [rows][n_vocab], the decode rows then the piece's output
+  // rows; argmax: nullptr or host [n_decode]: the decode rows' greedy ids (as decode()) and then only
+  // the piece's rows of `logits` are written. Returns the rows (n_decode + the piece's output rows).
+  // Not one pass (decode() then forward(), the same results): KIVI (its prompt chunks attend in
+  // query tiles of one sequence). n_decode == 0: forward(). Throws invalid_input (nothing appended)
+  // for what decode() and forward() refuse, n > max_batch, n_decode outside [0, n), a second
+  // sequence among the piece's rows or the piece's sequence among the decode rows.
+  int step(std::span<const int32_t> seq_ids, std::span<const int32_t> tokens, int n_decode,
+           std::span<const uint8_t> output, float* logits, int32_t* argmax);
+
   // CUDA graphs for decode() (off by default): a step's ~11 launches per layer are captured into one
   // graph and replayed with one launch. All its buffers are fixed and its tables are rewritten in
   // place before each step, so the next step of the same batch size replays the graph as it is when

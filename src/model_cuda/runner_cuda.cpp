@@ -96,13 +96,25 @@ struct model_runner::impl {
     e.cap = sink;
     return e;
   }
-  exact_window_view sink_view(int il) const {
+  // A part of a step's attention (run()): query rows [row0, row0 + rows) through one plan whose
+  // page-table entries start at indptr[ptr0], indices[ind0] and last / ex_len[ent0]; per token (one
+  // entry a row) or tiled (one entry: the rows are a prompt chunk of one sequence).
+  struct attn_part {
+    int row0 = 0, rows = 0, entries = 0, ptr0 = 0, ind0 = 0, ent0 = 0;
+    bool tiled = false;
+    const decode_plan* dplan = nullptr;
+    const prefill_plan* pplan = nullptr;
+  };
+  attn_part parts[2];
+  int n_parts = 0;
+  int n_dec = 0;  // model_runner::step: the batch's leading decode rows (their own part); 0 otherwise
+  exact_window_view sink_view(int il, const attn_part& a) const {
     exact_window_view w;
     w.k = sink_k + (size_t)il * n_seq * dkv * sink;
     w.v = sink_v + (size_t)il * n_seq * dkv * sink;
-    w.len = ex_len;
+    w.len = ex_len + a.ent0;
     w.cap = sink;
-    w.slot = tok_seq;  // entry t: token t's sequence (decode_plan), entry 0: the chunk's (prefill_plan)
+    w.slot = tok_seq + a.row0;  // entry t: token t's sequence (decode_plan), entry 0: the chunk's (prefill_plan)
     return w;
   }
   float* stage_k(int il) const { return stage + (size_t)il * 2 * n_seq * cal_n * dkv; }
@@ -318,7 +330,7 @@ struct model_runner::impl {
     pos = alloc<int32_t>(B);
     rows = alloc<int32_t>(B);
     argmax = alloc<int32_t>(B);
-    indptr = alloc<int32_t>(B + 1);
+    indptr = alloc<int32_t>(B + 2);  // a mixed step's two parts: B entries, 2 leading zeros
     indices = alloc<int32_t>((size_t)B * pages_per_seq);
     last = alloc<int32_t>(B);
     slots = alloc<int64_t>(B);
@@ -374,10 +386,10 @@ struct model_runner::impl {
     }
     // the server sizes its pool from a --kv-budget with runner_layout's fixed bytes: they must be these
     KVQ_ASSERT(kv_bytes == (size_t)hp.n_layer * n_pages * geo.page_bytes + lay.fixed_bytes);
-    // tokens, pos, rows, last, tok_seq, ex_len [B] + indptr [B + 1] int32; slots, ex_slots [B] int64;
+    // tokens, pos, rows, last, tok_seq, ex_len [B] + indptr [B + 2] int32; slots, ex_slots [B] int64;
     // indices [B * pages_per_seq]; the calibrated sequences' rows, slots and sink slots [n_seq * cal_n]
     pin_bytes =
-        (size_t)(7 * B + 1) * 4 + (size_t)B * 16 + (size_t)B * pages_per_seq * 4 + (size_t)n_seq * cal_n * 20 + 160;
+        (size_t)(7 * B + 2) * 4 + (size_t)B * 16 + (size_t)B * pages_per_seq * 4 + (size_t)n_seq * cal_n * 20 + 160;
     if (kivi) pin_bytes += (size_t)B * 24 + (size_t)kv_groups_max * 16 + 64;  // gaps, moves, groups
     check_cuda(cudaMallocHost(&pin, pin_bytes), "cudaMallocHost");
   }
@@ -391,6 +403,13 @@ struct model_runner::impl {
     kv.indices = indices;
     kv.last_page_len = last;
     kv.batch = batch;
+    return kv;
+  }
+  paged_kv_view layer_view(int il, const attn_part& a) const {
+    paged_kv_view kv = layer_view(il, a.entries);
+    kv.indptr = indptr + a.ptr0;
+    kv.indices = indices + a.ind0;
+    kv.last_page_len = last + a.ent0;
     return kv;
   }
 
@@ -532,40 +551,44 @@ struct model_runner::impl {
     up(pos, h_pos.data(), n * sizeof(int32_t));
     up(rows, h_rows.data(), n_out * sizeof(int32_t));
     kivi_tables(true, up);
-    decode_params dp;
-    dp.n_head = hp.n_head;
-    dp.spec = attn_spec{hp.attn_scale};
-    dp.q_elem = kv_elem::f16;
-    dp.out_elem = kv_elem::f16;
+    decode_params dp = kv_decode_params();
     // a prompt chunk of one sequence: its queries in tiles that read each key tile once
     dp.kivi_tiles = tiled_prefill && n >= kKiviTilesMin &&
                     std::all_of(h_seq.begin(), h_seq.end(), [&](int32_t sq) { return sq == h_seq[0]; });
     const decode_plan plan(fmt, dp, h_indptr.data(), h_last.data(), n, kv_cap);
     n_tiled += dp.kivi_tiles;
-    enqueue(&plan, nullptr, n, n_out, ids != nullptr);
+    n_parts = 1;
+    parts[0] = attn_part{};
+    parts[0].rows = parts[0].entries = n;
+    parts[0].dplan = &plan;
+    enqueue(n, n_out, ids != nullptr);
     check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before the plan's buffers go
     kivi_step_done();
     for (int t = 0; t < n; ++t) seq_pos[h_seq[t]] = std::max(seq_pos[h_seq[t]], h_pos[t] + 1);
     finish(out, ids, n_out);
   }
 
-  // Logits / argmax of the step's output rows back to the host, checked for NaN / Inf.
+  // Logits / argmax of the step's output rows back to the host, checked for NaN / Inf: both for every
+  // row, except in a mixed step (n_dec > 0) with ids, where the decode rows [0, n_dec) give ids only and
+  // the others logits only (at their row of `out`).
   void finish(float* out, int32_t* ids, int n_out) {
-    const size_t n_logits = (size_t)n_out * hp.n_vocab;
-    if (out)
-      check_cuda(cudaMemcpyAsync(out, logits, n_logits * sizeof(float), cudaMemcpyDeviceToHost, stream),
+    const int n_ids = ids && n_dec > 0 ? n_dec : n_out, first = ids && n_dec > 0 ? n_dec : 0;
+    const size_t V = hp.n_vocab, n_logits = (size_t)(n_out - first) * V;
+    if (out && n_logits > 0)
+      check_cuda(cudaMemcpyAsync(out + first * V, logits + first * V, n_logits * sizeof(float),
+                                 cudaMemcpyDeviceToHost, stream),
                  "cudaMemcpy logits");
     int32_t* pin_ids = reinterpret_cast<int32_t*>(pin);  // the tables' uploads are done by then (stream order)
     if (ids)
-      check_cuda(cudaMemcpyAsync(pin_ids, argmax, n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream),
+      check_cuda(cudaMemcpyAsync(pin_ids, argmax, n_ids * sizeof(int32_t), cudaMemcpyDeviceToHost, stream),
                  "cudaMemcpy argmax");
     check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
     if (out)
-      for (size_t i = 0; i < n_logits; ++i)
-        if (!std::isfinite(out[i])) non_finite(i / hp.n_vocab);
+      for (size_t i = first * V; i < (size_t)n_out * V; ++i)
+        if (!std::isfinite(out[i])) non_finite(i / V);
     if (ids) {
-      std::memcpy(ids, pin_ids, n_out * sizeof(int32_t));
-      for (int r = 0; r < n_out; ++r)
+      std::memcpy(ids, pin_ids, n_ids * sizeof(int32_t));
+      for (int r = 0; r < n_ids; ++r)
         if (ids[r] < 0) non_finite((size_t)r);
     }
   }
@@ -593,48 +616,58 @@ struct model_runner::impl {
     for (int t = 0; t < n && cal_n > 0; ++t) (h_pos[t] < cal_n ? step_staged : step_paged) = true;
     // a step that calibrates launches more kernels than the others: run it directly
     graph_step = graph_step && h_cross.empty();
-    // a prompt chunk of one sequence (forward) through the tiled prefill kernel: one sequence whose
-    // pages hold positions [0, last + 1), the chunk being their last n positions (appended first).
-    // With the K channel scale its queries are scaled by the sequence's lambda (stat_row = tok_seq:
-    // entry 0 is the sequence) and those below cal_n are then attended by staged_attention, as on
-    // the per-token path.
-    bool tiled = !graph_step && tiled_prefill && n >= kTiledMin;
-    for (int t = 1; tiled && t < n; ++t) tiled = h_seq[t] == h_seq[0] && h_pos[t] == h_pos[0] + t;
-    const int n_tab = tiled ? 1 : n;  // page-table entries (sequences of the attention)
-    h_indptr.assign(n_tab + 1, 0);
-    h_last.assign(n_tab, 0);
+    // The attention of the step in up to two parts, each with its own plan and page-table entries:
+    // rows [0, n_dec) the decode rows of a mixed step (model_runner::step; n_dec = 0 otherwise), one
+    // entry per token; rows [n_dec, n) through the tiled prefill kernel when they are a prompt chunk
+    // of one sequence of >= kTiledMin tokens (one entry: a sequence whose pages hold positions [0,
+    // last + 1), the chunk being their last positions, appended first; with the K channel scale its
+    // queries are scaled by that sequence's lambda and those below cal_n then attended by
+    // staged_attention, as on the per-token path), else one entry per token. Each part's plan is the
+    // plan that part gets run alone, so a mixed step's rows equal decode() and forward() run apart.
+    const int n0 = graph_step ? 0 : n_dec;
+    bool tiled = !graph_step && tiled_prefill && n - n0 >= kTiledMin;
+    for (int t = n0 + 1; tiled && t < n; ++t) tiled = h_seq[t] == h_seq[n0] && h_pos[t] == h_pos[n0] + t - n0;
+    h_indptr.clear();
+    h_last.clear();
     h_indices.clear();
-    if (tiled) {
-      const int len = h_pos[n - 1] + 1;
-      const int np = (len + P - 1) / P;
-      const std::vector<int32_t>& pg = seq_pages[h_seq[0]];
-      h_indices.assign(pg.begin(), pg.begin() + np);
-      h_indptr[1] = np;
-      h_last[0] = len - (np - 1) * P;
-      h_ex_len.assign(1, std::min(sink, len));  // the prefill kernel shows query p the sink rows <= p
-    } else {
-      h_ex_len.resize(n);
-      for (int t = 0; t < n; ++t) h_ex_len[t] = std::min(sink, h_pos[t] + 1);
-    }
-    for (int t = 0; !tiled && t < n; ++t) {
-      // query t attends positions [0, pos_t] of its sequence: [0, sink) exact, the rest through its
+    h_ex_len.clear();
+    n_parts = 0;
+    auto add_part = [&](int t0, int t1, bool tl) {
+      attn_part& a = parts[n_parts++];
+      a = attn_part{};
+      a.row0 = t0;
+      a.rows = t1 - t0;
+      a.tiled = tl;
+      a.entries = tl ? 1 : t1 - t0;
+      a.ptr0 = (int)h_indptr.size();
+      a.ind0 = (int)h_indices.size();
+      a.ent0 = (int)h_last.size();
+      h_indptr.push_back(0);
+      // entry e attends positions [0, len) of sequence sq: [0, sink) exact, the rest through its
       // pages (compressed, as the CPU cache without an exact tail: kv_cache_quant's comp_rule with
-      // min_tail 0)
-      const int len = h_pos[t] + 1;
-      const int np = (len + P - 1) / P;
-      const std::vector<int32_t>& pg = seq_pages[h_seq[t]];
-      h_indices.insert(h_indices.end(), pg.begin(), pg.begin() + np);
-      h_indptr[t + 1] = (int32_t)h_indices.size();
-      h_last[t] = len - (np - 1) * P;
-    }
+      // min_tail 0); the prefill kernel shows query p the sink rows <= p
+      auto entry = [&](int sq, int len) {
+        const int np = (len + P - 1) / P;
+        const std::vector<int32_t>& pg = seq_pages[sq];
+        h_indices.insert(h_indices.end(), pg.begin(), pg.begin() + np);
+        h_indptr.push_back((int32_t)h_indices.size() - a.ind0);
+        h_last.push_back(len - (np - 1) * P);
+        h_ex_len.push_back(std::min(sink, len));
+      };
+      if (tl) entry(h_seq[t0], h_pos[t1 - 1] + 1);
+      else
+        for (int t = t0; t < t1; ++t) entry(h_seq[t], h_pos[t] + 1);
+    };
+    if (n0 > 0) add_part(0, n0, false);
+    add_part(n0, n, tiled);
     // the tables through pinned memory, asynchronously on the stream (ordered before the step)
     auto up = pinned_uploader();
     up(tokens, h_tok.data(), n * sizeof(int32_t));
     up(pos, h_pos.data(), n * sizeof(int32_t));
     up(rows, h_rows.data(), n_out * sizeof(int32_t));
-    up(indptr, h_indptr.data(), (n_tab + 1) * sizeof(int32_t));
+    up(indptr, h_indptr.data(), h_indptr.size() * sizeof(int32_t));
     up(indices, h_indices.data(), h_indices.size() * sizeof(int32_t));
-    up(last, h_last.data(), n_tab * sizeof(int32_t));
+    up(last, h_last.data(), h_last.size() * sizeof(int32_t));
     up(slots, h_slots.data(), n * sizeof(int64_t));
     up(tok_seq, h_seq.data(), n * sizeof(int32_t));
     up(cal_rows, h_cal_rows.data(), h_cal_rows.size() * sizeof(int32_t));
@@ -645,29 +678,13 @@ struct model_runner::impl {
       up(cal_ex_slots, h_cal_ex_slots.data(), h_cal_ex_slots.size() * sizeof(int64_t));
     }
 
-    decode_params dp;
-    dp.n_head = hp.n_head;
-    dp.spec = attn_spec{hp.attn_scale};
-    dp.q_elem = kv_elem::f16;
-    dp.out_elem = kv_elem::f16;
+    decode_params dp = kv_decode_params();
     dp.body_lo = sink;
     const bool want_ids = ids != nullptr;
 
-    if (tiled) {
-      prefill_params pp;
-      pp.n_head = hp.n_head;
-      pp.spec = attn_spec{hp.attn_scale};
-      pp.q_elem = kv_elem::f16;
-      pp.out_elem = kv_elem::f16;
-      pp.body_lo = sink;
-      const int32_t qo[2] = {0, n};
-      const prefill_plan plan(fmt, pp, qo, h_indptr.data(), h_last.data(), 1, sink);
-      enqueue(nullptr, &plan, n, n_out, want_ids);
-      check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before the plan's buffers go
-      ++n_tiled;
-    } else if (graph_step && gexec && g_n == n && g_n_out == n_out && g_ids == want_ids && g_staged == step_staged &&
-               (gplan != nullptr) == step_paged &&
-               (!step_paged || gplan->update(h_indptr.data(), h_last.data(), stream))) {
+    if (graph_step && gexec && g_n == n && g_n_out == n_out && g_ids == want_ids && g_staged == step_staged &&
+        (gplan != nullptr) == step_paged &&
+        (!step_paged || gplan->update(h_indptr.data(), h_last.data(), stream))) {
       // the same launches as the captured step (pointers fixed, tables and work items rewritten in
       // place): replay the graph as it is
       check_cuda(cudaGraphLaunch(gexec, stream), "cudaGraphLaunch");
@@ -675,10 +692,11 @@ struct model_runner::impl {
       // (no paged attention when every token is staged: no plan)
       auto plan =
           step_paged ? std::make_unique<decode_plan>(fmt, dp, h_indptr.data(), h_last.data(), n, sink) : nullptr;
+      parts[0].dplan = plan.get();
       cudaGraph_t g = nullptr;
       check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
       try {
-        enqueue(plan.get(), nullptr, n, n_out, want_ids);
+        enqueue(n, n_out, want_ids);
       } catch (...) {
         cudaStreamEndCapture(stream, &g);
         if (g) cudaGraphDestroy(g);
@@ -714,30 +732,73 @@ struct model_runner::impl {
       g_staged = step_staged;
       check_cuda(cudaGraphLaunch(gexec, stream), "cudaGraphLaunch");
     } else {
-      const auto plan =
-          step_paged ? std::make_unique<decode_plan>(fmt, dp, h_indptr.data(), h_last.data(), n, sink) : nullptr;
-      enqueue(plan.get(), nullptr, n, n_out, want_ids);
-      check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before the plan's buffers go
+      // each part's plan (none for a per-token part when every token is staged: staged_attention
+      // writes every row)
+      std::unique_ptr<decode_plan> dplans[2];
+      std::unique_ptr<prefill_plan> pplan;
+      for (int i = 0; i < n_parts; ++i) {
+        attn_part& a = parts[i];
+        if (a.tiled) {
+          prefill_params pp;
+          pp.n_head = hp.n_head;
+          pp.spec = attn_spec{hp.attn_scale};
+          pp.q_elem = kv_elem::f16;
+          pp.out_elem = kv_elem::f16;
+          pp.body_lo = sink;
+          const int32_t qo[2] = {0, a.rows};
+          pplan = std::make_unique<prefill_plan>(fmt, pp, qo, h_indptr.data() + a.ptr0, h_last.data() + a.ent0, 1,
+                                                 sink);
+          a.pplan = pplan.get();
+          ++n_tiled;
+        } else if (step_paged) {
+          dplans[i] = std::make_unique<decode_plan>(fmt, dp, h_indptr.data() + a.ptr0, h_last.data() + a.ent0,
+                                                    a.entries, sink);
+          a.dplan = dplans[i].get();
+        }
+      }
+      enqueue(n, n_out, want_ids);
+      check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before the plans' buffers go
     }
     for (int t = 0; t < n; ++t) seq_pos[h_seq[t]] = std::max(seq_pos[h_seq[t]], h_pos[t] + 1);
     finish(out, ids, n_out);
   }
 
+  // decode_params of this model's attention (f16 queries and outputs).
+  decode_params kv_decode_params() const {
+    decode_params dp;
+    dp.n_head = hp.n_head;
+    dp.spec = attn_spec{hp.attn_scale};
+    dp.q_elem = kv_elem::f16;
+    dp.out_elem = kv_elem::f16;
+    return dp;
+  }
+
+  // y [n][n_out] = x [n][n_in] . W^T as gemm(), rows [0, split) and [split, n) as two products when 0 <
+  // split < n: a mixed step's decode rows and prompt rows each see the row count they see apart (cuBLAS
+  // picks its kernel, and with it the summation order, by the shape).
+  void gemm_rows(const uint16_t* w, int64_t n_out, int64_t n_in, const uint16_t* xin, int n, float* y, int split) {
+    if (split <= 0 || split >= n) return gemm(w, n_out, n_in, xin, n, y);
+    gemm(w, n_out, n_in, xin, split, y);
+    gemm(w, n_out, n_in, xin + (size_t)split * n_in, n - split, y + (size_t)split * n_out);
+  }
+
   // The step's kernels and products on `stream` (src/model/arch/llama.cpp's graph); attention through
-  // dplan (one page-table entry per token) or pplan (one entry: the tokens are a prompt chunk), or
-  // neither when every token is staged (!step_paged: staged_attention writes every row).
-  void enqueue(const decode_plan* dplan, const prefill_plan* pplan, int n, int n_out, bool want_ids) {
+  // the plans of parts[0, n_parts) (a part without a plan: every token staged, !step_paged,
+  // staged_attention writes every row).
+  void enqueue(int n, int n_out, bool want_ids) {
     const int64_t E = hp.n_embd, F = hp.n_ff;
     void* st = stream;
+    // a mixed step's products in two row groups (gemm_rows); its output rows: the decode rows first
+    const int split = n_parts == 2 ? parts[1].row0 : 0;
     mk::embed(tokens, emb, n, (int)E, x, st);
     for (int il = 0; il < hp.n_layer; ++il) {
       const layer_w& L = layers[il];
       mk::add_rmsnorm(x, il == 0 ? nullptr : o, L.attn_norm, nullptr, n, (int)E, hp.rms_eps, h, st);
-      gemm(L.wqkv, dqkv, E, h, n, qkv);
+      gemm_rows(L.wqkv, dqkv, E, h, n, qkv, split);
       mk::qkv_rope(qkv, L.bqkv, inv_freq, n_rot, neox, pos, n, hp.n_head, hp.n_kv_head, hp.head_dim, q16, k16, v16, st,
                    k32, v32);
-      paged_kv_view kv = layer_view(il, pplan ? 1 : n);
       if (kivi) {
+        paged_kv_view kv = layer_view(il, parts[0]);
         kivi_append(il, kv, k16, v16, n, st);
         exact_window_view ew;
         ew.k = kx_layer(kx_k, il);
@@ -747,36 +808,44 @@ struct model_runner::impl {
         ew.slot = tok_seq;
         ew.gap_lo = kx_glo;
         ew.gap_hi = kx_ghi;
-        dplan->run(kv, q16, attn16, &ew, st);
+        parts[0].dplan->run(kv, q16, attn16, &ew, st);
         kivi_move(il, st);
-      } else if (cal_n > 0) {
-        append_calibrated(il, k32, v32, tok_seq, pos, slots, ex_slots, n, step_staged, step_paged, st);
-        kv.k_mu = k_mu + (size_t)il * n_seq * dkv;
-        kv.k_lambda = k_lam + (size_t)il * n_seq * dkv;
-        kv.stat_row = tok_seq;  // per token (dplan), or tok_seq[0] = the chunk's sequence (pplan)
       } else {
-        const exact_rows_out pe = sink_out(il, ex_slots);
-        append_paged(kv, k16, v16, kv_elem::f16, slots, n, st, sink > 0 ? &pe : nullptr);
-      }
-      if (!kivi) {
-        const exact_window_view ew = sink_view(il);
-        if (pplan) pplan->run(kv, q16, attn16, sink > 0 ? &ew : nullptr, st);
-        else if (dplan) dplan->run(kv, q16, attn16, sink > 0 ? &ew : nullptr, st);
+        if (cal_n > 0) {
+          append_calibrated(il, k32, v32, tok_seq, pos, slots, ex_slots, n, step_staged, step_paged, st);
+        } else {
+          const exact_rows_out pe = sink_out(il, ex_slots);
+          append_paged(layer_view(il, attn_part{}), k16, v16, kv_elem::f16, slots, n, st, sink > 0 ? &pe : nullptr);
+        }
+        for (int i = 0; i < n_parts; ++i) {
+          const attn_part& a = parts[i];
+          paged_kv_view kv = layer_view(il, a);
+          if (cal_n > 0) {
+            kv.k_mu = k_mu + (size_t)il * n_seq * dkv;
+            kv.k_lambda = k_lam + (size_t)il * n_seq * dkv;
+            kv.stat_row = tok_seq + a.row0;  // per token (decode plan), or entry 0 = the chunk's sequence
+          }
+          const exact_window_view ew = sink_view(il, a);
+          const uint16_t* q = q16 + (size_t)a.row0 * dq;
+          uint16_t* out = attn16 + (size_t)a.row0 * dq;
+          if (a.pplan) a.pplan->run(kv, q, out, sink > 0 ? &ew : nullptr, st);
+          else if (a.dplan) a.dplan->run(kv, q, out, sink > 0 ? &ew : nullptr, st);
+        }
       }
       // queries below the calibration positions: exact attention over the staging rows (replaces
       // what the paged kernel wrote for them from pages that may not hold those rows yet)
       if (cal_n > 0 && step_staged)
         mk::staged_attention(q16, stage_k(il), stage_v(il), tok_seq, pos, n, cal_n, hp.n_head, hp.n_kv_head,
                              hp.head_dim, hp.attn_scale, attn16, st);
-      gemm(L.wo, E, dq, attn16, n, o);
+      gemm_rows(L.wo, E, dq, attn16, n, o, split);
       mk::add_rmsnorm(x, o, L.ffn_norm, nullptr, n, (int)E, hp.rms_eps, h, st);
-      gemm(L.wgu, 2 * F, E, h, n, gu);
+      gemm_rows(L.wgu, 2 * F, E, h, n, gu, split);
       mk::swiglu(gu, n, (int)F, act, st);
-      gemm(L.wdown, E, F, act, n, o);
+      gemm_rows(L.wdown, E, F, act, n, o, split);
     }
     // x += the last FFN output and the final norm, for the output rows only
     mk::add_rmsnorm(x, o, out_norm, rows, n_out, (int)E, hp.rms_eps, h, st);
-    if (n_out > 0) gemm(w_out, hp.n_vocab, E, h, n_out, logits);
+    if (n_out > 0) gemm_rows(w_out, hp.n_vocab, E, h, n_out, logits, split);
     if (want_ids) mk::argmax_rows(logits, n_out, hp.n_vocab, argmax, st);
   }
 
@@ -821,6 +890,69 @@ struct model_runner::impl {
     kv.stat_row = seq;
     const exact_rows_out pe = sink_out(il, ex_slots_d);
     if (paged) append_paged(kv, k, v, kv_elem::f32, slots_d, n, st, sink > 0 ? &pe : nullptr);
+  }
+
+  // forward()'s checks of tokens [n] of sequence sq at pos0 .. pos0 + n - 1 (nothing appended on
+  // error); returns the new pages they need.
+  int check_forward(std::span<const int32_t> toks, int pos0, std::span<const uint8_t> output, int sq) const {
+    const int n = (int)toks.size();
+    if (n == 0) fail_input("[cuda model] forward called with no tokens");
+    if (n > max_batch)
+      fail_input("[cuda model] batch of " + std::to_string(n) + " tokens exceeds the runner's max_batch " +
+                 std::to_string(max_batch));
+    if (!output.empty() && (int)output.size() != n)
+      fail_input("[cuda model] output flags: " + std::to_string(output.size()) + " for " + std::to_string(n) +
+                 " tokens (one per token, or empty)");
+    for (int t = 0; t < n; ++t) check_token(toks[t], t);
+    check_seq(sq);
+    if (pos0 != seq_pos[sq])
+      fail_input("[cuda model] cache holds " + std::to_string(seq_pos[sq]) +
+                 " positions but the batch starts at position " + std::to_string(pos0));
+    if ((int64_t)pos0 + n > n_ctx)
+      fail_input("[cuda model] the sequence would hold " + std::to_string((int64_t)pos0 + n) +
+                 " positions, more than n_ctx " + std::to_string(n_ctx));
+    return pages_needed(sq, (int64_t)pos0 + n);
+  }
+  int seq_pos_checked(int sq) const {
+    check_seq(sq);
+    return seq_pos[sq];
+  }
+  // decode()'s checks of one token each of distinct sequences (nothing appended on error); returns
+  // the new pages they need. what: the caller's name in the messages.
+  int check_decode(std::span<const int32_t> seq_ids, std::span<const int32_t> toks, const char* what) const {
+    const int n = (int)seq_ids.size();
+    const std::string w = std::string("[cuda model] ") + what;
+    if (n == 0) fail_input(w + " called with no sequences");
+    if ((int)toks.size() != n)
+      fail_input(w + ": " + std::to_string(toks.size()) + " tokens for " + std::to_string(n) +
+                 " sequences (one each)");
+    if (n > max_batch)
+      fail_input(w + " batch of " + std::to_string(n) + " sequences exceeds the runner's max_batch " +
+                 std::to_string(max_batch));
+    std::vector<uint8_t> seen(n_seq, 0);
+    int need = 0;
+    for (int i = 0; i < n; ++i) {
+      check_seq(seq_ids[i]);
+      if (seen[seq_ids[i]]++) fail_input(w + ": sequence " + std::to_string(seq_ids[i]) + " appears twice");
+      check_token(toks[i], i);
+      if (seq_pos[seq_ids[i]] >= n_ctx)
+        fail_input(w + ": sequence " + std::to_string(seq_ids[i]) + " already holds n_ctx " + std::to_string(n_ctx) +
+                   " positions");
+      need += pages_needed(seq_ids[i], (int64_t)seq_pos[seq_ids[i]] + 1);
+    }
+    return need;
+  }
+  // The host tables of decode rows: token i of sequence seq_ids[i] at its next position, output row i.
+  void set_decode_rows(std::span<const int32_t> seq_ids, std::span<const int32_t> toks) {
+    const int n = (int)seq_ids.size();
+    h_tok.assign(toks.begin(), toks.end());
+    h_seq.assign(seq_ids.begin(), seq_ids.end());
+    h_pos.resize(n);
+    h_rows.resize(n);
+    for (int i = 0; i < n; ++i) {
+      h_pos[i] = seq_pos[seq_ids[i]];
+      h_rows[i] = i;
+    }
   }
 
   [[noreturn]] void non_finite(size_t row) const {
@@ -915,23 +1047,7 @@ int model_runner::forward(std::span<const int32_t> tokens, int pos0, std::span<c
                           int seq_id) {
   impl& s = *p_;
   const int n = (int)tokens.size();
-  // ---- validate (nothing appended on error) ----
-  if (n == 0) fail_input("[cuda model] forward called with no tokens");
-  if (n > s.max_batch)
-    fail_input("[cuda model] batch of " + std::to_string(n) + " tokens exceeds the runner's max_batch " +
-               std::to_string(s.max_batch));
-  if (!output.empty() && (int)output.size() != n)
-    fail_input("[cuda model] output flags: " + std::to_string(output.size()) + " for " + std::to_string(n) +
-               " tokens (one per token, or empty)");
-  for (int t = 0; t < n; ++t) s.check_token(tokens[t], t);
-  s.check_seq(seq_id);
-  if (pos0 != s.seq_pos[seq_id])
-    fail_input("[cuda model] cache holds " + std::to_string(s.seq_pos[seq_id]) +
-               " positions but the batch starts at position " + std::to_string(pos0));
-  if ((int64_t)pos0 + n > s.n_ctx)
-    fail_input("[cuda model] the sequence would hold " + std::to_string((int64_t)pos0 + n) +
-               " positions, more than n_ctx " + std::to_string(s.n_ctx));
-  s.check_pages(s.pages_needed(seq_id, (int64_t)pos0 + n));
+  s.check_pages(s.check_forward(tokens, pos0, output, seq_id));
   // KIVI: steps of at most kv_chunk tokens (the exact slot holds a step's rows beside the residual)
   const int step = s.kivi ? s.kv_chunk : n;
   int written = 0;
@@ -954,36 +1070,67 @@ int model_runner::forward(std::span<const int32_t> tokens, int pos0, std::span<c
 void model_runner::decode(std::span<const int32_t> seq_ids, std::span<const int32_t> tokens, float* logits,
                           int32_t* argmax) {
   impl& s = *p_;
-  const int n = (int)seq_ids.size();
-  if (n == 0) fail_input("[cuda model] decode called with no sequences");
-  if ((int)tokens.size() != n)
-    fail_input("[cuda model] decode: " + std::to_string(tokens.size()) + " tokens for " + std::to_string(n) +
-               " sequences (one each)");
-  if (n > s.max_batch)
-    fail_input("[cuda model] decode batch of " + std::to_string(n) + " sequences exceeds the runner's max_batch " +
-               std::to_string(s.max_batch));
-  std::vector<uint8_t> seen(s.n_seq, 0);
-  for (int i = 0; i < n; ++i) {
-    s.check_seq(seq_ids[i]);
-    if (seen[seq_ids[i]]++)
-      fail_input("[cuda model] decode: sequence " + std::to_string(seq_ids[i]) + " appears twice");
-    s.check_token(tokens[i], i);
-    if (s.seq_pos[seq_ids[i]] >= s.n_ctx)
-      fail_input("[cuda model] decode: sequence " + std::to_string(seq_ids[i]) + " already holds n_ctx " +
-                 std::to_string(s.n_ctx) + " positions");
-  }
-  int need = 0;
-  for (int i = 0; i < n; ++i) need += s.pages_needed(seq_ids[i], (int64_t)s.seq_pos[seq_ids[i]] + 1);
+  const int need = s.check_decode(seq_ids, tokens, "decode");
   s.check_pages(need);
-  s.h_tok.assign(tokens.begin(), tokens.end());
-  s.h_seq.assign(seq_ids.begin(), seq_ids.end());
-  s.h_pos.resize(n);
-  s.h_rows.resize(n);
-  for (int i = 0; i < n; ++i) {
-    s.h_pos[i] = s.seq_pos[seq_ids[i]];
-    s.h_rows[i] = i;
-  }
+  s.set_decode_rows(seq_ids, tokens);
   s.run(logits, argmax, s.graphs);
+}
+
+int model_runner::step(std::span<const int32_t> seq_ids, std::span<const int32_t> tokens, int n_decode,
+                       std::span<const uint8_t> output, float* logits, int32_t* argmax) {
+  impl& s = *p_;
+  const int n = (int)tokens.size();
+  if ((int)seq_ids.size() != n)
+    fail_input("[cuda model] step: " + std::to_string(seq_ids.size()) + " sequence ids for " + std::to_string(n) +
+               " tokens (one each)");
+  if (n_decode < 0 || n_decode >= n)
+    fail_input("[cuda model] step: n_decode " + std::to_string(n_decode) + " must be in [0, " + std::to_string(n) +
+               ") (at least one prompt token after the decode rows)");
+  const int n_p = n - n_decode;
+  const auto piece = tokens.subspan(n_decode);
+  const int32_t sq = seq_ids[n_decode];
+  if (!output.empty() && (int)output.size() != n_p)
+    fail_input("[cuda model] step: output flags: " + std::to_string(output.size()) + " for " + std::to_string(n_p) +
+               " prompt tokens (one per token, or empty)");
+  for (int t = n_decode; t < n; ++t)
+    if (seq_ids[t] != sq)
+      fail_input("[cuda model] step: batch index " + std::to_string(t) + " holds sequence " +
+                 std::to_string(seq_ids[t]) + " but the prompt piece is sequence " + std::to_string(sq) +
+                 " (one piece per step, after the decode rows)");
+  for (int i = 0; i < n_decode; ++i)
+    if (seq_ids[i] == sq)
+      fail_input("[cuda model] step: sequence " + std::to_string(sq) + " is both a decode row and the prompt piece");
+  if (n_decode == 0) return forward(piece, s.seq_pos_checked(sq), output, logits, sq);
+  const auto dec_seq = seq_ids.first(n_decode), dec_tok = tokens.first(n_decode);
+  if (s.kivi) {
+    // KIVI: apart (its prompt chunks attend in query tiles of one sequence: docs/cuda.md "KIVI pages")
+    s.check_pages(s.check_decode(dec_seq, dec_tok, "step") + s.check_forward(piece, s.seq_pos_checked(sq), output, sq));
+    decode(dec_seq, dec_tok, argmax ? nullptr : logits, argmax);
+    return n_decode + forward(piece, s.seq_pos[sq], output, logits ? logits + (size_t)n_decode * s.hp.n_vocab : nullptr,
+                              sq);
+  }
+  if (n > s.max_batch)
+    fail_input("[cuda model] step of " + std::to_string(n) + " tokens exceeds the runner's max_batch " +
+               std::to_string(s.max_batch));
+  const int pos0 = s.seq_pos_checked(sq);
+  const int need = s.check_decode(dec_seq, dec_tok, "step") + s.check_forward(piece, pos0, output, sq);
+  s.check_pages(need);
+  s.set_decode_rows(dec_seq, dec_tok);
+  for (int t = 0; t < n_p; ++t) {
+    s.h_tok.push_back(piece[t]);
+    s.h_seq.push_back(sq);
+    s.h_pos.push_back(pos0 + t);
+    if (output.empty() ? t == n_p - 1 : output[t] != 0) s.h_rows.push_back(n_decode + t);
+  }
+  s.n_dec = n_decode;
+  try {
+    s.run(logits, argmax);
+  } catch (...) {
+    s.n_dec = 0;
+    throw;
+  }
+  s.n_dec = 0;
+  return (int)s.h_rows.size();
 }
 
 void model_runner::set_cuda_graphs(bool on) { p_->graphs = on; }

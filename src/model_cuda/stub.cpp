@@ -14,6 +14,11 @@ int model_runner::forward(std::span<const int32_t>, int, std::span<const uint8_t
   return 0;
 }
 void model_runner::decode(std::span<const int32_t>, std::span<const int32_t>, float*, int32_t*) { require(); }
+int model_runner::step(std::span<const int32_t>, std::span<const int32_t>, int, std::span<const uint8_t>, float*,
+                       int32_t*) {
+  require();
+  return 0;
+}
 void model_runner::fill_synthetic(int, int, uint64_t) { require(); }
 void model_runner::set_cuda_graphs(bool) {}
 bool model_runner::cuda_graphs() const { return false; }

@@ -69,7 +69,7 @@ scheduler::scheduler(model& m, const tokenizer& tok, const scheduler_params& p)
     // the runner's pool: as many pages as the budget buys once the runner's KV state outside the pool
     // (staged rows and channel statistics, exact sink rows, KIVI exact rows: allocated for every slot
     // up front) is paid; at most every slot at n_ctx (the runner clamps to that)
-    const int max_batch = std::max(p_.n_batch, p_.n_parallel);
+    const int max_batch = p_.gpu_step_rows();
     if (p_.kv_budget_bytes > 0) {
       cp.page_size = 0;
       const size_t page_bytes = cuda::runner_page_bytes(m_.hparams(), cp);  // (refuses a format by name)

@@ -42,13 +42,21 @@ class cuda_step_engine final : public step_engine {
   void step(const model_batch& b, int n_decode, float* logits, int32_t* decode_ids, thread_pool&) override {
     const int n = (int)b.tokens.size();
     size_t row = 0;
-    if (n_decode > 0) {
+    int t0 = n_decode;
+    if (n_decode > 0 && n > n_decode) {
+      // the decode rows and the first prompt piece in one pass (model_runner::step: the same bits as apart)
+      int t1 = t0 + 1;
+      while (t1 < n && b.seq_id[t1] == b.seq_id[t0]) ++t1;
+      row = runner_.step(b.seq_id.first(t1), b.tokens.first(t1), n_decode, b.output.subspan(t0, t1 - t0), logits,
+                         decode_ids);
+      t0 = t1;
+    } else if (n_decode > 0) {
       runner_.decode(b.seq_id.subspan(0, n_decode), b.tokens.subspan(0, n_decode), decode_ids ? nullptr : logits,
                      decode_ids);
       row = n_decode;
     }
-    // prompt pieces: one forward() each (a piece is one sequence's consecutive positions)
-    for (int t0 = n_decode; t0 < n;) {
+    // the other prompt pieces: one forward() each (a piece is one sequence's consecutive positions)
+    while (t0 < n) {
       int t1 = t0 + 1;
       while (t1 < n && b.seq_id[t1] == b.seq_id[t0]) ++t1;
       const auto out = b.output.subspan(t0, t1 - t0);

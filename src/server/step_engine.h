@@ -1,7 +1,8 @@
 // The model work of one scheduler step and the KV pages behind it (scheduler.h), on the device the
 // server was started with: the CPU engine (one model::forward over the whole batch, attention
 // through kv_cache::attend_batch) or the model on the GPU (cuda::model_runner, kvq/cuda_model.h:
-// the step's decode tokens through ONE model_runner::decode, each prompt piece through
+// the step's decode tokens and its first prompt piece through ONE model_runner::step (decode rows
+// alone: model_runner::decode, as CUDA graphs when asked), any further piece through
 // model_runner::forward of its sequence). The scheduler decides the batch; the engine runs it.
 #pragma once
 #include <cstdint>

@@ -851,5 +851,106 @@ TEST(CudaModelBatchedPages, RandomWeightRunnerDecodes) {
   EXPECT_EQ(probe.n_pos(0), 21);
 }
 
+// ---- a mixed step (decode rows and a prompt piece in one pass: model_runner::step) ----
+
+// step() against decode() then forward() on a second runner holding the same sequences: every
+// logits row and greedy id the same bits (its products run as the two GEMMs apart, each part's
+// attention through the plan it gets apart). Three decoding sequences (37, 5 and 100 prompt
+// tokens) beside a fourth sequence's prompt in pieces of 70 (tiled prefill, no output row), 10
+// (per-token path, every row out), 64 (tiled, last row) and 3 tokens; with the K channel scale
+// (window 32: the 5-token sequence decodes staged, the piece of 70 calibrates its sequence) and an
+// exact sink of 4.
+struct mixed_case {
+  kv_cache_type type;
+  bool channel_scale = false;
+  int sink = 0;
+};
+class CudaModelMixedStep : public ::testing::TestWithParam<mixed_case> {};
+
+TEST_P(CudaModelMixedStep, EqualsDecodeAndForwardApart) {
+  KVQ_REQUIRE_GPU();
+  KVQ_REQUIRE_DATA(mp, kTinylit);
+  const mixed_case mc = GetParam();
+  auto m = model::load(mp);
+  const int V = m->hparams().n_vocab;
+  const std::vector<int> prompt_len{37, 5, 100};
+  const std::vector<int> piece_len{70, 10, 64, 3};
+  const int B = (int)prompt_len.size(), n_steps = (int)piece_len.size();
+  kv_cache_params one = cache_of(*m, mc.type, 200);
+  one.sink = mc.sink;
+  if (mc.channel_scale) {
+    one.k_channel_scale.reset();
+    one.channel_calib = 32;
+  }
+  const kv_cache_params cp = m->cache_params(200, one, B + 1);
+  cuda::model_runner ra(*m, cp, 96), rb(*m, cp, 96);
+  std::vector<std::vector<int32_t>> ids(B + 1);
+  for (int b = 0; b < B; ++b) ids[b] = sample_tokens(*m, prompt_len[b] + n_steps, 500 + b);
+  ids[B] = sample_tokens(*m, 150, 600);
+  std::vector<float> lg((size_t)96 * V);
+  for (cuda::model_runner* r : {&ra, &rb})
+    for (int b = 0; b < B; ++b) r->forward(std::span<const int32_t>(ids[b].data(), prompt_len[b]), 0, {}, lg.data(), b);
+  const std::vector<int32_t> order{2, 0, 1};
+  int p0 = 0;
+  size_t rows_same = 0, rows = 0, ids_same = 0;
+  for (int s = 0; s < n_steps; ++s) {
+    const int np = piece_len[s];
+    std::vector<int32_t> seqs(order), toks;
+    for (int32_t b : order) toks.push_back(ids[b][prompt_len[b] + s]);
+    std::vector<uint8_t> out(np, 0);
+    if (s == 1) std::fill(out.begin(), out.end(), 1);
+    if (s == 2) out.back() = 1;
+    const std::span<const uint8_t> flags = s == 3 ? std::span<const uint8_t>() : std::span<const uint8_t>(out);
+    const int n_out = B + (s == 0 ? 0 : s == 1 ? np : 1);
+    for (int t = 0; t < np; ++t) seqs.push_back(B), toks.push_back(ids[B][p0 + t]);
+    const bool greedy = s % 2 == 1;  // ids for the decode rows on the device in steps 1, 3
+    std::vector<float> la((size_t)n_out * V, 0.0f), lb((size_t)n_out * V, 0.0f);
+    std::vector<int32_t> ia(B, -1), ib(B, -1);
+    ASSERT_EQ(ra.step(seqs, toks, B, flags, la.data(), greedy ? ia.data() : nullptr), n_out) << "step " << s;
+    rb.decode(order, std::span<const int32_t>(toks.data(), B), greedy ? nullptr : lb.data(), greedy ? ib.data() : nullptr);
+    ASSERT_EQ(rb.forward(std::span<const int32_t>(toks.data() + B, np), p0, flags, lb.data() + (size_t)B * V, B),
+              n_out - B);
+    for (int r = greedy ? B : 0; r < n_out; ++r, ++rows)
+      rows_same += std::equal(la.begin() + (size_t)r * V, la.begin() + (size_t)(r + 1) * V, lb.begin() + (size_t)r * V);
+    for (int r = 0; greedy && r < B; ++r) ids_same += ia[r] == ib[r];
+    p0 += np;
+    for (int b = 0; b < B; ++b) EXPECT_EQ(ra.n_pos(b), rb.n_pos(b));
+    EXPECT_EQ(ra.n_pos(B), p0);
+  }
+  std::printf("[ mixed step vs apart %s%s%s ] %zu of %zu logits rows identical, %zu of %d greedy ids; %d tiled\n",
+              kv_cache_type_name(mc.type), mc.channel_scale ? " channel scale" : "",
+              mc.sink ? " sink" : "", rows_same, rows, ids_same, 2 * B, ra.tiled_prefills());
+  EXPECT_EQ(rows_same, rows);
+  EXPECT_EQ(ids_same, (size_t)(2 * B));
+  EXPECT_EQ(ra.tiled_prefills(), rb.tiled_prefills());
+
+  // refused, nothing appended
+  auto expect_refused = [&](std::vector<int32_t> sq, std::vector<int32_t> tk, int n_decode, const char* needle) {
+    std::vector<int> before(B + 1);
+    for (int b = 0; b <= B; ++b) before[b] = ra.n_pos(b);
+    try {
+      ra.step(sq, tk, n_decode, {}, lg.data(), nullptr);
+      ADD_FAILURE() << "no error: " << needle;
+    } catch (const error& e) {
+      EXPECT_EQ(e.code(), errc::invalid_input) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    for (int b = 0; b <= B; ++b) EXPECT_EQ(ra.n_pos(b), before[b]) << "a refused step changed sequence " << b;
+  };
+  expect_refused({0, 3, 3}, {5, 5, 5}, 3, "n_decode 3 must be in [0, 3)");
+  expect_refused({0, 3, 2}, {5, 5, 5}, 1, "batch index 2 holds sequence 2 but the prompt piece is sequence 3");
+  expect_refused({0, 0, 0}, {5, 5, 5}, 1, "sequence 0 is both a decode row and the prompt piece");
+  expect_refused({0, 1, 3}, {5, V, 5}, 2, "token id");
+  expect_refused({0, 3}, {5, 5, 5}, 1, "2 sequence ids for 3 tokens");
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, CudaModelMixedStep,
+                         ::testing::Values(mixed_case{kv_cache_type::f16}, mixed_case{kv_cache_type::q8, true},
+                                           mixed_case{kv_cache_type::q4, true, 4}, mixed_case{kv_cache_type::q4}),
+                         [](const auto& i) {
+                           return std::string(kv_cache_type_name(i.param.type)) + (i.param.channel_scale ? "_cs" : "") +
+                                  (i.param.sink ? "_sink" + std::to_string(i.param.sink) : "");
+                         });
+
 }  // namespace
 }  // namespace kvq

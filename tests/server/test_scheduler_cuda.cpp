@@ -188,7 +188,7 @@ TEST(SchedulerCuda, KvBudgetSizesTheRunnersPool) {
   sp.n_parallel = 3;
   kv_cache_params cp = m->cache_params(sp.n_ctx, sp.cache, sp.n_parallel);
   const size_t page_bytes = cuda::runner_page_bytes(m->hparams(), cp);
-  const size_t outside = cuda::runner_fixed_kv_bytes(m->hparams(), cp, std::max(sp.n_batch, sp.n_parallel));
+  const size_t outside = cuda::runner_fixed_kv_bytes(m->hparams(), cp, sp.gpu_step_rows());
   // staged K, V f32 rows of 128 positions (n_ctx < the default 256) + mu, lambda; the sink's K, V f16
   const model_hparams& hp = m->hparams();
   const size_t rows = (size_t)hp.n_layer * 3 * hp.n_kv_head * hp.head_dim;
@@ -235,7 +235,7 @@ TEST(SchedulerCuda, KvBudgetBelowTheOutsideBytesIsRefused) {
     sp.cache.type_v = v;
     sp.n_parallel = 3;
     kv_cache_params cp = m->cache_params(sp.n_ctx, sp.cache, sp.n_parallel);
-    const size_t outside = cuda::runner_fixed_kv_bytes(m->hparams(), cp, std::max(sp.n_batch, sp.n_parallel));
+    const size_t outside = cuda::runner_fixed_kv_bytes(m->hparams(), cp, sp.gpu_step_rows());
     EXPECT_GT(outside, 0u);
     sp.kv_budget_bytes = outside;
     try {
