@@ -158,6 +158,14 @@ class model_runner {
   void set_tiled_prefill(bool on);
   bool tiled_prefill() const;
   int tiled_prefills() const;  // forward() calls that ran the tiled prefill kernel
+
+  // Batch-invariant decode attention (off by default; the server turns it on): every decode plan
+  // cuts a sequence's keys into split-KV items of 256 tokens, so a row's attention, and with it its
+  // bits, depends on its own sequence only. Off, the plan sizes the items from the whole batch (the
+  // longest sequence and the number of items against the GPU's slots: FlashDecoding's split-KV), which
+  // keeps a lone long sequence's blocks busy but lets a row's summation order follow its neighbours.
+  void set_batch_invariant(bool on);
+  bool batch_invariant() const;
   int graph_instantiations() const;  // times a graph was instantiated (not merely updated)
   int graph_captures() const;        // steps captured (the other graph steps were replays)
 

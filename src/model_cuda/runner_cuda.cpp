@@ -186,6 +186,10 @@ struct model_runner::impl {
   static constexpr int kKiviTilesMin = 16;  // KIVI: forwards of >= 16 tokens attend in query tiles
   bool tiled_prefill = true;
   int n_tiled = 0;
+  // set_batch_invariant: split-KV items of this many tokens in every decode plan (0: the plan's
+  // choice, which weighs the whole batch)
+  static constexpr int kInvariantSplit = 256;
+  int split_fixed = 0;
 
   ~impl() {
     if (gexec) cudaGraphExecDestroy(gexec);
@@ -770,6 +774,7 @@ struct model_runner::impl {
     dp.spec = attn_spec{hp.attn_scale};
     dp.q_elem = kv_elem::f16;
     dp.out_elem = kv_elem::f16;
+    dp.split_tokens = split_fixed;
     return dp;
   }
 
@@ -1135,6 +1140,8 @@ int model_runner::step(std::span<const int32_t> seq_ids, std::span<const int32_t
 
 void model_runner::set_cuda_graphs(bool on) { p_->graphs = on; }
 void model_runner::set_tiled_prefill(bool on) { p_->tiled_prefill = on; }
+void model_runner::set_batch_invariant(bool on) { p_->split_fixed = on ? impl::kInvariantSplit : 0; }
+bool model_runner::batch_invariant() const { return p_->split_fixed > 0; }
 bool model_runner::tiled_prefill() const { return p_->tiled_prefill; }
 int model_runner::tiled_prefills() const { return p_->n_tiled; }
 bool model_runner::cuda_graphs() const { return p_->graphs; }

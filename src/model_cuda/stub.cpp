@@ -25,6 +25,8 @@ bool model_runner::cuda_graphs() const { return false; }
 int model_runner::graph_instantiations() const { return 0; }
 int model_runner::graph_captures() const { return 0; }
 void model_runner::set_tiled_prefill(bool) {}
+void model_runner::set_batch_invariant(bool) {}
+bool model_runner::batch_invariant() const { return false; }
 bool model_runner::tiled_prefill() const { return false; }
 int model_runner::tiled_prefills() const { return 0; }
 void model_runner::clear() {}

@@ -38,6 +38,7 @@ class cuda_step_engine final : public step_engine {
   cuda_step_engine(const model& m, const kv_cache_params& cp, int max_batch, bool graphs)
       : runner_(m, cp, max_batch), n_vocab_(m.hparams().n_vocab) {
     runner_.set_cuda_graphs(graphs);
+    runner_.set_batch_invariant(true);  // a request's bits must not depend on its neighbours
   }
   void step(const model_batch& b, int n_decode, float* logits, int32_t* decode_ids, thread_pool&) override {
     const int n = (int)b.tokens.size();
