@@ -3,6 +3,12 @@
 // logits copied back). Prints one row per (engine, cache type) with the median decode step.
 //   bench_cuda_model MODEL.gguf|shape:NAME [--layers N] [--weights f16|q8_0|q4_0] [--prefill 512]
 //                    [--decode 128] [--types f16,q8,q4] [--no-cpu]
+//   bench_cuda_model ... --server-step [--slots 16] [--prefill 128] [--pieces 128,64] [--depth 0]
+// --server-step: the GPU server's steps (issue 16's inter-token gaps), one runner per cache type
+// (the K channel scale at its default, as the server runs it): --slots sequences decoding at
+// --depth + --prefill positions beside a new sequence's prompt piece. Median host wall time of
+// decode() of the slots alone, decode() then forward() of the piece (the server before
+// model_runner::step), and step() of both in one pass; all synchronous (logits or ids back).
 // shape:NAME (a built runtime only): make_synthetic_model's random-weight model of that published
 // shape (kvq/bench.h), e.g. shape:qwen2.5-0.5b.
 #include <algorithm>
@@ -51,6 +57,71 @@ row run(Step&& step, const std::vector<int32_t>& prompt, int n_decode, int V) {
   return r;
 }
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// --server-step (see the head of the file)
+void server_steps(const model& m, const std::string& types, int slots, int prompt, int depth,
+                  const std::vector<int>& pieces, int reps) {
+  const int V = m.hparams().n_vocab, piece_max = *std::max_element(pieces.begin(), pieces.end());
+  std::printf("server steps: %d slots decoding at %d + %d positions (+1 a rep), greedy ids on the device; "
+              "a new sequence's piece; median of %d reps, host wall ms\n",
+              slots, depth, prompt, reps);
+  std::printf("%-5s %6s %12s %16s %12s %10s\n", "cache", "piece", "decode ms", "decode+forward", "step ms",
+              "step/dec");
+  size_t start = 0;
+  while (start <= types.size()) {
+    const size_t end = std::min(types.find(',', start), types.size());
+    const std::string t = types.substr(start, end - start);
+    start = end + 1;
+    if (t.empty()) continue;
+    kv_cache_params o;
+    o.type_k = o.type_v = parse_kv_cache_type(t);
+    const int n_ctx = depth + prompt + 4 * reps + piece_max + 16;
+    const kv_cache_params cp = m.cache_params(n_ctx, o, slots + 1);
+    cuda::model_runner r(m, cp, slots + piece_max);
+    std::vector<float> lg((size_t)(slots + piece_max) * V);
+    std::vector<int32_t> toks(prompt), seqs(slots), dec(slots), ids(slots);
+    for (int i = 0; i < prompt; ++i) toks[i] = (int32_t)((i * 7919 + 1) % V);
+    for (int s = 0; s < slots; ++s) {
+      if (depth > 0) r.fill_synthetic(s, depth, 100 + s);
+      r.forward(toks, depth, {}, lg.data(), s);
+      seqs[s] = s;
+      dec[s] = (int32_t)((s * 31 + 7) % V);
+    }
+    std::vector<int32_t> piece_toks(piece_max);
+    for (int i = 0; i < piece_max; ++i) piece_toks[i] = (int32_t)((i * 104729 + 3) % V);
+    auto timed = [&](auto&& f) {
+      const auto t0 = clk::now();
+      f();
+      return ms_since(t0);
+    };
+    for (int np : pieces) {
+      std::vector<double> d, a, st;
+      const std::span<const int32_t> pt(piece_toks.data(), np);
+      std::vector<int32_t> all_seq(seqs), all_tok(dec);
+      all_seq.insert(all_seq.end(), np, slots);
+      all_tok.insert(all_tok.end(), pt.begin(), pt.end());
+      for (int rep = 0; rep < reps + 1; ++rep) {  // rep 0: warm-up
+        const double td = timed([&] { r.decode(seqs, dec, nullptr, ids.data()); });
+        const double ta = timed([&] {
+          r.decode(seqs, dec, nullptr, ids.data());
+          r.forward(pt, 0, {}, lg.data(), slots);
+        });
+        r.clear_seq(slots);
+        const double ts = timed([&] { r.step(all_seq, all_tok, slots, {}, lg.data(), ids.data()); });
+        r.clear_seq(slots);
+        if (rep == 0) continue;
+        d.push_back(td), a.push_back(ta), st.push_back(ts);
+      }
+      const double md = median(d), ma = median(a), ms = median(st);
+      std::printf("%-5s %6d %12.3f %16.3f %12.3f %10.2f\n", t.c_str(), np, md, ma, ms, ms / md);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -61,9 +132,22 @@ int main(int argc, char** argv) {
   int n_prefill = 512, n_decode = 128, n_layers = 0;
   std::string weights = "f16";
   std::string types = "f16,q8,q4";
-  bool cpu = true;
+  bool cpu = true, server_step = false;
+  int slots = 16, depth = 0, reps = 20;
+  std::vector<int> pieces{128, 64};
   for (int i = 2; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--prefill") && i + 1 < argc) n_prefill = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--server-step")) server_step = true;
+    else if (!std::strcmp(argv[i], "--slots") && i + 1 < argc) slots = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--depth") && i + 1 < argc) depth = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--pieces") && i + 1 < argc) {
+      pieces.clear();
+      for (const char* c = argv[++i]; *c;) {
+        pieces.push_back(std::atoi(c));
+        while (*c && *c != ',') ++c;
+        if (*c == ',') ++c;
+      }
+    } else if (!std::strcmp(argv[i], "--prefill") && i + 1 < argc) n_prefill = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--decode") && i + 1 < argc) n_decode = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--types") && i + 1 < argc) types = argv[++i];
     else if (!std::strcmp(argv[i], "--no-cpu")) cpu = false;
@@ -82,6 +166,12 @@ int main(int argc, char** argv) {
 #endif
     } else {
       m = model::load(src);
+    }
+    if (server_step) {
+      std::printf("model %s (%s, %d layers, n_embd %d); GPU: %s\n", argv[1], m->hparams().arch.c_str(),
+                  m->hparams().n_layer, m->hparams().n_embd, cuda::device_name().c_str());
+      server_steps(*m, types, slots, n_prefill, depth, pieces, reps);
+      return 0;
     }
     const int V = m->hparams().n_vocab, n_ctx = n_prefill + n_decode;
     std::vector<int32_t> prompt(n_prefill);

@@ -922,11 +922,11 @@ TEST_P(CudaModelMixedStep, EqualsDecodeAndForwardApart) {
     one.channel_calib = 32;
   }
   const kv_cache_params cp = m->cache_params(200, one, B + 1);
-  cuda::model_runner ra(*m, cp, 96), rb(*m, cp, 96);
+  cuda::model_runner ra(*m, cp, 128), rb(*m, cp, 128);
   std::vector<std::vector<int32_t>> ids(B + 1);
   for (int b = 0; b < B; ++b) ids[b] = sample_tokens(*m, prompt_len[b] + n_steps, 500 + b);
   ids[B] = sample_tokens(*m, 150, 600);
-  std::vector<float> lg((size_t)96 * V);
+  std::vector<float> lg((size_t)128 * V);
   for (cuda::model_runner* r : {&ra, &rb})
     for (int b = 0; b < B; ++b) r->forward(std::span<const int32_t>(ids[b].data(), prompt_len[b]), 0, {}, lg.data(), b);
   const std::vector<int32_t> order{2, 0, 1};
