@@ -742,9 +742,10 @@ INSTANTIATE_TEST_SUITE_P(Types, CudaModelBatched,
                          });
 
 // set_batch_invariant: a sequence of 2040 positions (2000 synthetic, then a 40-token prompt)
-// decoded alone and beside a sequence of 6000 synthetic positions. With it on, every plan cuts keys
+// decoded alone and beside a sequence of 30000 synthetic positions. With it on, every plan cuts keys
 // into items of 256 tokens and the rows are bit-identical; off, the plan sizes the items from the
-// batch's longest sequence, which may change the first sequence's summation order (printed).
+// batch's items against the GPU's slots (alone: 64-token items; beside 30000 positions more items
+// than slots, so longer ones), which changes the first sequence's summation order (printed).
 TEST(CudaModelBatched, BatchInvariantRowsIgnoreALongNeighbour) {
   KVQ_REQUIRE_GPU();
   KVQ_REQUIRE_DATA(mp, kTinylit);
@@ -752,7 +753,7 @@ TEST(CudaModelBatched, BatchInvariantRowsIgnoreALongNeighbour) {
   const int V = m->hparams().n_vocab, n_steps = 4;
   const std::vector<int32_t> ids = sample_tokens(*m, 40 + n_steps, 700);
   for (kv_cache_type t : {kv_cache_type::f16, kv_cache_type::q4}) {
-    const kv_cache_params cp = m->cache_params(8192, cache_of(*m, t, 8192), 2);
+    const kv_cache_params cp = m->cache_params(32768, cache_of(*m, t, 32768), 2);
     for (bool inv : {true, false}) {
       std::vector<std::vector<float>> rows(2, std::vector<float>((size_t)n_steps * V));
       for (int with : {0, 1}) {
@@ -762,7 +763,7 @@ TEST(CudaModelBatched, BatchInvariantRowsIgnoreALongNeighbour) {
         r.fill_synthetic(0, 2000, 11);
         std::vector<float> lg((size_t)2 * V);
         r.forward(std::span<const int32_t>(ids.data(), 40), 2000, {}, lg.data(), 0);
-        if (with) r.fill_synthetic(1, 6000, 12);
+        if (with) r.fill_synthetic(1, 30000, 12);
         for (int s = 0; s < n_steps; ++s) {
           const std::vector<int32_t> seqs = with ? std::vector<int32_t>{0, 1} : std::vector<int32_t>{0};
           const std::vector<int32_t> toks = with ? std::vector<int32_t>{ids[40 + s], 7} : std::vector<int32_t>{ids[40 + s]};
@@ -771,7 +772,7 @@ TEST(CudaModelBatched, BatchInvariantRowsIgnoreALongNeighbour) {
         }
       }
       const bool same = rows[0] == rows[1];
-      std::printf("[ batch invariant %s %s ] alone vs beside 6000 positions: %s\n", inv ? "on" : "off",
+      std::printf("[ batch invariant %s %s ] alone vs beside 30000 positions: %s\n", inv ? "on" : "off",
                   kv_cache_type_name(t), same ? "identical" : "different bits");
       if (inv) {
         EXPECT_TRUE(same) << kv_cache_type_name(t);
