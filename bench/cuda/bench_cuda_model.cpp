@@ -79,7 +79,8 @@ void server_steps(const model& m, const std::string& types, int slots, int promp
     if (t.empty()) continue;
     kv_cache_params o;
     o.type_k = o.type_v = parse_kv_cache_type(t);
-    const int n_ctx = depth + prompt + 4 * reps + piece_max + 16;
+    // each rep of each piece: three decode steps of the slots (alone, before the forward, in step())
+    const int n_ctx = depth + prompt + 3 * (reps + 1) * (int)pieces.size() + piece_max + 16;
     const kv_cache_params cp = m.cache_params(n_ctx, o, slots + 1);
     cuda::model_runner r(m, cp, slots + piece_max);
     std::vector<float> lg((size_t)(slots + piece_max) * V);
