@@ -157,7 +157,9 @@ class model_runner {
   // by float summation order only.
   void set_tiled_prefill(bool on);
   bool tiled_prefill() const;
-  int tiled_prefills() const;  // forward() calls that ran the tiled prefill kernel
+  // prompt chunks that took the tiled path: the tiled prefill kernel, or, when every query of the
+  // chunk is below the K channel scale's window, staged_attention alone
+  int tiled_prefills() const;
 
   // Batch-invariant decode attention (off by default; the server turns it on): every decode plan
   // cuts a sequence's keys into split-KV items of 256 tokens, so a row's attention, and with it its

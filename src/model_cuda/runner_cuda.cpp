@@ -736,12 +736,16 @@ struct model_runner::impl {
       g_staged = step_staged;
       check_cuda(cudaGraphLaunch(gexec, stream), "cudaGraphLaunch");
     } else {
-      // each part's plan (none for a per-token part when every token is staged: staged_attention
-      // writes every row)
+      // each part's plan; none for a part whose every query is staged (below the K channel scale's
+      // window): staged_attention writes all its rows, whatever a plan would have written first
       std::unique_ptr<decode_plan> dplans[2];
       std::unique_ptr<prefill_plan> pplan;
       for (int i = 0; i < n_parts; ++i) {
         attn_part& a = parts[i];
+        bool part_paged = cal_n == 0;
+        for (int t = a.row0; !part_paged && t < a.row0 + a.rows; ++t) part_paged = h_pos[t] >= cal_n;
+        n_tiled += a.tiled;
+        if (!part_paged) continue;
         if (a.tiled) {
           prefill_params pp;
           pp.n_head = hp.n_head;
@@ -753,8 +757,7 @@ struct model_runner::impl {
           pplan = std::make_unique<prefill_plan>(fmt, pp, qo, h_indptr.data() + a.ptr0, h_last.data() + a.ent0, 1,
                                                  sink);
           a.pplan = pplan.get();
-          ++n_tiled;
-        } else if (step_paged) {
+        } else {
           dplans[i] = std::make_unique<decode_plan>(fmt, dp, h_indptr.data() + a.ptr0, h_last.data() + a.ent0,
                                                     a.entries, sink);
           a.dplan = dplans[i].get();
@@ -788,8 +791,8 @@ struct model_runner::impl {
   }
 
   // The step's kernels and products on `stream` (src/model/arch/llama.cpp's graph); attention through
-  // the plans of parts[0, n_parts) (a part without a plan: every token staged, !step_paged,
-  // staged_attention writes every row).
+  // the plans of parts[0, n_parts) (a part without a plan: its every token staged; staged_attention
+  // writes its rows).
   void enqueue(int n, int n_out, bool want_ids) {
     const int64_t E = hp.n_embd, F = hp.n_ff;
     void* st = stream;
