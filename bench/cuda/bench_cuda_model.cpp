@@ -57,6 +57,17 @@ row run(Step&& step, const std::vector<int32_t>& prompt, int n_decode, int V) {
   return r;
 }
 
+// "f16,q8,q4" -> {"f16", "q8", "q4"} (empty entries skipped)
+std::vector<std::string> split_types(const std::string& types) {
+  std::vector<std::string> out;
+  for (size_t start = 0; start <= types.size();) {
+    const size_t end = std::min(types.find(',', start), types.size());
+    if (end > start) out.push_back(types.substr(start, end - start));
+    start = end + 1;
+  }
+  return out;
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -71,12 +82,7 @@ void server_steps(const model& m, const std::string& types, int slots, int promp
               slots, depth, prompt, reps);
   std::printf("%-5s %6s %12s %16s %12s %10s\n", "cache", "piece", "decode ms", "decode+forward", "step ms",
               "step/dec");
-  size_t start = 0;
-  while (start <= types.size()) {
-    const size_t end = std::min(types.find(',', start), types.size());
-    const std::string t = types.substr(start, end - start);
-    start = end + 1;
-    if (t.empty()) continue;
+  for (const std::string& t : split_types(types)) {
     kv_cache_params o;
     o.type_k = o.type_v = parse_kv_cache_type(t);
     // each rep of each piece: three decode steps of the slots (alone, before the forward, in step())
@@ -181,12 +187,7 @@ int main(int argc, char** argv) {
                 m->hparams().arch.c_str(), m->hparams().n_layer, m->hparams().n_embd, n_prefill, n_decode,
                 cuda::device_name().c_str());
     std::printf("%-6s %-5s %12s %12s %14s\n", "engine", "cache", "prefill ms", "prefill t/s", "decode ms/tok");
-    size_t start = 0;
-    while (start <= types.size()) {
-      const size_t end = std::min(types.find(',', start), types.size());
-      const std::string t = types.substr(start, end - start);
-      start = end + 1;
-      if (t.empty()) continue;
+    for (const std::string& t : split_types(types)) {
       kv_cache_params o;
       o.type_k = o.type_v = parse_kv_cache_type(t);
       o.k_channel_scale = false;
