@@ -60,6 +60,12 @@ void add_device_flag(CLI::App* app, std::string& device);
 // Validator of a float option: the value must be a finite float, so --temp inf, nan or 1e40 (beyond
 // float's range: inf once parsed) exit 2 with "--temp: must be a finite number, got inf".
 CLI::Validator finite_float();
+// The same for a double option (--kv-tol, --kv-cert-budget): "--kv-tol: must be a finite number, got nan".
+CLI::Validator finite_double();
+// Validator of a number option's range, checked after finite_float / finite_double: the value must be
+// >= lo (> lo when lo_open) and <= hi; "--min-p: must be in [0, 1], got 2", "--top-p: must be > 0, got 0"
+// (hi = +inf: no upper bound). Exit 2 before the model loads, naming the flag the user typed.
+CLI::Validator number_range(double lo, double hi, bool lo_open = false);
 // Validator of a 64-bit integer option: "--seed: must be a 64-bit integer, in [-9223372036854775808,
 // 9223372036854775807], got X" (CLI11's own message for a value beyond it says only "could not convert").
 CLI::Validator int64_value();

@@ -78,8 +78,15 @@ const registrar reg{{"generate", "generate text from a prompt", [](CLI::App* app
       ->capture_default_str()
       ->check(finite_float());
   app->add_option("--top-k", o->p.sampling.top_k, "top-k (<= 0: off)")->capture_default_str();
-  app->add_option("--top-p", o->p.sampling.top_p, "top-p (1: off)")->capture_default_str()->check(finite_float());
-  app->add_option("--min-p", o->p.sampling.min_p, "min-p (0: off)")->capture_default_str()->check(finite_float());
+  // the sampler's ranges (kvq/sampling.h), refused here naming the flag rather than as "min_p" when it runs
+  app->add_option("--top-p", o->p.sampling.top_p, "top-p (1 or more: off)")
+      ->capture_default_str()
+      ->check(finite_float())
+      ->check(number_range(0, INFINITY, /*lo_open=*/true));
+  app->add_option("--min-p", o->p.sampling.min_p, "min-p (0: off)")
+      ->capture_default_str()
+      ->check(finite_float())
+      ->check(number_range(0, 1));
   // the server's range (docs/server.md, "Request fields"), so a request's seed reproduces here
   app->add_option_function<int64_t>(
          "-s,--seed", [o](int64_t s) { o->p.sampling.seed = sampling_seed(s); },

@@ -126,14 +126,20 @@ void add_kv_flags(CLI::App* app, kv_flags& f) {
   app->add_option("--kv-seed", p.seed, "seed of the random signs of srht/srft")->capture_default_str();
   // certified attention (include/kvq/certified.h): -ctk certified -ctv certified, or --kv-certify
   app->add_flag("--kv-certify", p.certify, "certified attention on the chosen compressed formats (same as -ctk certified)");
-  app->add_option("--kv-tol", p.certify_tol, "certified: recompute when the error bound > tol * ||output|| (0: exact)")->capture_default_str();
+  app->add_option("--kv-tol", p.certify_tol, "certified: recompute when the error bound > tol * ||output|| (0: exact)")
+      ->capture_default_str()
+      ->check(finite_double())
+      ->check(number_range(0, INFINITY));
   app->add_option("--kv-host-dir", p.host_dir, "certified: keep the exact host tier in a file in this directory");
   app->add_flag("--kv-certify-measure", p.certify_measure, "certified: also compute exact attention (bound / actual error statistics)");
   app->add_flag_callback("--kv-certify-no-adapt", [&p] { p.certify_adapt = false; },
                          "certified: keep every head at its formats (no adaptive precision)");
   app->add_option("--kv-cert-budget", p.certify_budget,
                   "certified: fast-tier bytes/token at most this fraction of f16's (adaptive precision stays "
-                  "within it; 0: no limit)")->capture_default_str();
+                  "within it; 0: no limit)")
+      ->capture_default_str()
+      ->check(finite_double())
+      ->check(number_range(0, INFINITY));
 }
 
 void add_kv_flags(CLI::App* app, kv_flags& f, bool& explicit_kv) {
@@ -148,10 +154,12 @@ void add_device_flag(CLI::App* app, std::string& device) {
       ->capture_default_str();
 }
 
-CLI::Validator finite_float() {
+namespace {
+template <typename T>
+CLI::Validator finite_number() {
   return CLI::Validator(
       [](std::string& s) -> std::string {
-        float v = 0;
+        T v = 0;
         if (!CLI::detail::lexical_cast(s, v)) return "'" + s + "' is not a number";
         if (!std::isfinite(v)) {
           std::string lower = s;
@@ -162,6 +170,33 @@ CLI::Validator finite_float() {
         return {};
       },
       "FINITE");
+}
+
+std::string number_text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+}  // namespace
+
+CLI::Validator finite_float() { return finite_number<float>(); }
+CLI::Validator finite_double() { return finite_number<double>(); }
+
+CLI::Validator number_range(double lo, double hi, bool lo_open) {
+  // "[0, 1]" or ">= 0": the help's type column ("FLOAT:FINITE:[0, 1]") and the error's range
+  const bool bounded = !std::isinf(hi);
+  const std::string range = bounded ? std::string(lo_open ? "(" : "[") + number_text(lo) + ", " + number_text(hi) + "]"
+                                    : std::string(lo_open ? "> " : ">= ") + number_text(lo);
+  const std::string want = (bounded ? "in " : "") + range;
+  return CLI::Validator(
+      [lo, hi, lo_open, want](std::string& s) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(s, v)) return "'" + s + "' is not a number";
+        if (lo_open ? !(v > lo) : !(v >= lo)) return "must be " + want + ", got " + s;
+        if (!(v <= hi)) return "must be " + want + ", got " + s;
+        return {};
+      },
+      range);
 }
 
 CLI::Validator int64_value() {

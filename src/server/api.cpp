@@ -275,6 +275,11 @@ completion_request parse_completion_request(const json& body, bool chat) {
   if (const json* v = field(body, "stream_options")) {
     if (!v->is_object()) fail_request("stream_options", "'stream_options' must be an object", "invalid_type");
     if (const json* u = field(*v, "include_usage")) r.include_usage = get_bool(*u, "stream_options.include_usage");
+    // OpenAI and vLLM refuse it on a request that does not stream rather than ignore it (a client
+    // asking for usage chunks would otherwise get a plain reply it did not ask for); null is absent
+    if (!r.stream)
+      fail_request("stream_options", "'stream_options' is only allowed with \"stream\": true; leave it out, or stream",
+                   "invalid_value");
   }
   if (const json* v = field(body, "ignore_eos")) r.ignore_eos = get_bool(*v, "ignore_eos");
   return r;

@@ -40,6 +40,37 @@ TEST(ServerApi, ParsesOpenAiFields) {
   EXPECT_TRUE(r.include_usage);
 }
 
+// stream_options on a request that does not stream is refused as OpenAI and vLLM refuse it (400
+// invalid_request_error, param stream_options) instead of being ignored; null counts as absent, and
+// with "stream": true it keeps setting include_usage.
+TEST(ServerApi, StreamOptionsOnlyWithStream) {
+  for (const bool chat : {false, true}) {
+    const std::string head = chat ? R"({"messages":[{"role":"user","content":"q"}])" : R"({"prompt":"x")";
+    for (const char* tail :
+         {R"(,"stream_options":{"include_usage":true}})", R"(,"stream":false,"stream_options":{"include_usage":true}})",
+          R"(,"stream":null,"stream_options":{}})"}) {
+      const std::string body = head + tail;
+      const api_error e = error_of(json::parse(body), chat);
+      EXPECT_EQ(e.status, 400) << body;
+      EXPECT_EQ(e.type, "invalid_request_error") << body;
+      EXPECT_EQ(e.param, "stream_options") << body;
+      EXPECT_EQ(e.code, "invalid_value") << body;
+      EXPECT_NE(std::string(e.what()).find("only allowed with \"stream\": true"), std::string::npos) << e.what();
+    }
+    const auto null_opts = parse_completion_request(json::parse(head + R"(,"stream_options":null})"), chat);
+    EXPECT_FALSE(null_opts.stream);
+    EXPECT_FALSE(null_opts.include_usage);
+    for (const bool usage : {false, true}) {
+      const auto r =
+          parse_completion_request(json::parse(head + R"(,"stream":true,"stream_options":{"include_usage":)" +
+                                               (usage ? "true" : "false") + "}}"),
+                                   chat);
+      EXPECT_TRUE(r.stream);
+      EXPECT_EQ(r.include_usage, usage);
+    }
+  }
+}
+
 TEST(ServerApi, Defaults) {
   const auto c = parse_completion_request(json::parse(R"({"prompt":"hi"})"), false);
   EXPECT_EQ(c.max_tokens, 16);  // OpenAI's completions default
@@ -112,6 +143,7 @@ TEST(ServerApi, RejectsBadInputWithFieldAndStatus) {
       {R"({"prompt":[1,-2]})", false, "prompt"},
       {R"({"prompt":"x","max_tokens":0})", false, "max_tokens"},
       {R"({"prompt":"x","max_tokens":-5})", false, "max_tokens"},
+      {R"({"prompt":"x","max_tokens":-1})", false, "max_tokens"},  // llama-server: no limit; refused here
       {R"({"prompt":"x","max_tokens":"10"})", false, "max_tokens"},
       {R"({"prompt":"x","max_tokens":1.5})", false, "max_tokens"},
       {R"({"prompt":"x","temperature":"hot"})", false, "temperature"},

@@ -241,7 +241,8 @@ TEST(Cli, BadInputExitsWithCode2) {
       {{bin, "generate", "-m", "/nonexistent.gguf", "-p", "hi"}, "/nonexistent.gguf"},
       {{bin, "generate", "-m", model, "-p", "hi", "-ctk", "q5_zz"}, "q5_zz"},
       {{bin, "generate", "-m", model, "-p", "hi", "-c", "99999999"}, "context"},
-      {{bin, "generate", "-m", model, "-p", "hi", "--top-p", "0"}, "top_p"},
+      {{bin, "generate", "-m", model, "-p", "hi", "--top-p", "0"},
+       "--top-p: must be > 0, got 0"},  // the flag, not the sampler's name
       {{bin, "generate", "-m", model}, "prompt"},
       {{bin, "frobnicate"}, "frobnicate"},
       {{bin, "tokenize", "-m", model}, "prompt"},

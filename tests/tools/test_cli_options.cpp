@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -63,6 +66,74 @@ TEST(CliOptions, NonFiniteSamplingValuesAreRefused) {
   }
   const auto ok = run_cmd({test::kvq_bin(), "generate", "-m", model, "-p", "Hi", "-n", "2", "--temp", "1e30", "--top-p",
                            "0.5", "--min-p", "0", "--json"});
+  EXPECT_EQ(ok.rc, 0) << ok.err;
+}
+
+// Out-of-range --min-p / --top-p are refused at parse time naming the flag the user typed (exit 2,
+// "--min-p: must be in [0, 1], got 2"), not the sampler's internal name "min_p" when it runs; the
+// sampler's own edges (min-p 0 and 1, top-p 1 or more: no cut) keep working.
+TEST(CliOptions, OutOfRangeSamplingValuesNameTheFlag) {
+  KVQ_REQUIRE_DATA(model, "models/stories260K/stories260K.gguf");
+  struct bad {
+    const char *flag, *value, *want;
+  };
+  for (const bad& c :
+       {bad{"--min-p", "2", "--min-p: must be in [0, 1], got 2"},
+        bad{"--min-p", "-0.1", "--min-p: must be in [0, 1], got -0.1"},
+        bad{"--min-p", "1.0001", "--min-p: must be in [0, 1], got 1.0001"},
+        bad{"--top-p", "0", "--top-p: must be > 0, got 0"}, bad{"--top-p", "-0.5", "--top-p: must be > 0, got -0.5"}}) {
+    const auto r = run_cmd({test::kvq_bin(), "generate", "-m", model, "-p", "Hi", "-n", "2", c.flag, c.value});
+    EXPECT_EQ(r.rc, 2) << c.flag << " " << c.value << ": " << r.err;
+    EXPECT_NE(r.err.find(c.want), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.find("min_p"), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.find("top_p"), std::string::npos) << r.err;
+    EXPECT_TRUE(r.out.empty()) << r.out;
+  }
+  for (const auto& [min_p, top_p] : {std::pair{"1", "2"}, std::pair{"0", "1"}}) {
+    const auto ok = run_cmd({test::kvq_bin(), "generate", "-m", model, "-p", "Hi", "-n", "2", "--min-p", min_p,
+                             "--top-p", top_p, "--json"});
+    EXPECT_EQ(ok.rc, 0) << min_p << " " << top_p << ": " << ok.err;
+  }
+}
+
+// --kv-tol and --kv-cert-budget must be finite and >= 0 in every command that takes them (the KV
+// flags are shared): inf, nan and negatives exit 2 naming the flag and value, before the model
+// loads; on a dense cache they were accepted silently, and inf passed the library's tol check.
+TEST(CliOptions, NonFiniteKvTolAndBudgetAreRefusedByEveryCommand) {
+  KVQ_REQUIRE_DATA(model, "models/stories260K/stories260K.gguf");
+  KVQ_REQUIRE_DATA(text, "data/tinystories-val-794k/tinystories_val.txt");
+  const std::string bin = test::kvq_bin();
+  const std::vector<std::vector<std::string>> commands = {
+      {bin, "generate", "-m", model, "-p", "Hi", "-n", "1"},
+      {bin, "perplexity", "-m", model, "-f", text, "-c", "32", "--chunks", "1", "--no-progress"},
+      {bin, "kv-error", "-m", model, "-f", text, "-c", "32", "--no-progress"},
+      {bin, "bench", "-m", model, "--types", "f16", "--depths", "8", "-n", "1", "-p", "0", "--no-progress"},
+      {bin, "eval-passkey", "-m", model, "--no-progress"},
+      // a missing model: the flag is refused before it is opened, and a regression exits on the
+      // missing file instead of serving (and hanging the test)
+      {bin, "server", "-m", model + ".missing", "--port", "0"},
+  };
+  struct bad {
+    const char *value, *want;
+  };
+  for (const auto& cmd : commands) {
+    for (const char* flag : {"--kv-tol", "--kv-cert-budget"}) {
+      for (const bad& c :
+           {bad{"inf", "must be a finite number, got inf"}, bad{"nan", "must be a finite number, got nan"},
+            bad{"-inf", "must be a finite number, got -inf"}, bad{"1e999", "must be a finite number"},
+            bad{"-1", "must be >= 0, got -1"}}) {
+        std::vector<std::string> argv = cmd;
+        argv.insert(argv.end(), {flag, c.value});
+        const auto r = run_cmd(argv);
+        EXPECT_EQ(r.rc, 2) << cmd[1] << " " << flag << " " << c.value << ": " << r.err;
+        EXPECT_NE(r.err.find(std::string(flag) + ": " + c.want), std::string::npos)
+            << cmd[1] << " " << flag << " " << c.value << ": " << r.err;
+        EXPECT_TRUE(r.out.empty()) << r.out;
+      }
+    }
+  }
+  const auto ok = run_cmd({bin, "generate", "-m", model, "-p", "Hi", "-n", "1", "-ctk", "certified", "-ctv",
+                           "certified", "--kv-tol", "0", "--kv-cert-budget", "0.7"});
   EXPECT_EQ(ok.rc, 0) << ok.err;
 }
 
