@@ -413,7 +413,9 @@ TEST(ServerApi, JsonBriefWritesWhatDumpWrites) {
     EXPECT_EQ(json_brief(v, 1000), v.dump()) << t;
     const std::string cut = json_brief(v, 6);
     EXPECT_LE(cut.size(), 6u) << t;
-    if (v.dump().size() > 6) EXPECT_EQ(cut, v.dump().substr(0, 3) + "...") << t;
+    if (v.dump().size() > 6) {
+      EXPECT_EQ(cut, v.dump().substr(0, 3) + "...") << t;
+    }
   }
 }
 
