@@ -68,7 +68,7 @@ const registrar reg{{"server", "OpenAI-compatible HTTP server with continuous ba
   app->add_option("--kv-budget", p.kv_budget_gib, "GiB of KV pages shared by all slots (0: every slot can hold -c)")->capture_default_str()->check(CLI::NonNegativeNumber);
   app->add_flag("!--no-prefix-reuse", p.prefix_reuse, "do not start requests from saved prompt prefixes (docs/server.md)");
   add_device_flag(app, o->device);
-  app->add_flag("--cuda-graphs", p.cuda_graphs, "--device cuda: decode steps as CUDA graphs (one launch per step)");
+  app->add_flag("--cuda-graphs", p.cuda_graphs, "--device cuda: decode and mixed steps as CUDA graphs (one launch per step)");
   add_kv_flags(app, o->kv);
   return [o] { return run_server(*o); };
 }}};

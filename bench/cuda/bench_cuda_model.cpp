@@ -8,7 +8,9 @@
 // (the K channel scale at its default, as the server runs it): --slots sequences decoding at
 // --depth + --prefill positions beside a new sequence's prompt piece. Median host wall time of
 // decode() of the slots alone, decode() then forward() of the piece (the server before
-// model_runner::step), and step() of both in one pass; all synchronous (logits or ids back).
+// model_runner::step), and step() of both in one pass; all synchronous (logits or ids back). Below
+// each row, the phases of decode() (direct and as a CUDA graph), forward() of the piece alone and
+// step() (direct and as a CUDA graph; model_runner::step_profile). Decode plans with fixed split-KV items, as the server's.
 // shape:NAME (a built runtime only): make_synthetic_model's random-weight model of that published
 // shape (kvq/bench.h), e.g. shape:qwen2.5-0.5b.
 #include <algorithm>
@@ -78,17 +80,22 @@ void server_steps(const model& m, const std::string& types, int slots, int promp
                   const std::vector<int>& pieces, int reps) {
   const int V = m.hparams().n_vocab, piece_max = *std::max_element(pieces.begin(), pieces.end());
   std::printf("server steps: %d slots decoding at %d + %d positions (+1 a rep), greedy ids on the device; "
-              "a new sequence's piece; median of %d reps, host wall ms\n",
+              "a new sequence's piece; median of %d reps, host wall ms; then each call's phases "
+              "(model_runner::step_profile: prep = tables and plans, launch = issuing the kernels, finish = "
+              "wait and copies back; gpu = its span on the stream)\n",
               slots, depth, prompt, reps);
   std::printf("%-5s %6s %12s %16s %12s %10s\n", "cache", "piece", "decode ms", "decode+forward", "step ms",
               "step/dec");
   for (const std::string& t : split_types(types)) {
     kv_cache_params o;
     o.type_k = o.type_v = parse_kv_cache_type(t);
-    // each rep of each piece: three decode steps of the slots (alone, before the forward, in step())
-    const int n_ctx = depth + prompt + 3 * (reps + 1) * (int)pieces.size() + piece_max + 16;
+    // each rep of each piece: five decode steps of the slots (alone, as a graph, before the forward, in
+    // step(), in step() as a graph)
+    const int n_ctx = depth + prompt + 5 * (reps + 1) * (int)pieces.size() + piece_max + 16;
     const kv_cache_params cp = m.cache_params(n_ctx, o, slots + 1);
     cuda::model_runner r(m, cp, slots + piece_max);
+    r.set_batch_invariant(true);  // as the server runs it
+    r.set_step_profile(true);
     std::vector<float> lg((size_t)(slots + piece_max) * V);
     std::vector<int32_t> toks(prompt), seqs(slots), dec(slots), ids(slots);
     for (int i = 0; i < prompt; ++i) toks[i] = (int32_t)((i * 7919 + 1) % V);
@@ -100,31 +107,59 @@ void server_steps(const model& m, const std::string& types, int slots, int promp
     }
     std::vector<int32_t> piece_toks(piece_max);
     for (int i = 0; i < piece_max; ++i) piece_toks[i] = (int32_t)((i * 104729 + 3) % V);
+    // one call's wall time and phases
+    struct sample {
+      std::vector<double> wall, prep, launch, finish, gpu;
+      void add(double w, const cuda::model_runner::step_profile& p) {
+        wall.push_back(w), prep.push_back(p.prep_ms), launch.push_back(p.launch_ms), finish.push_back(p.finish_ms),
+            gpu.push_back(p.gpu_ms);
+      }
+    };
     auto timed = [&](auto&& f) {
       const auto t0 = clk::now();
       f();
       return ms_since(t0);
     };
     for (int np : pieces) {
-      std::vector<double> d, a, st;
+      sample d, dg, fw, a, st, sg;
       const std::span<const int32_t> pt(piece_toks.data(), np);
       std::vector<int32_t> all_seq(seqs), all_tok(dec);
       all_seq.insert(all_seq.end(), np, slots);
       all_tok.insert(all_tok.end(), pt.begin(), pt.end());
       for (int rep = 0; rep < reps + 1; ++rep) {  // rep 0: warm-up
         const double td = timed([&] { r.decode(seqs, dec, nullptr, ids.data()); });
+        const auto pd = r.last_step_profile();
+        r.set_cuda_graphs(true);
+        const double tg = timed([&] { r.decode(seqs, dec, nullptr, ids.data()); });
+        const auto pg = r.last_step_profile();
+        r.set_cuda_graphs(false);
+        const double tf = timed([&] { r.forward(pt, 0, {}, lg.data(), slots); });
+        const auto pf = r.last_step_profile();
+        r.clear_seq(slots);
         const double ta = timed([&] {
           r.decode(seqs, dec, nullptr, ids.data());
           r.forward(pt, 0, {}, lg.data(), slots);
         });
         r.clear_seq(slots);
         const double ts = timed([&] { r.step(all_seq, all_tok, slots, {}, lg.data(), ids.data()); });
+        const auto ps = r.last_step_profile();
+        r.clear_seq(slots);
+        r.set_cuda_graphs(true);
+        const double tsg = timed([&] { r.step(all_seq, all_tok, slots, {}, lg.data(), ids.data()); });
+        const auto psg = r.last_step_profile();
+        r.set_cuda_graphs(false);
         r.clear_seq(slots);
         if (rep == 0) continue;
-        d.push_back(td), a.push_back(ta), st.push_back(ts);
+        d.add(td, pd), dg.add(tg, pg), fw.add(tf, pf), st.add(ts, ps), sg.add(tsg, psg);
+        a.wall.push_back(ta);
       }
-      const double md = median(d), ma = median(a), ms = median(st);
+      const double md = median(d.wall), ma = median(a.wall), ms = median(st.wall);
       std::printf("%-5s %6d %12.3f %16.3f %12.3f %10.2f\n", t.c_str(), np, md, ma, ms, ms / md);
+      const std::pair<const char*, sample*> rows[] = {
+          {"decode", &d}, {"decode (graph)", &dg}, {"forward (piece)", &fw}, {"step", &st}, {"step (graph)", &sg}};
+      for (const auto& [name, x] : rows)
+        std::printf("      %-16s wall %7.3f  prep %7.3f  launch %7.3f  finish %7.3f  gpu %7.3f\n", name,
+                    median(x->wall), median(x->prep), median(x->launch), median(x->finish), median(x->gpu));
     }
   }
 }

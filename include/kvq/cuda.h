@@ -311,6 +311,15 @@ class prefill_plan {
   void run(const paged_kv_view& kv, const void* q, void* out, const exact_window_view* exact = nullptr,
            void* stream = nullptr) const;
 
+  // Keeps the plan's launch for new tables of the same batch (the next prompt piece of the same
+  // length and shape): recomputes the work items as the constructor would (same split rule, same
+  // GPU) and copies them into the plan's own buffers on `stream` (synchronised before returning)
+  // when the numbers of tiles, items, merges and workspace slots are unchanged, so that run()
+  // launches with the same arguments and the result equals a new plan's. Returns false, changing
+  // nothing, otherwise or for a malformed table (the constructor names the error): make a new plan.
+  bool update(const int32_t* qo_indptr_host, const int32_t* indptr_host, const int32_t* last_page_len_host,
+              void* stream = nullptr);
+
   int n_tiles() const;            // query tiles of 64 rows (per kv head)
   int n_items() const;            // work items (thread blocks per kv head): tiles, or parts of split tiles
   size_t workspace_bytes() const;

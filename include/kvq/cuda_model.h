@@ -142,12 +142,18 @@ class model_runner {
   int step(std::span<const int32_t> seq_ids, std::span<const int32_t> tokens, int n_decode,
            std::span<const uint8_t> output, float* logits, int32_t* argmax);
 
-  // CUDA graphs for decode() (off by default): a step's ~11 launches per layer are captured into one
-  // graph and replayed with one launch. All its buffers are fixed and its tables are rewritten in
-  // place before each step, so the next step of the same batch size replays the graph as it is when
-  // the decode plan keeps its launch (decode_plan::update: same number of split-KV items); otherwise
-  // the step is captured anew and applied with cudaGraphExecUpdate (instantiated again when that is
-  // refused). Same kernels, same results as without.
+  // CUDA graphs for decode() and step() (off by default): a step's ~11 launches per layer (a mixed
+  // step's ~17) are captured into one graph and replayed with one launch. One graph per step shape
+  // (rows, decode rows, output rows, argmax or not, staged / paged parts, tiled piece; at most 64
+  // shapes, the least recently used dropped); a shape's first step runs directly and its second is
+  // captured (capturing and instantiating cost more than a direct step). All its buffers are fixed and its tables are rewritten
+  // in place before each step, so a step of a shape seen before replays its graph as it is when the
+  // plans keep their launch (decode_plan::update / prefill_plan::update: same work-item counts);
+  // otherwise the step is captured anew and applied with cudaGraphExecUpdate (instantiated again
+  // when that is refused). A step that calibrates the K channel scale runs directly. In a captured
+  // mixed step the piece's products and attention run on a second stream beside the decode rows'
+  // (parallel branches). Same kernels, same results as without (with set_batch_invariant; without
+  // it a replayed decode plan keeps the split-KV items of the step it was captured in).
   void set_cuda_graphs(bool on);
   bool cuda_graphs() const;
 
@@ -170,6 +176,19 @@ class model_runner {
   bool batch_invariant() const;
   int graph_instantiations() const;  // times a graph was instantiated (not merely updated)
   int graph_captures() const;        // steps captured (the other graph steps were replays)
+
+  // Where the last step's time went (set_step_profile(true); off by default: two CUDA events per
+  // step), host wall milliseconds from the entry into the runner's pass (after the argument checks):
+  // prep, its tables and attention plans (decode_plan / prefill_plan construction, uploads queued);
+  // launch, issuing its kernels and products (or the graph: capture, update, launch); finish, from
+  // the last launch until the results are on the host (the wait on the GPU and the copies back).
+  // gpu: CUDA event time on the runner's stream from before the tables' uploads to after the last
+  // kernel (the device's span; it includes gaps where the GPU waited for the host's launches).
+  struct step_profile {
+    double prep_ms = 0, launch_ms = 0, finish_ms = 0, gpu_ms = 0;
+  };
+  void set_step_profile(bool on);
+  step_profile last_step_profile() const;
 
   // Benchmark aid: appends n_tokens rows of random K/V (uniform in [-2, 2], from seed) to every layer
   // of sequence seq_id at positions n_pos(seq_id) .. + n_tokens - 1 through the same fused append

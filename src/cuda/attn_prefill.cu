@@ -712,11 +712,115 @@ __global__ void __launch_bounds__(kThreads) prefill_merge_kernel(merge_args a) {
 
 }  // namespace
 
+// The plan's query tiles from its host tables: 64 query rows (tokens x GQA group heads) of one
+// sequence each, with the keys their rows see (constructor and update(); errors as the class says).
+struct tile_list {
+  std::vector<tile_desc> tiles;
+  std::vector<int64_t> cost;  // keys each tile reads
+};
+tile_list make_tiles(const paged_kv_format& f, const prefill_params& p, int ng, const int32_t* qo_indptr_host,
+                     const int32_t* indptr_host, const int32_t* last_page_len_host, int batch) {
+  const std::string op = "[cuda attn_prefill] ";
+  tile_list out;
+  std::vector<tile_desc>& tiles = out.tiles;
+  std::vector<int64_t>& cost = out.cost;
+  if (batch > 0 && qo_indptr_host[0] != 0) fail_input(op + "qo_indptr[0] must be 0, got " + std::to_string(qo_indptr_host[0]));
+  for (int b = 0; b < batch; ++b) {
+    const int32_t np = indptr_host[b + 1] - indptr_host[b];
+    const int32_t nq = qo_indptr_host[b + 1] - qo_indptr_host[b];
+    if (np < 0 || nq < 0)
+      fail_input(op + "indptr and qo_indptr must be non-decreasing (sequence " + std::to_string(b) + ")");
+    if (np > 0 && (last_page_len_host[b] < 1 || last_page_len_host[b] > f.page_size))
+      fail_input(op + "last_page_len[" + std::to_string(b) + "] = " + std::to_string(last_page_len_host[b]) +
+                 " must be in [1, page_size " + std::to_string(f.page_size) + "]");
+    const int64_t len = np > 0 ? (int64_t)(np - 1) * f.page_size + last_page_len_host[b] : 0;
+    if (nq > len)
+      fail_input(op + "sequence " + std::to_string(b) + " has " + std::to_string(nq) + " queries but its pages hold " +
+                 std::to_string(len) + " positions (the queries are the last q_len positions, appended first)");
+    if (len > INT32_MAX - 64) fail_unsupported(op + "sequence " + std::to_string(b) + " is too long");
+    const int64_t rows = (int64_t)nq * ng;
+    if (rows > INT32_MAX - 64) fail_unsupported(op + "sequence " + std::to_string(b) + " has too many query rows");
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+      tile_desc d;
+      d.seq = b;
+      d.row0 = (int)r0;
+      d.qo0 = qo_indptr_host[b];
+      d.pg0 = indptr_host[b];
+      d.pos0 = (int)(len - nq);
+      d.q_len = nq;
+      d.k_begin = p.body_lo / kKeys * kKeys;
+      d.k_end = d.pos0 + (int)((std::min<int64_t>(r0 + kRows, rows) - 1) / ng) + 1;  // keys its rows see
+      d.ws = -1;
+      tiles.push_back(d);
+      cost.push_back(std::max(0, d.k_end - d.k_begin));
+    }
+  }
+  return out;
+}
+
+// The work items: the tiles, long ones cut over the keys when the tiles alone would leave resident
+// block slots idle, longest first; merges of the split tiles (or, with exact rows, of every tile).
+struct work_list {
+  std::vector<tile_desc> items;
+  std::vector<merge_desc> merges;
+  int n_slots = 0;  // workspace slots of the split parts
+};
+work_list split_tiles(const tile_list& tl, int n_kv_head, int64_t slots, int exact_cap) {
+  const std::vector<tile_desc>& tiles = tl.tiles;
+  const std::vector<int64_t>& cost = tl.cost;
+  work_list out;
+  int& n_slots = out.n_slots;
+  // Split-KV (Flash-Decoding's idea applied to prefill tiles): when the tiles alone would leave
+  // resident block slots idle (a short chunk, few kv heads, a long history), long tiles are cut into
+  // parts of about T keys (T a multiple of 64, >= 1024), T chosen so that the parts fill the slots;
+  // the parts' states merge in a second kernel.
+  int64_t total = 0;
+  for (int64_t c : cost) total += c;
+  total *= n_kv_head;
+  int64_t T = INT64_MAX;
+  if ((int64_t)tiles.size() * n_kv_head < slots) T = std::max<int64_t>(1024, (total / slots + 63) / 64 * 64);
+  std::vector<tile_desc> items;
+  std::vector<int64_t> item_cost;
+  std::vector<merge_desc>& merges = out.merges;
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    const tile_desc& d = tiles[i];
+    const int span = std::max(0, d.k_end - d.k_begin);
+    const int64_t np = T == INT64_MAX ? 1 : std::max<int64_t>(1, (span + T - 1) / T);
+    if (np == 1 && exact_cap == 0) {
+      items.push_back(d);
+      item_cost.push_back(span);
+      continue;
+    }
+    // split parts, or (exact rows) the tile as the one part whose state the merge kernel completes
+    const int per = std::max(64, (int)(((span + np - 1) / np + 63) / 64 * 64));
+    merge_desc m{d.row0, d.qo0, d.q_len, n_slots, 0, d.seq, d.pos0};
+    for (int k0 = d.k_begin; k0 < std::max(d.k_end, d.k_begin + 1); k0 += per) {
+      tile_desc pd = d;
+      pd.k_begin = k0;
+      pd.k_end = std::min(d.k_end, k0 + per);
+      pd.ws = n_slots++;
+      items.push_back(pd);
+      item_cost.push_back(std::max(0, pd.k_end - pd.k_begin));
+      ++m.n_parts;
+    }
+    merges.push_back(m);
+  }
+  // longest key ranges first (the tail of the grid is then the short items)
+  std::vector<size_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) { return item_cost[x] > item_cost[y]; });
+  std::vector<tile_desc> sorted(items.size());
+  for (size_t i = 0; i < order.size(); ++i) sorted[i] = items[order[i]];
+  out.items = std::move(sorted);
+  return out;
+}
+
 struct prefill_plan::impl {
   paged_kv_format f;
   paged_kv_geometry geo;
   prefill_params p;
   int batch = 0, ng = 0, n_tiles = 0, n_items = 0, n_merges = 0, n_slots = 0, smem = 0, n_q = 0, exact_cap = 0;
+  int64_t slots = 0;  // resident blocks the GPU holds (SMs x occupancy): the split-KV rule's target
   tile_desc* tiles = nullptr;  // [n_items] work items (tiles or parts of tiles), longest first
   merge_desc* merges = nullptr;
   float* ws_o = nullptr;
@@ -768,39 +872,8 @@ prefill_plan::prefill_plan(const paged_kv_format& f, const prefill_params& p, co
     fail_input(op + "host copies of qo_indptr, indptr and last_page_len are required");
   s.batch = batch;
   s.ng = p.n_head / f.n_kv_head;
-  std::vector<tile_desc> tiles;
-  std::vector<int64_t> cost;
-  if (batch > 0 && qo_indptr_host[0] != 0) fail_input(op + "qo_indptr[0] must be 0, got " + std::to_string(qo_indptr_host[0]));
-  for (int b = 0; b < batch; ++b) {
-    const int32_t np = indptr_host[b + 1] - indptr_host[b];
-    const int32_t nq = qo_indptr_host[b + 1] - qo_indptr_host[b];
-    if (np < 0 || nq < 0)
-      fail_input(op + "indptr and qo_indptr must be non-decreasing (sequence " + std::to_string(b) + ")");
-    if (np > 0 && (last_page_len_host[b] < 1 || last_page_len_host[b] > f.page_size))
-      fail_input(op + "last_page_len[" + std::to_string(b) + "] = " + std::to_string(last_page_len_host[b]) +
-                 " must be in [1, page_size " + std::to_string(f.page_size) + "]");
-    const int64_t len = np > 0 ? (int64_t)(np - 1) * f.page_size + last_page_len_host[b] : 0;
-    if (nq > len)
-      fail_input(op + "sequence " + std::to_string(b) + " has " + std::to_string(nq) + " queries but its pages hold " +
-                 std::to_string(len) + " positions (the queries are the last q_len positions, appended first)");
-    if (len > INT32_MAX - 64) fail_unsupported(op + "sequence " + std::to_string(b) + " is too long");
-    const int64_t rows = (int64_t)nq * s.ng;
-    if (rows > INT32_MAX - 64) fail_unsupported(op + "sequence " + std::to_string(b) + " has too many query rows");
-    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-      tile_desc d;
-      d.seq = b;
-      d.row0 = (int)r0;
-      d.qo0 = qo_indptr_host[b];
-      d.pg0 = indptr_host[b];
-      d.pos0 = (int)(len - nq);
-      d.q_len = nq;
-      d.k_begin = p.body_lo / kKeys * kKeys;
-      d.k_end = d.pos0 + (int)((std::min<int64_t>(r0 + kRows, rows) - 1) / s.ng) + 1;  // keys its rows see
-      d.ws = -1;
-      tiles.push_back(d);
-      cost.push_back(std::max(0, d.k_end - d.k_begin));
-    }
-  }
+  tile_list tl = make_tiles(f, p, s.ng, qo_indptr_host, indptr_host, last_page_len_host, batch);
+  const std::vector<tile_desc>& tiles = tl.tiles;
   s.n_q = batch > 0 ? qo_indptr_host[batch] : 0;
   if ((int64_t)tiles.size() * f.n_kv_head > INT32_MAX / 64) fail_unsupported(op + "too many query tiles");
   s.n_tiles = (int)tiles.size();
@@ -823,48 +896,11 @@ prefill_plan::prefill_plan(const paged_kv_format& f, const prefill_params& p, co
   if (occ < 1)
     fail_unsupported(op + "the prefill kernel does not fit on this GPU (shared memory " + std::to_string(s.smem) +
                      " bytes)");
-  // Split-KV (Flash-Decoding's idea applied to prefill tiles): when the tiles alone would leave
-  // resident block slots idle (a short chunk, few kv heads, a long history), long tiles are cut into
-  // parts of about T keys (T a multiple of 64, >= 1024), T chosen so that the parts fill the slots;
-  // the parts' states merge in a second kernel.
-  const int64_t slots = (int64_t)sms * occ;
-  int64_t total = 0;
-  for (int64_t c : cost) total += c;
-  total *= f.n_kv_head;
-  int64_t T = INT64_MAX;
-  if ((int64_t)tiles.size() * f.n_kv_head < slots) T = std::max<int64_t>(1024, (total / slots + 63) / 64 * 64);
-  std::vector<tile_desc> items;
-  std::vector<int64_t> item_cost;
-  std::vector<merge_desc> merges;
-  for (size_t i = 0; i < tiles.size(); ++i) {
-    const tile_desc& d = tiles[i];
-    const int span = std::max(0, d.k_end - d.k_begin);
-    const int64_t np = T == INT64_MAX ? 1 : std::max<int64_t>(1, (span + T - 1) / T);
-    if (np == 1 && exact_cap == 0) {
-      items.push_back(d);
-      item_cost.push_back(span);
-      continue;
-    }
-    // split parts, or (exact rows) the tile as the one part whose state the merge kernel completes
-    const int per = std::max(64, (int)(((span + np - 1) / np + 63) / 64 * 64));
-    merge_desc m{d.row0, d.qo0, d.q_len, s.n_slots, 0, d.seq, d.pos0};
-    for (int k0 = d.k_begin; k0 < std::max(d.k_end, d.k_begin + 1); k0 += per) {
-      tile_desc pd = d;
-      pd.k_begin = k0;
-      pd.k_end = std::min(d.k_end, k0 + per);
-      pd.ws = s.n_slots++;
-      items.push_back(pd);
-      item_cost.push_back(std::max(0, pd.k_end - pd.k_begin));
-      ++m.n_parts;
-    }
-    merges.push_back(m);
-  }
-  // longest key ranges first (the tail of the grid is then the short items)
-  std::vector<size_t> order(items.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) { return item_cost[x] > item_cost[y]; });
-  std::vector<tile_desc> sorted(items.size());
-  for (size_t i = 0; i < order.size(); ++i) sorted[i] = items[order[i]];
+  s.slots = (int64_t)sms * occ;
+  work_list wl = split_tiles(tl, f.n_kv_head, s.slots, exact_cap);
+  std::vector<tile_desc>& sorted = wl.items;
+  std::vector<merge_desc>& merges = wl.merges;
+  s.n_slots = wl.n_slots;
   s.n_items = (int)sorted.size();
   s.n_merges = (int)merges.size();
   check(cudaMalloc(&s.tiles, sorted.size() * sizeof(tile_desc)), "cudaMalloc(prefill tiles)");
@@ -881,6 +917,31 @@ prefill_plan::prefill_plan(const paged_kv_format& f, const prefill_params& p, co
 }
 
 prefill_plan::~prefill_plan() = default;
+
+bool prefill_plan::update(const int32_t* qo_indptr_host, const int32_t* indptr_host, const int32_t* last_page_len_host,
+                          void* stream) {
+  impl& s = *p_;
+  if (s.n_tiles == 0 || !qo_indptr_host || !indptr_host || !last_page_len_host) return false;
+  tile_list tl;
+  try {
+    tl = make_tiles(s.f, s.p, s.ng, qo_indptr_host, indptr_host, last_page_len_host, s.batch);
+  } catch (const error&) {
+    return false;  // a malformed table: the constructor says what is wrong
+  }
+  if ((int)tl.tiles.size() != s.n_tiles || qo_indptr_host[s.batch] != s.n_q) return false;
+  const work_list wl = split_tiles(tl, s.f.n_kv_head, s.slots, s.exact_cap);
+  if ((int)wl.items.size() != s.n_items || (int)wl.merges.size() != s.n_merges || wl.n_slots != s.n_slots)
+    return false;  // the launch would change: make a new plan
+  const cudaStream_t st = as_stream(stream);
+  check(cudaMemcpyAsync(s.tiles, wl.items.data(), wl.items.size() * sizeof(tile_desc), cudaMemcpyHostToDevice, st),
+        "cudaMemcpyAsync(prefill tiles)");
+  if (s.n_merges > 0)
+    check(cudaMemcpyAsync(s.merges, wl.merges.data(), wl.merges.size() * sizeof(merge_desc), cudaMemcpyHostToDevice,
+                          st),
+          "cudaMemcpyAsync(prefill merges)");
+  check(cudaStreamSynchronize(st), "cudaStreamSynchronize");  // the host vectors go out of scope
+  return true;
+}
 
 int prefill_plan::n_tiles() const { return p_->n_tiles; }
 int prefill_plan::n_items() const { return p_->n_items; }

@@ -56,6 +56,7 @@ prefill_plan::prefill_plan(const paged_kv_format&, const prefill_params&, const 
   no_cuda();
 }
 prefill_plan::~prefill_plan() = default;
+bool prefill_plan::update(const int32_t*, const int32_t*, const int32_t*, void*) { no_cuda(); }
 void prefill_plan::run(const paged_kv_view&, const void*, void*, const exact_window_view*, void*) const { no_cuda(); }
 int prefill_plan::n_tiles() const { return 0; }
 int prefill_plan::n_items() const { return 0; }

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -102,6 +103,8 @@ struct model_runner::impl {
   struct attn_part {
     int row0 = 0, rows = 0, entries = 0, ptr0 = 0, ind0 = 0, ent0 = 0;
     bool tiled = false;
+    bool paged = false;  // a query at or past the K channel scale's window (or none): a plan; else
+                         // every query is staged and staged_attention writes the part's rows
     const decode_plan* dplan = nullptr;
     const prefill_plan* pplan = nullptr;
   };
@@ -163,15 +166,52 @@ struct model_runner::impl {
   uint8_t* pin = nullptr;
   size_t pin_bytes = 0;
 
-  // all work of forward / decode runs on `stream`; decode steps optionally as one CUDA graph,
-  // captured per step and applied to `gexec` by cudaGraphExecUpdate (re-instantiated when the
-  // update is refused)
-  cudaStream_t stream = nullptr;
+  // all work of forward / decode / step runs on `stream`, but for a mixed step's prompt rows under a
+  // CUDA graph (use_side, while capturing), whose products (own cuBLAS handle and workspace: the
+  // same kernels) and attention run on `side` beside the decode rows' (fork / join through two
+  // events: parallel branches of the graph). Run directly, a step is bound by the host's launches,
+  // which a second stream only adds to (measured: docs/perf.md, "Mixed steps as CUDA graphs").
+  cudaStream_t stream = nullptr, side = nullptr;
+  bool use_side = false;
+  cublasHandle_t blas_side = nullptr;
+  cudaEvent_t ev_fork = nullptr, ev_join = nullptr;
+  void fork() {
+    check_cuda(cudaEventRecord(ev_fork, stream), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(side, ev_fork, 0), "cudaStreamWaitEvent");
+  }
+  void join() {
+    check_cuda(cudaEventRecord(ev_join, side), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(stream, ev_join, 0), "cudaStreamWaitEvent");
+  }
+  // The attention plans of a step's parts (part i: d[i] with entries[i] entries, or p when tiled),
+  // kept from one step to the next and updated in place where that gives a new plan's launch.
+  struct plan_set {
+    std::unique_ptr<decode_plan> d[2];
+    int entries[2] = {0, 0};
+    std::unique_ptr<prefill_plan> p;
+  };
+  plan_set direct_plans;  // those of the steps run directly
+  // CUDA graphs (set_cuda_graphs) for decode() and step(): one per step shape (graph_key), its
+  // plans with it (the graph reads their buffers); replayed after the plans are updated in place,
+  // else the step is captured anew and applied by cudaGraphExecUpdate (instantiated when that is
+  // refused). A shape's first step runs directly (capturing and instantiating cost more than
+  // running it directly: a shape seen once is not worth it), its second is captured. At most
+  // kGraphs shapes, the least recently used one dropped.
+  struct graph_key {
+    int n = 0, n_dec = 0, n_out = 0, entries[2] = {0, 0};
+    bool ids = false, staged = false, paged = false, part_paged[2] = {false, false}, tiled[2] = {false, false};
+    bool operator==(const graph_key&) const = default;
+  };
+  struct graph_entry {
+    graph_key key;
+    cudaGraphExec_t exec = nullptr;
+    plan_set plans;
+    uint64_t used = 0;
+  };
+  static constexpr size_t kGraphs = 64;
+  std::vector<std::unique_ptr<graph_entry>> graph_cache;
+  uint64_t graph_clock = 0;
   bool graphs = false;
-  cudaGraphExec_t gexec = nullptr;
-  std::unique_ptr<decode_plan> gplan;  // the plan whose buffers the graph reads (updated in place)
-  int g_n = 0, g_n_out = 0;
-  bool g_ids = false, g_staged = false;  // (g_paged: gplan != nullptr)
   // what this step's tokens need (run()): step_staged, a token below cal_n (staging rows and
   // staged_attention); step_paged, a token at or past cal_n (or no channel scale: the append into
   // the pages and the paged attention kernel). Kernels with nothing to do are not launched: below
@@ -179,6 +219,34 @@ struct model_runner::impl {
   // nothing cost a step its launch and its pass over the batch's tables).
   bool step_staged = false, step_paged = true;
   int n_instantiated = 0, n_captured = 0;
+  // set_step_profile: the last run()'s host phases and its span on the stream (two events)
+  bool profile = false;
+  cudaEvent_t pev[2] = {nullptr, nullptr};
+  model_runner::step_profile prof;
+  std::chrono::steady_clock::time_point t_in, t_launch;
+  void prof_begin() {
+    if (!profile) return;
+    t_in = std::chrono::steady_clock::now();
+    check_cuda(cudaEventRecord(pev[0], stream), "cudaEventRecord");
+  }
+  void prof_launch() {
+    if (profile) t_launch = std::chrono::steady_clock::now();
+  }
+  void prof_launched() {
+    if (!profile) return;
+    const auto t = std::chrono::steady_clock::now();
+    prof.prep_ms = std::chrono::duration<double, std::milli>(t_launch - t_in).count();
+    prof.launch_ms = std::chrono::duration<double, std::milli>(t - t_launch).count();
+    t_launch = t;
+    check_cuda(cudaEventRecord(pev[1], stream), "cudaEventRecord");
+  }
+  void prof_end() {
+    if (!profile) return;
+    prof.finish_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_launch).count();
+    float ms = 0;
+    check_cuda(cudaEventElapsedTime(&ms, pev[0], pev[1]), "cudaEventElapsedTime");
+    prof.gpu_ms = ms;
+  }
   void* blas_ws = nullptr;
   // prompts of >= kTiledMin tokens attend through prefill_plan (set_tiled_prefill); shorter ones, and
   // every token when it is off, through decode_plan with one "sequence" per token
@@ -192,10 +260,18 @@ struct model_runner::impl {
   int split_fixed = 0;
 
   ~impl() {
-    if (gexec) cudaGraphExecDestroy(gexec);
-    gplan.reset();
+    for (auto& g : graph_cache)
+      if (g->exec) cudaGraphExecDestroy(g->exec);
+    graph_cache.clear();
+    direct_plans = plan_set{};
+    for (cudaEvent_t e : pev)
+      if (e) cudaEventDestroy(e);
     if (blas) cublasDestroy(blas);
+    if (blas_side) cublasDestroy(blas_side);
     if (stream) cudaStreamDestroy(stream);
+    if (side) cudaStreamDestroy(side);
+    for (cudaEvent_t e : {ev_fork, ev_join})
+      if (e) cudaEventDestroy(e);
     if (pin) cudaFreeHost(pin);
     for (void* p : allocs) cudaFree(p);
   }
@@ -265,10 +341,11 @@ struct model_runner::impl {
   }
 
   // y [n][n_out] f32 = x [n][n_in] f16 . W^T, W [n_out][n_in] f16 (column-major: W is n_in x n_out).
-  void gemm(const uint16_t* w, int64_t n_out, int64_t n_in, const uint16_t* xin, int n, float* y) {
+  void gemm(const uint16_t* w, int64_t n_out, int64_t n_in, const uint16_t* xin, int n, float* y,
+            cublasHandle_t h = nullptr) {
     const float alpha = 1.0f, beta = 0.0f;
     check_blas(
-        cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n_out, n, (int)n_in, &alpha, w, CUDA_R_16F, (int)n_in, xin,
+        cublasGemmEx(h ? h : blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n_out, n, (int)n_in, &alpha, w, CUDA_R_16F, (int)n_in, xin,
                      CUDA_R_16F, (int)n_in, &beta, y, CUDA_R_32F, (int)n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
         "cublasGemmEx");
   }
@@ -312,10 +389,17 @@ struct model_runner::impl {
     check_blas(cublasCreate(&blas), "cublasCreate");
     check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
     check_blas(cublasSetStream(blas, stream), "cublasSetStream");
-    // a fixed cuBLAS workspace, so that a captured product allocates nothing
+    // a fixed cuBLAS workspace, so that a captured product allocates nothing (one per handle: the
+    // side stream's products run beside the main stream's; the same size, so the same kernels)
     constexpr size_t kBlasWs = size_t(32) << 20;
     blas_ws = alloc<uint8_t>(kBlasWs);
     check_blas(cublasSetWorkspace(blas, blas_ws, kBlasWs), "cublasSetWorkspace");
+    check_blas(cublasCreate(&blas_side), "cublasCreate");
+    check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate");
+    check_blas(cublasSetStream(blas_side, side), "cublasSetStream");
+    check_blas(cublasSetWorkspace(blas_side, alloc<uint8_t>(kBlasWs), kBlasWs), "cublasSetWorkspace");
+    check_cuda(cudaEventCreateWithFlags(&ev_fork, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventCreateWithFlags(&ev_join, cudaEventDisableTiming), "cudaEventCreate");
     const build::rope_table rope = build::make_rope(hp, hp.layers[0], {});
     n_rot = rope.n_rot;
     neox = rope.neox;
@@ -628,8 +712,8 @@ struct model_runner::impl {
     // queries are scaled by that sequence's lambda and those below cal_n then attended by
     // staged_attention, as on the per-token path), else one entry per token. Each part's plan is the
     // plan that part gets run alone, so a mixed step's rows equal decode() and forward() run apart.
-    const int n0 = graph_step ? 0 : n_dec;
-    bool tiled = !graph_step && tiled_prefill && n - n0 >= kTiledMin;
+    const int n0 = n_dec;
+    bool tiled = tiled_prefill && n - n0 >= kTiledMin;
     for (int t = n0 + 1; tiled && t < n; ++t) tiled = h_seq[t] == h_seq[n0] && h_pos[t] == h_pos[n0] + t - n0;
     h_indptr.clear();
     h_last.clear();
@@ -642,6 +726,8 @@ struct model_runner::impl {
       a.row0 = t0;
       a.rows = t1 - t0;
       a.tiled = tl;
+      a.paged = cal_n == 0;
+      for (int t = t0; !a.paged && t < t1; ++t) a.paged = h_pos[t] >= cal_n;
       a.entries = tl ? 1 : t1 - t0;
       a.ptr0 = (int)h_indptr.size();
       a.ind0 = (int)h_indices.size();
@@ -664,6 +750,7 @@ struct model_runner::impl {
     };
     if (n0 > 0) add_part(0, n0, false);
     add_part(n0, n, tiled);
+    prof_begin();
     // the tables through pinned memory, asynchronously on the stream (ordered before the step)
     auto up = pinned_uploader();
     up(tokens, h_tok.data(), n * sizeof(int32_t));
@@ -686,88 +773,141 @@ struct model_runner::impl {
     dp.body_lo = sink;
     const bool want_ids = ids != nullptr;
 
-    if (graph_step && gexec && g_n == n && g_n_out == n_out && g_ids == want_ids && g_staged == step_staged &&
-        (gplan != nullptr) == step_paged &&
-        (!step_paged || gplan->update(h_indptr.data(), h_last.data(), stream))) {
+    for (int i = 0; i < n_parts; ++i) n_tiled += parts[i].tiled;
+    graph_entry* g = graph_step ? graph_of_step(n, n_out, want_ids) : nullptr;
+    if (g) {
       // the same launches as the captured step (pointers fixed, tables and work items rewritten in
-      // place): replay the graph as it is
-      check_cuda(cudaGraphLaunch(gexec, stream), "cudaGraphLaunch");
-    } else if (graph_step) {
-      // (no paged attention when every token is staged: no plan)
-      auto plan =
-          step_paged ? std::make_unique<decode_plan>(fmt, dp, h_indptr.data(), h_last.data(), n, sink) : nullptr;
-      parts[0].dplan = plan.get();
-      cudaGraph_t g = nullptr;
-      check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
-      try {
-        enqueue(n, n_out, want_ids);
-      } catch (...) {
-        cudaStreamEndCapture(stream, &g);
-        if (g) cudaGraphDestroy(g);
-        throw;
-      }
-      check_cuda(cudaStreamEndCapture(stream, &g), "cudaStreamEndCapture");
-      ++n_captured;
-      bool updated = false;
-      if (gexec) {
-        cudaGraphExecUpdateResultInfo info{};
-        updated = cudaGraphExecUpdate(gexec, g, &info) == cudaSuccess;
-        if (!updated) {
-          (void)cudaGetLastError();
-          cudaGraphExecDestroy(gexec);
-          gexec = nullptr;
-        }
-      }
-      if (!updated) {
-        const cudaError_t e = cudaGraphInstantiate(&gexec, g, 0);
-        if (e != cudaSuccess) {
-          cudaGraphDestroy(g);
-          gexec = nullptr;
-          gplan.reset();
-          check_cuda(e, "cudaGraphInstantiate");
-        }
-        ++n_instantiated;
-      }
-      cudaGraphDestroy(g);
-      gplan = std::move(plan);  // the graph now reads this plan's buffers
-      g_n = n;
-      g_n_out = n_out;
-      g_ids = want_ids;
-      g_staged = step_staged;
-      check_cuda(cudaGraphLaunch(gexec, stream), "cudaGraphLaunch");
+      // place): replay the graph as it is; else capture the step anew
+      const bool replay = part_plans(g->plans, dp, true) && g->exec;
+      prof_launch();
+      if (!replay) capture(*g, n, n_out, want_ids);
+      check_cuda(cudaGraphLaunch(g->exec, stream), "cudaGraphLaunch");
+      prof_launched();
     } else {
-      // each part's plan; none for a part whose every query is staged (below the K channel scale's
-      // window): staged_attention writes all its rows, whatever a plan would have written first
-      std::unique_ptr<decode_plan> dplans[2];
-      std::unique_ptr<prefill_plan> pplan;
-      for (int i = 0; i < n_parts; ++i) {
-        attn_part& a = parts[i];
-        bool part_paged = cal_n == 0;
-        for (int t = a.row0; !part_paged && t < a.row0 + a.rows; ++t) part_paged = h_pos[t] >= cal_n;
-        n_tiled += a.tiled;
-        if (!part_paged) continue;
-        if (a.tiled) {
+      part_plans(direct_plans, dp, split_fixed > 0);
+      prof_launch();
+      enqueue(n, n_out, want_ids);
+      prof_launched();
+      check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before a plan is updated
+    }
+    for (int t = 0; t < n; ++t) seq_pos[h_seq[t]] = std::max(seq_pos[h_seq[t]], h_pos[t] + 1);
+    finish(out, ids, n_out);
+    prof_end();
+  }
+
+  // The graph entry of this step's shape (parts[0, n_parts) and the arguments), or nullptr when the
+  // shape is new: it is then remembered (the least recently used shape dropped past kGraphs) and
+  // the step runs directly.
+  graph_entry* graph_of_step(int n, int n_out, bool want_ids) {
+    graph_key key;
+    key.n = n;
+    key.n_dec = n_dec;
+    key.n_out = n_out;
+    key.ids = want_ids;
+    key.staged = step_staged;
+    key.paged = step_paged;
+    for (int i = 0; i < n_parts; ++i) {
+      key.entries[i] = parts[i].entries;
+      key.part_paged[i] = parts[i].paged;
+      key.tiled[i] = parts[i].tiled;
+    }
+    for (auto& e : graph_cache)
+      if (e->key == key) {
+        e->used = ++graph_clock;
+        return e.get();
+      }
+    if (graph_cache.size() >= kGraphs) {
+      auto lru = std::min_element(graph_cache.begin(), graph_cache.end(),
+                                  [](const auto& x, const auto& y) { return x->used < y->used; });
+      if ((*lru)->exec) cudaGraphExecDestroy((*lru)->exec);
+      graph_cache.erase(lru);
+    }
+    graph_cache.push_back(std::make_unique<graph_entry>());
+    graph_cache.back()->key = key;
+    graph_cache.back()->used = ++graph_clock;
+    return nullptr;
+  }
+
+  // Points each part of the step (parts[0, n_parts)) at its plan in ps: none for a part whose every
+  // query is staged (below the K channel scale's window: staged_attention writes all its rows); a
+  // prefill plan for a tiled part; else a decode plan. A plan of the same shape in ps is updated in
+  // place (prefill_plan::update, always; decode_plan::update when update_decode: with fixed split-KV
+  // items, or under a graph, whose replays keep the captured split) when that gives the launch a new
+  // plan would; otherwise a new plan is made. Returns whether every plan was updated in place.
+  bool part_plans(plan_set& ps, const decode_params& dp, bool update_decode) {
+    bool all_kept = true;
+    for (int i = 0; i < n_parts; ++i) {
+      attn_part& a = parts[i];
+      a.dplan = nullptr;
+      a.pplan = nullptr;
+      if (!a.paged) continue;
+      const int32_t* indptr = h_indptr.data() + a.ptr0;
+      const int32_t* last = h_last.data() + a.ent0;
+      if (a.tiled) {
+        const int32_t qo[2] = {0, a.rows};
+        if (!ps.p || !ps.p->update(qo, indptr, last, stream)) {
           prefill_params pp;
           pp.n_head = hp.n_head;
           pp.spec = attn_spec{hp.attn_scale};
           pp.q_elem = kv_elem::f16;
           pp.out_elem = kv_elem::f16;
           pp.body_lo = sink;
-          const int32_t qo[2] = {0, a.rows};
-          pplan = std::make_unique<prefill_plan>(fmt, pp, qo, h_indptr.data() + a.ptr0, h_last.data() + a.ent0, 1,
-                                                 sink);
-          a.pplan = pplan.get();
-        } else {
-          dplans[i] = std::make_unique<decode_plan>(fmt, dp, h_indptr.data() + a.ptr0, h_last.data() + a.ent0,
-                                                    a.entries, sink);
-          a.dplan = dplans[i].get();
+          ps.p.reset();  // (its buffers go before the new plan's are taken)
+          ps.p = std::make_unique<prefill_plan>(fmt, pp, qo, indptr, last, 1, sink);
+          all_kept = false;
         }
+        a.pplan = ps.p.get();
+      } else {
+        std::unique_ptr<decode_plan>& d = ps.d[i];
+        if (!(update_decode && d && ps.entries[i] == a.entries && d->update(indptr, last, stream))) {
+          d.reset();
+          d = std::make_unique<decode_plan>(fmt, dp, indptr, last, a.entries, sink);
+          ps.entries[i] = a.entries;
+          all_kept = false;
+        }
+        a.dplan = d.get();
       }
-      enqueue(n, n_out, want_ids);
-      check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before the plans' buffers go
     }
-    for (int t = 0; t < n; ++t) seq_pos[h_seq[t]] = std::max(seq_pos[h_seq[t]], h_pos[t] + 1);
-    finish(out, ids, n_out);
+    return all_kept;
+  }
+
+  // Captures the step's launches (enqueue) into a graph and applies it to g.exec: cudaGraphExecUpdate
+  // when g has one and the update is accepted, else a new instantiation.
+  void capture(graph_entry& g, int n, int n_out, bool want_ids) {
+    cudaGraph_t graph = nullptr;
+    check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+    try {
+      use_side = true;
+      enqueue(n, n_out, want_ids);
+      use_side = false;
+    } catch (...) {
+      use_side = false;
+      cudaStreamEndCapture(stream, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      throw;
+    }
+    check_cuda(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
+    ++n_captured;
+    bool updated = false;
+    if (g.exec) {
+      cudaGraphExecUpdateResultInfo info{};
+      updated = cudaGraphExecUpdate(g.exec, graph, &info) == cudaSuccess;
+      if (!updated) {
+        (void)cudaGetLastError();
+        cudaGraphExecDestroy(g.exec);
+        g.exec = nullptr;
+      }
+    }
+    if (!updated) {
+      const cudaError_t e = cudaGraphInstantiate(&g.exec, graph, 0);
+      if (e != cudaSuccess) {
+        cudaGraphDestroy(graph);
+        g.exec = nullptr;
+        check_cuda(e, "cudaGraphInstantiate");
+      }
+      ++n_instantiated;
+    }
+    cudaGraphDestroy(graph);
   }
 
   // decode_params of this model's attention (f16 queries and outputs).
@@ -783,11 +923,19 @@ struct model_runner::impl {
 
   // y [n][n_out] = x [n][n_in] . W^T as gemm(), rows [0, split) and [split, n) as two products when 0 <
   // split < n: a mixed step's decode rows and prompt rows each see the row count they see apart (cuBLAS
-  // picks its kernel, and with it the summation order, by the shape).
+  // picks its kernel, and with it the summation order, by the shape); the prompt rows' product on the
+  // side stream, beside the decode rows'.
   void gemm_rows(const uint16_t* w, int64_t n_out, int64_t n_in, const uint16_t* xin, int n, float* y, int split) {
     if (split <= 0 || split >= n) return gemm(w, n_out, n_in, xin, n, y);
+    if (!use_side) {
+      gemm(w, n_out, n_in, xin, split, y);
+      gemm(w, n_out, n_in, xin + (size_t)split * n_in, n - split, y + (size_t)split * n_out);
+      return;
+    }
+    fork();
+    gemm(w, n_out, n_in, xin + (size_t)split * n_in, n - split, y + (size_t)split * n_out, blas_side);
     gemm(w, n_out, n_in, xin, split, y);
-    gemm(w, n_out, n_in, xin + (size_t)split * n_in, n - split, y + (size_t)split * n_out);
+    join();
   }
 
   // The step's kernels and products on `stream` (src/model/arch/llama.cpp's graph); attention through
@@ -825,8 +973,12 @@ struct model_runner::impl {
           const exact_rows_out pe = sink_out(il, ex_slots);
           append_paged(layer_view(il, attn_part{}), k16, v16, kv_elem::f16, slots, n, st, sink > 0 ? &pe : nullptr);
         }
-        for (int i = 0; i < n_parts; ++i) {
+        // a mixed step's prompt part on the side stream, beside the decode rows' part
+        const bool two = use_side && n_parts == 2 && (parts[0].dplan || parts[0].pplan) && (parts[1].dplan || parts[1].pplan);
+        if (two) fork();
+        for (int i = n_parts - 1; i >= 0; --i) {
           const attn_part& a = parts[i];
+          void* ast = two && i == 1 ? (void*)side : st;
           paged_kv_view kv = layer_view(il, a);
           if (cal_n > 0) {
             kv.k_mu = k_mu + (size_t)il * n_seq * dkv;
@@ -836,9 +988,10 @@ struct model_runner::impl {
           const exact_window_view ew = sink_view(il, a);
           const uint16_t* q = q16 + (size_t)a.row0 * dq;
           uint16_t* out = attn16 + (size_t)a.row0 * dq;
-          if (a.pplan) a.pplan->run(kv, q, out, sink > 0 ? &ew : nullptr, st);
-          else if (a.dplan) a.dplan->run(kv, q, out, sink > 0 ? &ew : nullptr, st);
+          if (a.pplan) a.pplan->run(kv, q, out, sink > 0 ? &ew : nullptr, ast);
+          else if (a.dplan) a.dplan->run(kv, q, out, sink > 0 ? &ew : nullptr, ast);
         }
+        if (two) join();
       }
       // queries below the calibration positions: exact attention over the staging rows (replaces
       // what the paged kernel wrote for them from pages that may not hold those rows yet)
@@ -1132,7 +1285,7 @@ int model_runner::step(std::span<const int32_t> seq_ids, std::span<const int32_t
   }
   s.n_dec = n_decode;
   try {
-    s.run(logits, argmax);
+    s.run(logits, argmax, s.graphs);
   } catch (...) {
     s.n_dec = 0;
     throw;
@@ -1150,6 +1303,13 @@ int model_runner::tiled_prefills() const { return p_->n_tiled; }
 bool model_runner::cuda_graphs() const { return p_->graphs; }
 int model_runner::graph_instantiations() const { return p_->n_instantiated; }
 int model_runner::graph_captures() const { return p_->n_captured; }
+void model_runner::set_step_profile(bool on) {
+  impl& s = *p_;
+  for (cudaEvent_t& e : s.pev)
+    if (on && !e) check_cuda(cudaEventCreate(&e), "cudaEventCreate");
+  s.profile = on;
+}
+model_runner::step_profile model_runner::last_step_profile() const { return p_->prof; }
 
 void model_runner::fill_synthetic(int seq_id, int n_tokens, uint64_t seed) {
   impl& s = *p_;

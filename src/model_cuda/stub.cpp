@@ -24,6 +24,8 @@ void model_runner::set_cuda_graphs(bool) {}
 bool model_runner::cuda_graphs() const { return false; }
 int model_runner::graph_instantiations() const { return 0; }
 int model_runner::graph_captures() const { return 0; }
+void model_runner::set_step_profile(bool) {}
+model_runner::step_profile model_runner::last_step_profile() const { return {}; }
 void model_runner::set_tiled_prefill(bool) {}
 void model_runner::set_batch_invariant(bool) {}
 bool model_runner::batch_invariant() const { return false; }

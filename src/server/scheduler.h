@@ -84,7 +84,7 @@ struct scheduler_params {
   // (kv_page is not used; kv_budget_bytes sizes the pool, 0: every slot can hold n_ctx), pieces
   // in whole n_batch chunks, no prefix reuse (CPU caches only).
   compute_device device = compute_device::cpu;
-  bool cuda_graphs = false;  // cuda: decode steps as CUDA graphs (model_runner::set_cuda_graphs)
+  bool cuda_graphs = false;  // cuda: decode and mixed steps as CUDA graphs (model_runner::set_cuda_graphs)
   // cuda: the runner's max_batch: a step's decode rows (one per slot) and its first prompt piece (at
   // most one n_batch chunk), which model_runner::step runs in one pass.
   int gpu_step_rows() const { return n_batch + n_parallel; }

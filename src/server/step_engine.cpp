@@ -81,7 +81,7 @@ class cuda_step_engine final : public step_engine {
   size_t bytes() const override { return runner_.kv_bytes(); }
   size_t bytes_used() const override { return runner_.kv_bytes_used(); }
   std::string describe() const override {
-    return runner_.describe() + (runner_.cuda_graphs() ? ", decode steps as CUDA graphs" : "");
+    return runner_.describe() + (runner_.cuda_graphs() ? ", decode and mixed steps as CUDA graphs" : "");
   }
   bool split_free() const override { return false; }  // a piece's products and prefill kernel depend on its length
   bool device_argmax() const override { return true; }

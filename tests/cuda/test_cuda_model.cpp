@@ -897,13 +897,17 @@ TEST(CudaModelBatchedPages, RandomWeightRunnerDecodes) {
 // logits row and greedy id the same bits (its products run as the two GEMMs apart, each part's
 // attention through the plan it gets apart). Three decoding sequences (37, 5 and 100 prompt
 // tokens) beside a fourth sequence's prompt in pieces of 70 (tiled prefill, no output row), 10
-// (per-token path, every row out), 64 (tiled, last row) and 3 tokens; with the K channel scale
-// (window 32: the 5-token sequence decodes staged, the piece of 70 calibrates its sequence) and an
-// exact sink of 4.
+// (per-token path, every row out), 64 (tiled, last row), 3, then 64, 64, 64, 16, 16, 16 tokens
+// (shapes repeated: with CUDA graphs a shape's first step runs directly, the second is captured and
+// the third replays that graph after its plans are updated in place); with the K channel scale (window 32: the 5-token sequence decodes
+// staged, the piece of 70 calibrates its sequence) and an exact sink of 4. graphs: step() of the
+// first runner as CUDA graphs (both runners batch-invariant, as the server runs them: a replay
+// keeps its plan's split-KV items, which equal a new plan's only when they are fixed).
 struct mixed_case {
   kv_cache_type type;
   bool channel_scale = false;
   int sink = 0;
+  bool graphs = false;
 };
 class CudaModelMixedStep : public ::testing::TestWithParam<mixed_case> {};
 
@@ -914,36 +918,44 @@ TEST_P(CudaModelMixedStep, EqualsDecodeAndForwardApart) {
   auto m = model::load(mp);
   const int V = m->hparams().n_vocab;
   const std::vector<int> prompt_len{37, 5, 100};
-  const std::vector<int> piece_len{70, 10, 64, 3};
+  const std::vector<int> piece_len{70, 10, 64, 3, 64, 64, 64, 16, 16, 16};
+  // output rows of the piece: 0 none, 1 every row, 2 the last (flags), 3 the last (empty flags)
+  const std::vector<int> out_mode{0, 1, 2, 3, 2, 2, 2, 3, 3, 3};
+  const std::vector<bool> greedy_step{false, true, false, true, true, true, true, false, false, false};
   const int B = (int)prompt_len.size(), n_steps = (int)piece_len.size();
-  kv_cache_params one = cache_of(*m, mc.type, 200);
+  kv_cache_params one = cache_of(*m, mc.type, 400);
   one.sink = mc.sink;
   if (mc.channel_scale) {
     one.k_channel_scale.reset();
     one.channel_calib = 32;
   }
-  const kv_cache_params cp = m->cache_params(200, one, B + 1);
+  const kv_cache_params cp = m->cache_params(400, one, B + 1);
   cuda::model_runner ra(*m, cp, 128), rb(*m, cp, 128);
+  if (mc.graphs) {
+    ra.set_cuda_graphs(true);
+    ra.set_batch_invariant(true);
+    rb.set_batch_invariant(true);
+  }
   std::vector<std::vector<int32_t>> ids(B + 1);
   for (int b = 0; b < B; ++b) ids[b] = sample_tokens(*m, prompt_len[b] + n_steps, 500 + b);
-  ids[B] = sample_tokens(*m, 150, 600);
+  ids[B] = sample_tokens(*m, 400, 600);
   std::vector<float> lg((size_t)128 * V);
   for (cuda::model_runner* r : {&ra, &rb})
     for (int b = 0; b < B; ++b) r->forward(std::span<const int32_t>(ids[b].data(), prompt_len[b]), 0, {}, lg.data(), b);
   const std::vector<int32_t> order{2, 0, 1};
   int p0 = 0;
-  size_t rows_same = 0, rows = 0, ids_same = 0;
+  size_t rows_same = 0, rows = 0, ids_same = 0, ids_n = 0;
   for (int s = 0; s < n_steps; ++s) {
     const int np = piece_len[s];
     std::vector<int32_t> seqs(order), toks;
     for (int32_t b : order) toks.push_back(ids[b][prompt_len[b] + s]);
     std::vector<uint8_t> out(np, 0);
-    if (s == 1) std::fill(out.begin(), out.end(), 1);
-    if (s == 2) out.back() = 1;
-    const std::span<const uint8_t> flags = s == 3 ? std::span<const uint8_t>() : std::span<const uint8_t>(out);
-    const int n_out = B + (s == 0 ? 0 : s == 1 ? np : 1);
+    if (out_mode[s] == 1) std::fill(out.begin(), out.end(), 1);
+    if (out_mode[s] == 2) out.back() = 1;
+    const std::span<const uint8_t> flags = out_mode[s] == 3 ? std::span<const uint8_t>() : std::span<const uint8_t>(out);
+    const int n_out = B + (out_mode[s] == 0 ? 0 : out_mode[s] == 1 ? np : 1);
     for (int t = 0; t < np; ++t) seqs.push_back(B), toks.push_back(ids[B][p0 + t]);
-    const bool greedy = s % 2 == 1;  // ids for the decode rows on the device in steps 1, 3
+    const bool greedy = greedy_step[s];  // ids for the decode rows on the device
     std::vector<float> la((size_t)n_out * V, 0.0f), lb((size_t)n_out * V, 0.0f);
     std::vector<int32_t> ia(B, -1), ib(B, -1);
     ASSERT_EQ(ra.step(seqs, toks, B, flags, la.data(), greedy ? ia.data() : nullptr), n_out) << "step " << s;
@@ -952,17 +964,27 @@ TEST_P(CudaModelMixedStep, EqualsDecodeAndForwardApart) {
               n_out - B);
     for (int r = greedy ? B : 0; r < n_out; ++r, ++rows)
       rows_same += std::equal(la.begin() + (size_t)r * V, la.begin() + (size_t)(r + 1) * V, lb.begin() + (size_t)r * V);
-    for (int r = 0; greedy && r < B; ++r) ids_same += ia[r] == ib[r];
+    for (int r = 0; greedy && r < B; ++r) ids_same += ia[r] == ib[r], ++ids_n;
     p0 += np;
     for (int b = 0; b < B; ++b) EXPECT_EQ(ra.n_pos(b), rb.n_pos(b));
     EXPECT_EQ(ra.n_pos(B), p0);
   }
-  std::printf("[ mixed step vs apart %s%s%s ] %zu of %zu logits rows identical, %zu of %d greedy ids; %d tiled\n",
-              kv_cache_type_name(mc.type), mc.channel_scale ? " channel scale" : "",
-              mc.sink ? " sink" : "", rows_same, rows, ids_same, 2 * B, ra.tiled_prefills());
+  std::printf("[ mixed step vs apart %s%s%s%s ] %zu of %zu logits rows identical, %zu of %zu greedy ids; %d tiled; "
+              "%d graph captures, %d instantiations\n",
+              kv_cache_type_name(mc.type), mc.channel_scale ? " channel scale" : "", mc.sink ? " sink" : "",
+              mc.graphs ? " graphs" : "", rows_same, rows, ids_same, ids_n, ra.tiled_prefills(), ra.graph_captures(),
+              ra.graph_instantiations());
   EXPECT_EQ(rows_same, rows);
-  EXPECT_EQ(ids_same, (size_t)(2 * B));
+  EXPECT_EQ(ids_same, ids_n);
+  EXPECT_EQ(ids_n, (size_t)(5 * B));
   EXPECT_EQ(ra.tiled_prefills(), rb.tiled_prefills());
+  if (mc.graphs) {
+    // steps 5 and 8 are their shapes' second: captured; 6 and 9 replay them (a failed replay would
+    // capture again); every other shape is seen once, or calibrates (step 0 with the channel scale)
+    EXPECT_EQ(ra.graph_captures(), 2) << "a mixed step's shape seen twice is captured, then replayed";
+  } else {
+    EXPECT_EQ(ra.graph_captures(), 0);
+  }
 
   // refused, nothing appended
   auto expect_refused = [&](std::vector<int32_t> sq, std::vector<int32_t> tk, int n_decode, const char* needle) {
@@ -986,10 +1008,15 @@ TEST_P(CudaModelMixedStep, EqualsDecodeAndForwardApart) {
 
 INSTANTIATE_TEST_SUITE_P(Types, CudaModelMixedStep,
                          ::testing::Values(mixed_case{kv_cache_type::f16}, mixed_case{kv_cache_type::q8, true},
-                                           mixed_case{kv_cache_type::q4, true, 4}, mixed_case{kv_cache_type::q4}),
+                                           mixed_case{kv_cache_type::q4, true, 4}, mixed_case{kv_cache_type::q4},
+                                           mixed_case{kv_cache_type::f16, false, 0, true},
+                                           mixed_case{kv_cache_type::q8, true, 0, true},
+                                           mixed_case{kv_cache_type::q4, true, 4, true},
+                                           mixed_case{kv_cache_type::q4, false, 0, true}),
                          [](const auto& i) {
                            return std::string(kv_cache_type_name(i.param.type)) + (i.param.channel_scale ? "_cs" : "") +
-                                  (i.param.sink ? "_sink" + std::to_string(i.param.sink) : "");
+                                  (i.param.sink ? "_sink" + std::to_string(i.param.sink) : "") +
+                                  (i.param.graphs ? "_graphs" : "");
                          });
 
 }  // namespace
