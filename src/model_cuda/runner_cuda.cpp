@@ -175,6 +175,18 @@ struct model_runner::impl {
   bool use_side = false;
   cublasHandle_t blas_side = nullptr;
   cudaEvent_t ev_fork = nullptr, ev_join = nullptr;
+  static constexpr size_t kBlasWs = size_t(32) << 20;
+  // the side stream, its cuBLAS handle and workspace, made when a mixed step is first captured (the
+  // runners that never capture one keep the memory)
+  void init_side() {
+    if (blas_side) return;
+    check_blas(cublasCreate(&blas_side), "cublasCreate");
+    check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate");
+    check_blas(cublasSetStream(blas_side, side), "cublasSetStream");
+    check_blas(cublasSetWorkspace(blas_side, alloc<uint8_t>(kBlasWs), kBlasWs), "cublasSetWorkspace");
+    check_cuda(cudaEventCreateWithFlags(&ev_fork, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventCreateWithFlags(&ev_join, cudaEventDisableTiming), "cudaEventCreate");
+  }
   void fork() {
     check_cuda(cudaEventRecord(ev_fork, stream), "cudaEventRecord");
     check_cuda(cudaStreamWaitEvent(side, ev_fork, 0), "cudaStreamWaitEvent");
@@ -391,15 +403,8 @@ struct model_runner::impl {
     check_blas(cublasSetStream(blas, stream), "cublasSetStream");
     // a fixed cuBLAS workspace, so that a captured product allocates nothing (one per handle: the
     // side stream's products run beside the main stream's; the same size, so the same kernels)
-    constexpr size_t kBlasWs = size_t(32) << 20;
     blas_ws = alloc<uint8_t>(kBlasWs);
     check_blas(cublasSetWorkspace(blas, blas_ws, kBlasWs), "cublasSetWorkspace");
-    check_blas(cublasCreate(&blas_side), "cublasCreate");
-    check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate");
-    check_blas(cublasSetStream(blas_side, side), "cublasSetStream");
-    check_blas(cublasSetWorkspace(blas_side, alloc<uint8_t>(kBlasWs), kBlasWs), "cublasSetWorkspace");
-    check_cuda(cudaEventCreateWithFlags(&ev_fork, cudaEventDisableTiming), "cudaEventCreate");
-    check_cuda(cudaEventCreateWithFlags(&ev_join, cudaEventDisableTiming), "cudaEventCreate");
     const build::rope_table rope = build::make_rope(hp, hp.layers[0], {});
     n_rot = rope.n_rot;
     neox = rope.neox;
@@ -875,6 +880,7 @@ struct model_runner::impl {
   // when g has one and the update is accepted, else a new instantiation.
   void capture(graph_entry& g, int n, int n_out, bool want_ids) {
     cudaGraph_t graph = nullptr;
+    if (n_parts == 2) init_side();  // (before the capture: it allocates)
     check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
     try {
       use_side = true;
