@@ -36,6 +36,10 @@ Without --llama-server (or with --llama-types "") only kvq servers run. --kvq-va
 servers of another build or with other arguments to the same rounds (labelled "kvq cuda q4 [NAME]"):
 before / after a change, or -b 32 beside the default, measured side by side.
 
+--warmup-rounds N runs N unmeasured rounds of the same protocol first (their own prompts), so that
+servers reach their steady state before the measured rounds (kvq --cuda-graphs captures a graph per
+step shape as the shapes recur; cold, those captures fall inside the measured tails).
+
 Standard library only (http.client, one thread per client). Never builds llama.cpp: pass a built
 llama-server binary.
 
@@ -354,6 +358,10 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length in tokens (default 128)")
     ap.add_argument("--max-tokens", type=int, default=64, help="generated tokens per request (default 64, ignore_eos)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
+    ap.add_argument("--warmup-rounds", type=int, default=0,
+                    help="unmeasured rounds of the same protocol before the measured ones, with their own prompts "
+                         "(default 0): servers reach their steady state first, e.g. kvq --cuda-graphs with its step "
+                         "shapes captured")
     ap.add_argument("--time-limit", type=float, default=420, help="start no round that would end after this many seconds of measuring (default 420; the first round always runs)")
     ap.add_argument("--kvq-types", default="f16,q8,q4,kivi4/q4a+sink4", help="kvq formats: K, K/V, K/V+sinkN (default f16,q8,q4,kivi4/q4a+sink4: the README's recommended -ctk kivi4 -ctv q4a --kv-sink 4)")
     ap.add_argument("--llama-types", default="f16,q4_0", help="llama-server KV types, K and V alike (default f16,q4_0)")
@@ -380,6 +388,8 @@ def main():
     if not os.path.isfile(a.model):
         raise SystemExit(f"error: --model '{a.model}' not found (scripts/fetch-models.sh)")
     clients = [int(c) for c in a.clients.split(",") if c]
+    if a.warmup_rounds < 0:
+        raise SystemExit(f"error: --warmup-rounds {a.warmup_rounds} must be >= 0")
     if not clients or min(clients) < 1 or max(clients) > a.parallel:
         raise SystemExit(f"error: --clients '{a.clients}' must be integers in [1, --parallel {a.parallel}]")
     if a.prompt_tokens + a.max_tokens > a.ctx:
@@ -485,14 +495,15 @@ def main():
         # interleaved rounds
         runs = []  # one entry per (round, clients, server)
         round_s = []
-        for rnd in range(a.rounds):
+        for rnd in range(-a.warmup_rounds, a.rounds):
+            warmup = rnd < 0
             if rnd > 0 and time.monotonic() - t_start + max(round_s) > a.time_limit:
                 print(f"[bench] stopping after {rnd} rounds (--time-limit {a.time_limit:.0f} s)", flush=True)
                 break
             t_round = time.monotonic()
             for c in clients:
                 n_req = c * max(a.requests_per_client, 3 if c == 1 else 1)
-                prompts = make_prompts(ref.port, n_req, a.prompt_tokens, rnd * 100 + c)
+                prompts = make_prompts(ref.port, n_req, a.prompt_tokens, (rnd + 1000 if warmup else rnd) * 100 + c)
                 order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
                 for s in order:
                     results, wall = run_level(s.port, prompts, c, a.max_tokens, a.request_timeout)
@@ -505,11 +516,18 @@ def main():
                            "generated_tokens": n_tok, "wall_s": wall, "tok_per_s": n_tok / wall, "ttft_s": ttft, "itl_s": itl,
                            "chunks": sum(len(r["chunks"]) for r in results if not r["error"]),
                            "not_max_tokens": short, "first_text": results[0]["text"] if results and results[0] else ""}
+                    if warmup:
+                        if errors:
+                            raise RuntimeError(f"{s.label}: warm-up round failed: {errors[0]}\n{tail(s.log_path)}")
+                        print(f"[bench] warm-up round {rnd + a.warmup_rounds} clients {c:2d} {s.label}: "
+                              f"{n_tok / wall:8.1f} tok/s (not counted)", flush=True)
+                        continue
                     runs.append(run)
                     print(f"[bench] round {rnd} clients {c:2d} {s.label:28s} {n_tok / wall:8.1f} tok/s  "
                           f"TTFT p50 {pct(ttft, 50) * 1e3:7.1f} ms  ITL p50 {pct(itl, 50) * 1e3:6.1f} p99 {pct(itl, 99) * 1e3:7.1f} ms"
                           + (f"  {len(errors)} errors: {errors[0]}" if errors else ""), flush=True)
-            round_s.append(time.monotonic() - t_round)
+            if not warmup:
+                round_s.append(time.monotonic() - t_round)
 
         for s in servers:
             if s.kind == "kvq":
@@ -556,7 +574,8 @@ def main():
     md = []
     md.append(f"Model {os.path.basename(a.model)}, --parallel {a.parallel}, {a.ctx} tokens per slot, -t {a.threads}, "
               f"prompts of {a.prompt_tokens} tokens, {a.max_tokens} generated (greedy, ignore_eos, streamed), "
-              f"{len(round_s)} interleaved rounds, KV budget {budget_bytes / 2**30:.3f} GiB "
+              f"{len(round_s)} interleaved rounds"
+              + (f" after {a.warmup_rounds} unmeasured warm-up rounds" if a.warmup_rounds else "") + f", KV budget {budget_bytes / 2**30:.3f} GiB "
               f"({a.parallel} x {a.ctx} tokens at f16); {config['cpu']}, {os.cpu_count()} CPUs, load average at the end "
               f"{config['load_avg'][0]:.2f}, kvq {config.get('kvq_commit', '?')}.")
     md.append("")
