@@ -145,7 +145,7 @@ class model_runner {
   // CUDA graphs for decode() and step() (off by default): a step's ~11 launches per layer (a mixed
   // step's ~17) are captured into one graph and replayed with one launch. One graph per step shape
   // (rows, decode rows, output rows, argmax or not, staged / paged parts, tiled piece; at most 64
-  // shapes, the least recently used dropped); a shape's first step runs directly and its second is
+  // shapes whose attention plans hold at most 256 MiB of workspace, the least recently used dropped); a shape's first step runs directly and its second is
   // captured (capturing and instantiating cost more than a direct step). All its buffers are fixed and its tables are rewritten
   // in place before each step, so a step of a shape seen before replays its graph as it is when the
   // plans keep their launch (decode_plan::update / prefill_plan::update: same work-item counts);

@@ -170,7 +170,8 @@ struct model_runner::impl {
   // CUDA graph (use_side, while capturing), whose products (own cuBLAS handle and workspace: the
   // same kernels) and attention run on `side` beside the decode rows' (fork / join through two
   // events: parallel branches of the graph). Run directly, a step is bound by the host's launches,
-  // which a second stream only adds to (measured: docs/perf.md, "Mixed steps as CUDA graphs").
+  // which a second stream only adds to (measured: docs/perf.md, "Where a GPU server step's time
+  // goes, and mixed steps as CUDA graphs").
   cudaStream_t stream = nullptr, side = nullptr;
   bool use_side = false;
   cublasHandle_t blas_side = nullptr;
@@ -208,7 +209,8 @@ struct model_runner::impl {
   // else the step is captured anew and applied by cudaGraphExecUpdate (instantiated when that is
   // refused). A shape's first step runs directly (capturing and instantiating cost more than
   // running it directly: a shape seen once is not worth it), its second is captured. At most
-  // kGraphs shapes, the least recently used one dropped.
+  // kGraphs shapes whose plans hold at most kGraphPlanBytes of device workspace (a decode plan of 16
+  // sequences at 32K holds ~33 MB), the least recently used ones dropped.
   struct graph_key {
     int n = 0, n_dec = 0, n_out = 0, entries[2] = {0, 0};
     bool ids = false, staged = false, paged = false, part_paged[2] = {false, false}, tiled[2] = {false, false};
@@ -220,7 +222,7 @@ struct model_runner::impl {
     plan_set plans;
     uint64_t used = 0;
   };
-  static constexpr size_t kGraphs = 64;
+  static constexpr size_t kGraphs = 64, kGraphPlanBytes = size_t(256) << 20;
   std::vector<std::unique_ptr<graph_entry>> graph_cache;
   uint64_t graph_clock = 0;
   bool graphs = false;
@@ -784,6 +786,7 @@ struct model_runner::impl {
       // the same launches as the captured step (pointers fixed, tables and work items rewritten in
       // place): replay the graph as it is; else capture the step anew
       const bool replay = part_plans(g->plans, dp, true) && g->exec;
+      trim_graphs(g);
       prof_launch();
       if (!replay) capture(*g, n, n_out, want_ids);
       check_cuda(cudaGraphLaunch(g->exec, stream), "cudaGraphLaunch");
@@ -801,8 +804,7 @@ struct model_runner::impl {
   }
 
   // The graph entry of this step's shape (parts[0, n_parts) and the arguments), or nullptr when the
-  // shape is new: it is then remembered (the least recently used shape dropped past kGraphs) and
-  // the step runs directly.
+  // shape is new: it is then remembered (trim_graphs) and the step runs directly.
   graph_entry* graph_of_step(int n, int n_out, bool want_ids) {
     graph_key key;
     key.n = n;
@@ -821,16 +823,32 @@ struct model_runner::impl {
         e->used = ++graph_clock;
         return e.get();
       }
-    if (graph_cache.size() >= kGraphs) {
-      auto lru = std::min_element(graph_cache.begin(), graph_cache.end(),
-                                  [](const auto& x, const auto& y) { return x->used < y->used; });
-      if ((*lru)->exec) cudaGraphExecDestroy((*lru)->exec);
-      graph_cache.erase(lru);
-    }
     graph_cache.push_back(std::make_unique<graph_entry>());
     graph_cache.back()->key = key;
     graph_cache.back()->used = ++graph_clock;
+    trim_graphs(graph_cache.back().get());
     return nullptr;
+  }
+
+  // Drops the least recently used shapes but `keep` while there are more than kGraphs or their plans
+  // hold more than kGraphPlanBytes (between steps: the stream is idle).
+  void trim_graphs(const graph_entry* keep) {
+    auto bytes = [](const plan_set& ps) {
+      size_t b = ps.p ? ps.p->workspace_bytes() : 0;
+      for (const auto& d : ps.d) b += d ? d->workspace_bytes() : 0;
+      return b;
+    };
+    for (;;) {
+      size_t total = 0;
+      for (const auto& e : graph_cache) total += bytes(e->plans);
+      if (graph_cache.size() <= kGraphs && total <= kGraphPlanBytes) return;
+      auto lru = graph_cache.end();
+      for (auto it = graph_cache.begin(); it != graph_cache.end(); ++it)
+        if (it->get() != keep && (lru == graph_cache.end() || (*it)->used < (*lru)->used)) lru = it;
+      if (lru == graph_cache.end()) return;  // only `keep` is left
+      if ((*lru)->exec) cudaGraphExecDestroy((*lru)->exec);
+      graph_cache.erase(lru);
+    }
   }
 
   // Points each part of the step (parts[0, n_parts)) at its plan in ps: none for a part whose every
