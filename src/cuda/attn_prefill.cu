@@ -712,6 +712,8 @@ __global__ void __launch_bounds__(kThreads) prefill_merge_kernel(merge_args a) {
 
 }  // namespace
 
+namespace {
+
 // The plan's query tiles from its host tables: 64 query rows (tokens x GQA group heads) of one
 // sequence each, with the keys their rows see (constructor and update(); errors as the class says).
 struct tile_list {
@@ -814,6 +816,8 @@ work_list split_tiles(const tile_list& tl, int n_kv_head, int64_t slots, int exa
   out.items = std::move(sorted);
   return out;
 }
+
+}  // namespace
 
 struct prefill_plan::impl {
   paged_kv_format f;
