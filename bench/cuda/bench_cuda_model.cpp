@@ -10,7 +10,8 @@
 // decode() of the slots alone, decode() then forward() of the piece (the server before
 // model_runner::step), and step() of both in one pass; all synchronous (logits or ids back). Below
 // each row, the phases of decode() (direct and as a CUDA graph), forward() of the piece alone and
-// step() (direct and as a CUDA graph; model_runner::step_profile). Decode plans with fixed split-KV items, as the server's.
+// step() (direct and as a CUDA graph; model_runner::step_profile). Decode plans with fixed split-KV
+// items, as the server's.
 // shape:NAME (a built runtime only): make_synthetic_model's random-weight model of that published
 // shape (kvq/bench.h), e.g. shape:qwen2.5-0.5b.
 #include <algorithm>
@@ -115,43 +116,39 @@ void server_steps(const model& m, const std::string& types, int slots, int promp
             gpu.push_back(p.gpu_ms);
       }
     };
-    auto timed = [&](auto&& f) {
+    // times f with CUDA graphs on or off and, past the warm-up, keeps its wall time and phases in *x
+    auto call = [&](sample* x, bool graphs, bool keep, auto&& f) {
+      r.set_cuda_graphs(graphs);
       const auto t0 = clk::now();
       f();
-      return ms_since(t0);
+      const double wall = ms_since(t0);
+      r.set_cuda_graphs(false);
+      if (keep) x->add(wall, r.last_step_profile());
     };
     for (int np : pieces) {
-      sample d, dg, fw, a, st, sg;
+      sample d, dg, fw, a, st, sg;  // (a: decode() then forward(); its wall time only)
       const std::span<const int32_t> pt(piece_toks.data(), np);
       std::vector<int32_t> all_seq(seqs), all_tok(dec);
       all_seq.insert(all_seq.end(), np, slots);
       all_tok.insert(all_tok.end(), pt.begin(), pt.end());
+      const auto decode = [&] { r.decode(seqs, dec, nullptr, ids.data()); };
+      const auto forward = [&] { r.forward(pt, 0, {}, lg.data(), slots); };
+      const auto step = [&] { r.step(all_seq, all_tok, slots, {}, lg.data(), ids.data()); };
       for (int rep = 0; rep < reps + 1; ++rep) {  // rep 0: warm-up
-        const double td = timed([&] { r.decode(seqs, dec, nullptr, ids.data()); });
-        const auto pd = r.last_step_profile();
-        r.set_cuda_graphs(true);
-        const double tg = timed([&] { r.decode(seqs, dec, nullptr, ids.data()); });
-        const auto pg = r.last_step_profile();
-        r.set_cuda_graphs(false);
-        const double tf = timed([&] { r.forward(pt, 0, {}, lg.data(), slots); });
-        const auto pf = r.last_step_profile();
+        const bool keep = rep > 0;
+        call(&d, false, keep, decode);
+        call(&dg, true, keep, decode);
+        call(&fw, false, keep, forward);
         r.clear_seq(slots);
-        const double ta = timed([&] {
-          r.decode(seqs, dec, nullptr, ids.data());
-          r.forward(pt, 0, {}, lg.data(), slots);
+        call(&a, false, keep, [&] {
+          decode();
+          forward();
         });
         r.clear_seq(slots);
-        const double ts = timed([&] { r.step(all_seq, all_tok, slots, {}, lg.data(), ids.data()); });
-        const auto ps = r.last_step_profile();
+        call(&st, false, keep, step);
         r.clear_seq(slots);
-        r.set_cuda_graphs(true);
-        const double tsg = timed([&] { r.step(all_seq, all_tok, slots, {}, lg.data(), ids.data()); });
-        const auto psg = r.last_step_profile();
-        r.set_cuda_graphs(false);
+        call(&sg, true, keep, step);
         r.clear_seq(slots);
-        if (rep == 0) continue;
-        d.add(td, pd), dg.add(tg, pg), fw.add(tf, pf), st.add(ts, ps), sg.add(tsg, psg);
-        a.wall.push_back(ta);
       }
       const double md = median(d.wall), ma = median(a.wall), ms = median(st.wall);
       std::printf("%-5s %6d %12.3f %16.3f %12.3f %10.2f\n", t.c_str(), np, md, ma, ms, ms / md);

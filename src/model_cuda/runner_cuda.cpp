@@ -213,7 +213,7 @@ struct model_runner::impl {
   // sequences at 32K holds ~33 MB), the least recently used ones dropped.
   struct graph_key {
     int n = 0, n_dec = 0, n_out = 0, entries[2] = {0, 0};
-    bool ids = false, staged = false, paged = false, part_paged[2] = {false, false}, tiled[2] = {false, false};
+    bool ids = false, staged = false, part_paged[2] = {false, false}, tiled[2] = {false, false};
     bool operator==(const graph_key&) const = default;
   };
   struct graph_entry {
@@ -786,9 +786,11 @@ struct model_runner::impl {
       // the same launches as the captured step (pointers fixed, tables and work items rewritten in
       // place): replay the graph as it is; else capture the step anew
       const bool replay = part_plans(g->plans, dp, true) && g->exec;
-      trim_graphs(g);
       prof_launch();
-      if (!replay) capture(*g, n, n_out, want_ids);
+      if (!replay) {
+        trim_graphs(g);  // (new plans: the cache's workspace may have grown)
+        capture(*g, n, n_out, want_ids);
+      }
       check_cuda(cudaGraphLaunch(g->exec, stream), "cudaGraphLaunch");
       prof_launched();
     } else {
@@ -811,8 +813,7 @@ struct model_runner::impl {
     key.n_dec = n_dec;
     key.n_out = n_out;
     key.ids = want_ids;
-    key.staged = step_staged;
-    key.paged = step_paged;
+    key.staged = step_staged;  // (step_paged: one of the parts is)
     for (int i = 0; i < n_parts; ++i) {
       key.entries[i] = parts[i].entries;
       key.part_paged[i] = parts[i].paged;
