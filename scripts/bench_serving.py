@@ -40,7 +40,7 @@ before / after a change, or -b 32 beside the default, measured side by side.
 servers reach their steady state before the measured rounds (kvq --cuda-graphs captures a graph per
 step shape as the shapes recur; cold, those captures fall inside the measured tails).
 
-Standard library only (http.client, one thread per client). Never builds llama.cpp: pass a built
+Standard library only (http.client, one process per client: --clients-as). Never builds llama.cpp: pass a built
 llama-server binary.
 
   python3 scripts/bench_serving.py --kvq build/kvq --llama-server PATH/llama-server \
@@ -53,6 +53,7 @@ import argparse
 import http.client
 import json
 import math
+import multiprocessing
 import os
 import random
 import re
@@ -201,28 +202,74 @@ def stream_completion(port, prompt_ids, max_tokens, timeout):
     return res
 
 
-def run_level(port, prompts, n_clients, max_tokens, timeout):
-    """n_clients threads, each sending its share of `prompts` one after another; returns results, wall s."""
-    results = [None] * len(prompts)
-    next_i = [0]
-    lock = threading.Lock()
+def run_level(port, prompts, n_clients, max_tokens, timeout, clients_as="processes"):
+    """n_clients clients, each sending its share of `prompts` one after another; returns results, wall s.
+
+    clients_as "processes" (the default): one process per client (fork), so that no client's timestamps
+    wait on another's Python work: with threads, the 16 clients of a GPU server all receive a token
+    every ~2 ms and parse it under one interpreter lock, which delays some timestamps by the others'
+    parsing and widens the measured inter-token gaps (scripts/bench_client_check.py measures it).
+    "threads": one thread per client in this process (the former client). time.monotonic is the
+    system's CLOCK_MONOTONIC, the same clock in every process."""
+    if clients_as == "threads":
+        results = [None] * len(prompts)
+        next_i = [0]
+        lock = threading.Lock()
+
+        def client():
+            while True:
+                with lock:
+                    i = next_i[0]
+                    next_i[0] += 1
+                if i >= len(prompts):
+                    return
+                results[i] = stream_completion(port, prompts[i], max_tokens, timeout)
+
+        threads = [threading.Thread(target=client) for _ in range(n_clients)]
+        t0 = time.monotonic()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return results, time.monotonic() - t0
+    if clients_as != "processes":
+        raise ValueError(f"clients_as '{clients_as}' must be processes or threads")
+    ctx = multiprocessing.get_context("fork")
+    next_i = ctx.Value("i", 0)
+    go = ctx.Event()
+    out = ctx.Queue()
 
     def client():
+        go.wait()
         while True:
-            with lock:
-                i = next_i[0]
-                next_i[0] += 1
+            with next_i.get_lock():
+                i = next_i.value
+                next_i.value += 1
             if i >= len(prompts):
+                out.put(None)
                 return
-            results[i] = stream_completion(port, prompts[i], max_tokens, timeout)
+            out.put((i, stream_completion(port, prompts[i], max_tokens, timeout)))
 
-    threads = [threading.Thread(target=client) for _ in range(n_clients)]
+    procs = [ctx.Process(target=client, daemon=True) for _ in range(n_clients)]
+    for pr in procs:
+        pr.start()
+    results = [None] * len(prompts)
     t0 = time.monotonic()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return results, time.monotonic() - t0
+    go.set()
+    done = 0
+    while done < n_clients:
+        item = out.get(timeout=timeout * (len(prompts) + 1))
+        if item is None:
+            done += 1
+        else:
+            results[item[0]] = item[1]
+    wall = time.monotonic() - t0
+    for pr in procs:
+        pr.join()
+    for i, r in enumerate(results):
+        if r is None:  # a client process died without a result
+            results[i] = {"t_send": None, "chunks": [], "n_tokens": None, "text": "", "error": "client process lost"}
+    return results, wall
 
 
 # ---- prompts ----------------------------------------------------------------------------------------
@@ -374,6 +421,10 @@ def main():
                          "entries), ARGS (more server arguments, e.g. '-b 64'); repeatable. For before / after builds "
                          "and server settings side by side in one run")
     ap.add_argument("--capacity-ctx", type=int, default=4096, help="sequence length of the capacity column (default 4096)")
+    ap.add_argument("--clients-as", choices=("processes", "threads"), default="processes",
+                    help="one process per client (default: no client's timestamps wait on another's parsing) or one "
+                         "thread per client in this process (the former client; scripts/bench_client_check.py "
+                         "measures the difference)")
     ap.add_argument("--request-timeout", type=float, default=600)
     ap.add_argument("--startup-timeout", type=float, default=300)
     a = ap.parse_args()
@@ -506,7 +557,7 @@ def main():
                 prompts = make_prompts(ref.port, n_req, a.prompt_tokens, (rnd + 1000 if warmup else rnd) * 100 + c)
                 order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
                 for s in order:
-                    results, wall = run_level(s.port, prompts, c, a.max_tokens, a.request_timeout)
+                    results, wall = run_level(s.port, prompts, c, a.max_tokens, a.request_timeout, a.clients_as)
                     errors = [r["error"] for r in results if r["error"]]
                     n_tok = sum(r["n_tokens"] or 0 for r in results if not r["error"])
                     ttft = [r["chunks"][0] - r["t_send"] for r in results if not r["error"] and r["chunks"]]
