@@ -44,22 +44,6 @@ void staged_attention(const uint16_t* q, const float* stage_k, const float* stag
                       const int32_t* pos, int n, int n_stage, int n_head, int n_kv_head, int hd, float scale,
                       uint16_t* out, void* stream);
 
-// Weight product of a few rows on tensor cores (gemm_skinny.cu): y [n][n_out] f32 = x [n][n_in] f16 .
-// W^T, W [n_out][n_in] f16 (row-major, as the runner's cuBLAS call y = W x), f32 accumulation.
-// Built to read W at the copy rate at decode (1 <= n <= kGemmSkinnyMaxRows), where cuBLAS reads the
-// Llama-3.1-8B layer products at 1.6-3.4 TB/s against a 4.2 TB/s copy (bench/cuda/bench_cuda_gemm.cu,
-// docs/perf.md). Each output is the same sum in the same order whatever n is (split-K over a block's
-// warps, fixed by the shape and the GPU's SM count): a row's bits never depend on its neighbours.
-// Values equal the exact product up to f32 summation order (not cuBLAS's bits).
-// gemm_skinny_supported: n in [1, 16], n_in a multiple of 32, w and x 16-byte aligned; gemm_skinny
-// throws internal for anything else (unsupported in a build without CUDA).
-inline constexpr int kGemmSkinnyMaxRows = 16;
-inline bool gemm_skinny_supported(int n, int64_t n_out, int64_t n_in, const void* w, const void* x) {
-  return ((uintptr_t)w | (uintptr_t)x) % 16 == 0 && n >= 1 && n <= kGemmSkinnyMaxRows && n_out >= 1 &&
-         n_out <= (int64_t)1 << 30 && n_in >= 32 && n_in % 32 == 0 && n_in <= (int64_t)1 << 24;
-}
-void gemm_skinny(const uint16_t* w, int64_t n_out, int64_t n_in, const uint16_t* x, int n, float* y, void* stream);
-
 // SwiGLU (Shazeer 2020, eq. 6): act[t][i] = f16(silu(gu[t][i]) * gu[t][F + i]). gu: [n][2F] f32.
 void swiglu(const float* gu, int n, int F, uint16_t* act, void* stream);
 

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -356,22 +355,8 @@ struct model_runner::impl {
   }
 
   // y [n][n_out] f32 = x [n][n_in] f16 . W^T, W [n_out][n_in] f16 (column-major: W is n_in x n_out).
-  // Products of at most 16 rows (decode steps) with at most kSkinnyMaxBytes of W through
-  // mk::gemm_skinny, the others through cuBLAS: measured on the H200 (docs/perf.md, "Weight products
-  // at decode"), cuBLAS reads the small products of a decode step at 1.4-2 TB/s and gemm_skinny
-  // faster, while on large ones (Llama-3.1-8B's gate / up, 235 MB) cuBLAS is as fast or faster. The
-  // choice follows the product's shape and own row count only, so decode() and the decode rows of
-  // step() take the same kernel. KVQ_CUDA_GEMM=cublas / skinny in the environment (read when the
-  // runner is made) sends every product it can to one of them: the benchmarks' A/B.
-  static constexpr int64_t kSkinnyMaxBytes = int64_t(48) << 20;
-  int gemm_choice = 0;  // 0: by shape, 1: cuBLAS, 2: gemm_skinny wherever it applies
   void gemm(const uint16_t* w, int64_t n_out, int64_t n_in, const uint16_t* xin, int n, float* y,
             cublasHandle_t h = nullptr) {
-    const bool small = n_out * n_in * 2 <= kSkinnyMaxBytes;
-    if (gemm_choice != 1 && (small || gemm_choice == 2) && mk::gemm_skinny_supported(n, n_out, n_in, w, xin)) {
-      mk::gemm_skinny(w, n_out, n_in, xin, n, y, h && h == blas_side ? (void*)side : (void*)stream);
-      return;
-    }
     const float alpha = 1.0f, beta = 0.0f;
     check_blas(
         cublasGemmEx(h ? h : blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n_out, n, (int)n_in, &alpha, w, CUDA_R_16F, (int)n_in, xin,
@@ -415,7 +400,6 @@ struct model_runner::impl {
     dq = (int64_t)hp.n_head * hp.head_dim;
     dkv = (int64_t)hp.n_kv_head * hp.head_dim;
     dqkv = dq + 2 * dkv;
-    if (const char* e = std::getenv("KVQ_CUDA_GEMM")) gemm_choice = std::string(e) == "cublas" ? 1 : std::string(e) == "skinny" ? 2 : 0;
     check_blas(cublasCreate(&blas), "cublasCreate");
     check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
     check_blas(cublasSetStream(blas, stream), "cublasSetStream");

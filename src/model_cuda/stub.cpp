@@ -1,7 +1,6 @@
 // Built when KVQ_BUILD_CUDA is OFF: the GPU model path reports "not supported" (kvq/cuda.h's stub).
 #include "kvq/cuda.h"
 #include "kvq/cuda_model.h"
-#include "model_cuda/model_kernels.h"
 
 namespace kvq::cuda {
 
@@ -44,7 +43,5 @@ size_t model_runner::kv_bytes_used() const { return 0; }
 size_t model_runner::kv_bytes_per_page() const { return 0; }
 kv_page_info model_runner::page_info() const { return {}; }
 size_t model_runner::weight_bytes() const { return 0; }
-
-void mk::gemm_skinny(const uint16_t*, int64_t, int64_t, const uint16_t*, int, float*, void*) { require(); }
 
 }  // namespace kvq::cuda
