@@ -186,6 +186,7 @@ __device__ __forceinline__ bool pv_out_channels_q4(int mt, int g, int& ch0, int&
 
 template <dfmt F, int HD>
 __global__ void __launch_bounds__(kThreads, cfg<F, HD>::MIN_BLOCKS) decode_kernel(decode_args a) {
+  detail::pdl_enter();  // first: the previous kernel's outputs (launch_pdl)
   using S = shape<F, HD>;
   using C = cfg<F, HD>;
   constexpr int NSUB = C::NSUB;
@@ -747,6 +748,7 @@ __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) 
 // rotation, the store.
 template <int HD>
 __global__ void __launch_bounds__(kThreads) merge_kernel(merge_args a) {
+  detail::pdl_enter();  // first: the previous kernel's outputs (launch_pdl)
   extern __shared__ __align__(16) float fm[];
   float* qf = fm;         // [HD] rotated query
   float* of = qf + HD;    // [HD] exact-window o, then the output
@@ -1143,7 +1145,7 @@ void decode_plan::run(const paged_kv_view& kv, const void* q, void* out, const e
       a.rot_scale = s.geo.rot_scale;
       a.k_lambda = kv.k_lambda;
       a.stat_row = kv.stat_row;
-      decode_kernel<F, HD><<<(unsigned)s.grid, kThreads, s.dec_smem, st>>>(a);
+      detail::launch_pdl(decode_kernel<F, HD>, (unsigned)s.grid, kThreads, s.dec_smem, st, a);
       check_launch("attn_decode (decode_kernel)");
     }
     merge_args m;
@@ -1174,7 +1176,8 @@ void decode_plan::run(const paged_kv_view& kv, const void* q, void* out, const e
     m.k_lambda = kv.k_lambda;
     m.stat_row = kv.stat_row;
     const int msmem = merge_smem_bytes<HD>(m.ecap);
-    merge_kernel<HD><<<dim3((unsigned)s.batch, (unsigned)f.n_kv_head, (unsigned)s.ng), kThreads, msmem, st>>>(m);
+    detail::launch_pdl(merge_kernel<HD>, dim3((unsigned)s.batch, (unsigned)f.n_kv_head, (unsigned)s.ng), kThreads, msmem,
+                       st, m);
     check_launch("attn_decode (merge_kernel)");
   });
 }

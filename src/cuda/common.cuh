@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "kvq/cuda.h"
 #include "kvq/error.h"
@@ -48,6 +49,38 @@ inline dev_geom to_dev(const paged_kv_geometry& g, int page_size) {
   return d;
 }
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+// Programmatic dependent launch (Hopper; CUDA programming guide, "Programmatic Dependent Launch and
+// Synchronization"): a kernel launched with launch_pdl may be scheduled while the kernel before it
+// on the stream is still running, so that its launch overlaps that kernel's tail instead of
+// following it (in a CUDA graph the edge is captured as a programmatic one). Every kernel launched
+// this way must call pdl_enter() before its first access to device memory: it waits until the
+// previous kernel has completed and its writes are visible (a no-op for a plain launch), then lets
+// the next kernel be scheduled in turn. What a step computes is unchanged, bit for bit.
+// KVQ_CUDA_PDL=0 in the environment (read once) launches them plainly: the benchmarks' A/B.
+bool pdl_on();
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+template <class... KArgs, class... Args>
+void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  if (pdl_on()) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);  // errors: the caller's check_launch
+}
 
 // Compile-time shape of a (format, head_dim) instance.
 template <dfmt F, int HD>

@@ -1,5 +1,6 @@
 // Device discovery and memory helpers of the CUDA backend.
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -11,6 +12,13 @@ namespace kvq::cuda {
 namespace detail {
 void check(cudaError_t e, const char* op) {
   if (e != cudaSuccess) fail(errc::internal, std::string("[cuda] ") + op + ": " + cudaGetErrorString(e));
+}
+bool pdl_on() {
+  static const bool on = [] {
+    const char* e = std::getenv("KVQ_CUDA_PDL");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
 }
 }  // namespace detail
 

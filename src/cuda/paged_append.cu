@@ -41,6 +41,7 @@ __device__ __forceinline__ float load_any(const void* p, int64_t i, int elem) {
 // clamped -> code + offset -> pack (docs/formats.md).
 template <dfmt F, int HD>
 __global__ void __launch_bounds__(32 * kAppendWarps) append_kernel(append_args a) {
+  detail::pdl_enter();  // first: the previous kernel's outputs (launch_pdl)
   using S = shape<F, HD>;
   __shared__ float xs[kAppendWarps][HD];
   __shared__ __align__(16) uint8_t us[kAppendWarps][HD];
@@ -358,8 +359,8 @@ void append_paged(const paged_kv_view& kv, const void* k, const void* v, kv_elem
   a.ecap = exact ? exact->cap : 1;
   const int64_t blocks = (a.n_items + kAppendWarps - 1) / kAppendWarps;
   dispatch_format_hd(to_dfmt(kv.format.format), kv.format.head_dim, [&](auto fc, auto hc) {
-    append_kernel<decltype(fc)::value, decltype(hc)::value>
-        <<<(unsigned)blocks, 32 * kAppendWarps, 0, as_stream(stream)>>>(a);
+    detail::launch_pdl(append_kernel<decltype(fc)::value, decltype(hc)::value>, (unsigned)blocks, 32 * kAppendWarps, 0,
+                       as_stream(stream), a);
   });
   check_launch("append_paged");
 }

@@ -11,12 +11,15 @@ namespace kvq::cuda::mk {
 
 using detail::as_stream;
 using detail::check_launch;
+using detail::launch_pdl;
+using detail::pdl_enter;
 
 namespace {
 
 constexpr int kNormThreads = 256;
 
 __global__ void embed_kernel(const int32_t* tokens, const __half* emb, int E, float* x) {
+  pdl_enter();  // first: the previous kernel's outputs (launch_pdl)
   const int t = blockIdx.x;
   const __half* row = emb + (int64_t)tokens[t] * E;
   for (int i = threadIdx.x; i < E; i += blockDim.x) x[(int64_t)t * E + i] = __half2float(row[i]);
@@ -24,6 +27,7 @@ __global__ void embed_kernel(const int32_t* tokens, const __half* emb, int E, fl
 
 __global__ void add_rmsnorm_kernel(float* x, const float* add, const float* w, const int32_t* rows, int E, float eps,
                                    __half* h) {
+  pdl_enter();  // first: the previous kernel's outputs (launch_pdl)
   const int r = blockIdx.x;
   const int64_t i0 = (int64_t)(rows ? rows[r] : r) * E;
   float ss = 0.0f;
@@ -50,6 +54,7 @@ __global__ void add_rmsnorm_kernel(float* x, const float* add, const float* w, c
 __global__ void qkv_rope_kernel(const float* qkv, const float* bias, const float* inv_freq, int n_rot, bool neox,
                                 const int32_t* pos, int n_head, int n_kv_head, int hd, __half* q, __half* k,
                                 __half* v, float* k32, float* v32) {
+  pdl_enter();  // first: the previous kernel's outputs (launch_pdl)
   const int t = blockIdx.x, s = blockIdx.y, d = threadIdx.x;
   const int width = (n_head + 2 * n_kv_head) * hd;
   const int off = s * hd;  // Q heads, then K heads, then V heads
@@ -82,6 +87,7 @@ __global__ void qkv_rope_kernel(const float* qkv, const float* bias, const float
 // grid n, block 256: the rows of tokens at positions below n_stage into the staging rows.
 __global__ void stage_rows_kernel(const float* k, const float* v, const int32_t* seq, const int32_t* pos, int n_stage,
                                   int dkv, float* sk, float* sv) {
+  pdl_enter();  // first: the previous kernel's outputs (launch_pdl)
   const int t = blockIdx.x, p = pos[t];
   if (p >= n_stage) return;
   const int64_t dst = ((int64_t)seq[t] * n_stage + p) * dkv, src = (int64_t)t * dkv;
@@ -114,6 +120,7 @@ __device__ __forceinline__ void load_staged_rows(float* tile, const float* src, 
 __global__ void staged_attention_kernel(const __half* q, const float* sk, const float* sv, const int32_t* seq,
                                         const int32_t* pos, int n_stage, int n_head, int n_kv_head, int hd,
                                         int tile_rows, float scale, __half* out) {
+  pdl_enter();  // first: the previous kernel's outputs (launch_pdl)
   extern __shared__ float4 sm4[];  // [tile_rows][hd] K or V rows, [hd] query, [32] reductions, [n_stage] scores
   const int t = blockIdx.x, hh = blockIdx.y, p = pos[t];
   if (p >= n_stage) return;
@@ -189,6 +196,7 @@ __global__ void staged_attention_kernel(const __half* q, const float* sk, const 
 }
 
 __global__ void swiglu_kernel(const float* gu, int F, __half* act) {
+  pdl_enter();  // first: the previous kernel's outputs (launch_pdl)
   const int t = blockIdx.y;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= F) return;
@@ -200,6 +208,7 @@ constexpr int kArgmaxThreads = 512;
 
 // one block per row: (value, index) max with the smaller index on ties; a non-finite value marks the row
 __global__ void argmax_kernel(const float* logits, int V, int32_t* out) {
+  pdl_enter();  // first: the previous kernel's outputs (launch_pdl)
   const int r = blockIdx.x;
   const float* row = logits + (int64_t)r * V;
   float best = -INFINITY;
@@ -269,7 +278,7 @@ __global__ void fill_f32_kernel(float* x, int64_t n, float lo, float hi, uint64_
 
 void argmax_rows(const float* logits, int n, int V, int32_t* out, void* stream) {
   if (n == 0) return;
-  argmax_kernel<<<n, kArgmaxThreads, 0, as_stream(stream)>>>(logits, V, out);
+  launch_pdl(argmax_kernel, n, kArgmaxThreads, 0, as_stream(stream), logits, V, out);
   check_launch("model argmax");
 }
 
@@ -288,31 +297,31 @@ void fill_uniform_f32(float* x, int64_t n, float lo, float hi, uint64_t seed, vo
 }
 
 void embed(const int32_t* tokens, const uint16_t* emb, int n, int E, float* x, void* stream) {
-  embed_kernel<<<n, 256, 0, as_stream(stream)>>>(tokens, reinterpret_cast<const __half*>(emb), E, x);
+  launch_pdl(embed_kernel, n, 256, 0, as_stream(stream), tokens, reinterpret_cast<const __half*>(emb), E, x);
   check_launch("model embed");
 }
 
 void add_rmsnorm(float* x, const float* add, const float* w, const int32_t* rows, int n_rows, int E, float eps,
                  uint16_t* h, void* stream) {
   if (n_rows == 0) return;
-  add_rmsnorm_kernel<<<n_rows, kNormThreads, 0, as_stream(stream)>>>(x, add, w, rows, E, eps,
-                                                                     reinterpret_cast<__half*>(h));
+  launch_pdl(add_rmsnorm_kernel, n_rows, kNormThreads, 0, as_stream(stream), x, add, w, rows, E, eps,
+             reinterpret_cast<__half*>(h));
   check_launch("model add_rmsnorm");
 }
 
 void qkv_rope(const float* qkv, const float* bias, const float* inv_freq, int n_rot, bool neox, const int32_t* pos,
               int n, int n_head, int n_kv_head, int hd, uint16_t* q, uint16_t* k, uint16_t* v, void* stream,
               float* k32, float* v32) {
-  qkv_rope_kernel<<<dim3(n, n_head + 2 * n_kv_head), hd, 0, as_stream(stream)>>>(
-      qkv, bias, inv_freq, n_rot, neox, pos, n_head, n_kv_head, hd, reinterpret_cast<__half*>(q),
-      reinterpret_cast<__half*>(k), reinterpret_cast<__half*>(v), k32, v32);
+  launch_pdl(qkv_rope_kernel, dim3(n, n_head + 2 * n_kv_head), hd, 0, as_stream(stream), qkv, bias, inv_freq, n_rot, neox,
+             pos, n_head, n_kv_head, hd, reinterpret_cast<__half*>(q), reinterpret_cast<__half*>(k),
+             reinterpret_cast<__half*>(v), k32, v32);
   check_launch("model qkv_rope");
 }
 
 void stage_rows(const float* k, const float* v, const int32_t* seq, const int32_t* pos, int n, int n_stage, int dkv,
                 float* stage_k, float* stage_v, void* stream) {
   if (n == 0) return;
-  stage_rows_kernel<<<n, 256, 0, as_stream(stream)>>>(k, v, seq, pos, n_stage, dkv, stage_k, stage_v);
+  launch_pdl(stage_rows_kernel, n, 256, 0, as_stream(stream), k, v, seq, pos, n_stage, dkv, stage_k, stage_v);
   check_launch("model stage_rows");
 }
 
@@ -328,14 +337,14 @@ void staged_attention(const uint16_t* q, const float* stage_k, const float* stag
                                                (int)smem);
     detail::check(e, "model staged_attention (shared memory)");
   }
-  staged_attention_kernel<<<dim3(n, n_head), kStagedThreads, smem, as_stream(stream)>>>(
-      reinterpret_cast<const __half*>(q), stage_k, stage_v, seq, pos, n_stage, n_head, n_kv_head, hd, tile_rows, scale,
-      reinterpret_cast<__half*>(out));
+  launch_pdl(staged_attention_kernel, dim3(n, n_head), kStagedThreads, smem, as_stream(stream),
+             reinterpret_cast<const __half*>(q), stage_k, stage_v, seq, pos, n_stage, n_head, n_kv_head, hd, tile_rows,
+             scale, reinterpret_cast<__half*>(out));
   check_launch("model staged_attention");
 }
 
 void swiglu(const float* gu, int n, int F, uint16_t* act, void* stream) {
-  swiglu_kernel<<<dim3((F + 255) / 256, n), 256, 0, as_stream(stream)>>>(gu, F, reinterpret_cast<__half*>(act));
+  launch_pdl(swiglu_kernel, dim3((F + 255) / 256, n), 256, 0, as_stream(stream), gu, F, reinterpret_cast<__half*>(act));
   check_launch("model swiglu");
 }
 
