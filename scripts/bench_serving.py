@@ -13,8 +13,9 @@ tokens over the wall time from the first request sent to the last one finished),
 token (TTFT: request sent to the first streamed text) and the inter-token latency (ITL: the gap
 between consecutive streamed text chunks; both servers stream one chunk per token except where a
 token ends inside a UTF-8 character or a stop-string candidate), p50 and p99 over every request of
-every round. Also the largest number of concurrent 4K-token sequences each format admits at the
-budget: kvq from /metrics (kvq_kv_budget_bytes / kvq_kv_pages_total = bytes per page, and a
+every round; under the table, each server's ITL p99 at the most clients over its p99 at one client
+(how much longer the worst gaps get under load). Also the largest number of concurrent 4K-token
+sequences each format admits at the budget: kvq from /metrics (kvq_kv_budget_bytes / kvq_kv_pages_total = bytes per page, and a
 sequence of 4096 tokens holds ceil(4096 / page) pages), llama-server from its KV size line (bytes per
 cell from the GGUF shapes and ggml's type sizes; a llama-server slot of 4096 cells per sequence,
 -c = slots x 4096).
@@ -395,7 +396,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kvq", required=True, help="kvq binary (build/kvq)")
     ap.add_argument("--llama-server", default="", help="llama-server binary (built outside this repository; none: kvq only)")
-    ap.add_argument("--model", default="models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+    ap.add_argument("--model", default="models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+                    help="GGUF model every server loads (default: the real-models issue's Qwen2.5-Coder-0.5B)")
     ap.add_argument("--threads", type=int, required=True, help="compute threads of every server (-t)")
     ap.add_argument("--out", required=True, help="folder for results.md, results.json and the server logs")
     ap.add_argument("--parallel", type=int, default=16, help="sequence slots of every server (default 16)")
@@ -660,7 +662,10 @@ def main():
         md.append(f"| {d['label']} | {d['bytes_per_token']:.0f} | {d['capacity']} | {d['capacity'] / b:.2f} |")
     md.append("")
     md.append("kvq: budget / (ceil(" + str(a.capacity_ctx) + " / page) x page bytes), page bytes from /metrics "
-              "(the pool holds at most --parallel x -c); the KIVI residual and exact sink rows stay per slot, outside the budget. "
+              "(the pool holds at most --parallel x -c; --capacity-ctx sets the sequence length): page arithmetic only. The "
+              "slots' rows outside the pages (exact sink / recent and KIVI residual rows, channel statistics) and the "
+              "q8 / q4 staging pages come out of the same budget (docs/server.md, \"KV pages\"), so a server admits somewhat "
+              "fewer (docs/perf.md's capacity table). "
               "llama-server: budget / (" + str(a.capacity_ctx) + " x bytes per cell: GGUF shapes x ggml type sizes), "
               "one slot of " + str(a.capacity_ctx) + " cells per sequence.")
     with open(os.path.join(a.out, "results.md"), "w") as f:

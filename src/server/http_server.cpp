@@ -56,6 +56,9 @@ class http_server final : public server {
  private:
   void routes();
   void send_error(httplib::Response& res, const api_error& e) const;
+  // the API key check (--api-key): every route but /health and CORS preflights
+  bool authorized(const httplib::Request& req) const;
+  api_error unauthorized(const httplib::Request& req) const;
   void completion(const httplib::Request& req, httplib::Response& res, bool chat);
   json usage(int n_prompt, int n_generated) const {
     return {{"prompt_tokens", n_prompt}, {"completion_tokens", n_generated}, {"total_tokens", n_prompt + n_generated}};
@@ -197,22 +200,47 @@ void http_server::run() {
   http_.listen_after_bind();
 }
 
+// The last error message sent on this thread, for the logger: the body it logs from is gzip
+// compressed when the client accepts it (the openai clients do).
+thread_local std::string t_last_error;
+
+bool http_server::authorized(const httplib::Request& req) const {
+  const bool preflight = req.method == "OPTIONS" && !p_.cors_origin.empty();
+  return p_.api_key.empty() || req.path == "/health" || preflight ||
+         req.get_header_value("Authorization") == "Bearer " + p_.api_key;
+}
+
+api_error http_server::unauthorized(const httplib::Request& req) const {
+  return api_error(401, req.has_header("Authorization") ? "invalid API key" : "missing API key (Authorization: Bearer KEY)",
+                   "authentication_error", "", "invalid_api_key");
+}
+
 void http_server::send_error(httplib::Response& res, const api_error& e) const {
+  t_last_error = e.what();
   res.status = e.status;
   if (e.status == 503) res.set_header("Retry-After", "1");
   res.set_content(dump(error_body(e)), "application/json");
 }
 
 void http_server::routes() {
+  // Answered here, before cpp-httplib reads a body: requests that have none. A request with a body
+  // goes on to its route (or the 404 / error handler), which first reads the body: answered here,
+  // its body would stay in a keep-alive connection and be read as the next request.
   http_.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     ++http_requests_;
-    // a CORS preflight carries no credentials: it is answered without the key (it returns no data)
-    const bool preflight = req.method == "OPTIONS" && !p_.cors_origin.empty();
-    if (p_.api_key.empty() || req.path == "/health" || preflight) return httplib::Server::HandlerResponse::Unhandled;
-    if (req.get_header_value("Authorization") == "Bearer " + p_.api_key)
-      return httplib::Server::HandlerResponse::Unhandled;
-    send_error(res, api_error(401, req.has_header("Authorization") ? "invalid API key" : "missing API key (Authorization: Bearer KEY)",
-                              "authentication_error", "", "invalid_api_key"));
+    const bool body = req.has_header("Transfer-Encoding") ||
+                      (req.has_header("Content-Length") && req.get_header_value("Content-Length") != "0");
+    // a POST without Content-Length or chunked encoding has no body (HTTP/1.1); cpp-httplib 0.11
+    // would wait for one until its read timeout (30 s)
+    if (req.method == "POST" && !req.has_header("Content-Length") && !req.has_header("Transfer-Encoding")) {
+      send_error(res, api_error(400,
+                                "a POST request needs a JSON body with a Content-Length header (or chunked "
+                                "Transfer-Encoding); this one had neither (curl: -d '{...}')",
+                                "invalid_request_error", "", "missing_body"));
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    if (authorized(req) || body) return httplib::Server::HandlerResponse::Unhandled;
+    send_error(res, unauthorized(req));
     return httplib::Server::HandlerResponse::Handled;
   });
   http_.set_exception_handler([this](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
@@ -231,7 +259,8 @@ void http_server::routes() {
   });
   http_.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
     if (!res.body.empty()) return;
-    if (res.status == 404) send_error(res, api_error(404, "no route " + req.method + " " + req.path, "invalid_request_error", "", "not_found"));
+    if (!authorized(req)) send_error(res, unauthorized(req));  // (a request with a body, no route)
+    else if (res.status == 404) send_error(res, api_error(404, "no route " + req.method + " " + req.path, "invalid_request_error", "", "not_found"));
     else if (res.status == 413) {
       // cpp-httplib caps form bodies (curl -d's default type) at 8192 bytes, below the 16 MiB set above
       const bool form = req.get_header_value("Content-Type").find("application/x-www-form-urlencoded") == 0;
@@ -255,7 +284,9 @@ void http_server::routes() {
     try {
       msg = json::parse(res.body).at("error").at("message").get<std::string>();
     } catch (...) {
+      msg = t_last_error;  // a compressed body
     }
+    t_last_error.clear();
     std::fprintf(stderr, "[server] %s %s -> %d %s\n", req.method.c_str(), req.path.c_str(), res.status, msg.c_str());
   });
 
@@ -266,6 +297,16 @@ void http_server::routes() {
       res.set_header("Access-Control-Allow-Headers", "Authorization, Content-Type");
       res.set_header("Access-Control-Max-Age", "86400");
     });
+  // every route but /health checks the key itself too: a request with a body passes the
+  // pre-routing check unanswered (above)
+  auto guarded = [this](httplib::Server::Handler h) {
+    return [this, h](const httplib::Request& req, httplib::Response& res) {
+      if (!authorized(req)) return send_error(res, unauthorized(req));
+      h(req, res);
+    };
+  };
+  auto get = [&](const char* path, httplib::Server::Handler h) { http_.Get(path, guarded(std::move(h))); };
+  auto post = [&](const char* path, httplib::Server::Handler h) { http_.Post(path, guarded(std::move(h))); };
   http_.Get("/health", [](const httplib::Request&, httplib::Response& res) {
     res.set_content(R"({"status":"ok"})", "application/json");
   });
@@ -275,28 +316,28 @@ void http_server::routes() {
                 {"meta", {{"arch", hp.arch}, {"n_vocab", hp.n_vocab}, {"n_ctx_train", hp.n_ctx_train},
                           {"n_params", hp.n_params}, {"n_ctx", sched_->params().n_ctx}}}};
   };
-  http_.Get("/v1/models", [=](const httplib::Request&, httplib::Response& res) {
+  get("/v1/models", [=](const httplib::Request&, httplib::Response& res) {
     res.set_content(dump({{"object", "list"}, {"data", json::array({model_object()})}}), "application/json");
   });
   // one model by id (the openai client's models.retrieve), 404 model_not_found for another id
-  http_.Get("/v1/models/(.+)", [=, this](const httplib::Request& req, httplib::Response& res) {
+  get("/v1/models/(.+)", [=, this](const httplib::Request& req, httplib::Response& res) {
     const std::string id = req.matches[1];
     if (id != model_id_)
       throw api_error(404, "model " + json_brief(json(id)) + " does not exist; this server serves '" + model_id_ + "'",
                       "invalid_request_error", "model", "model_not_found");
     res.set_content(dump(model_object()), "application/json");
   });
-  http_.Get("/props", [this](const httplib::Request&, httplib::Response& res) {
+  get("/props", [this](const httplib::Request&, httplib::Response& res) {
     json j = {{"model", model_id_}, {"n_ctx", sched_->params().n_ctx}, {"n_parallel", p_.n_parallel},
               {"kv_cache", sched_->cache_describe()}, {"chat_template", template_text_},
               {"chat_format", template_ ? json(chat_format_name(template_->format())) : json(nullptr)},
               {"bos_token", tok_->bos() >= 0 ? tok_->token_text(tok_->bos()) : ""}};
     res.set_content(dump(j), "application/json");
   });
-  http_.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+  get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics_text(), "text/plain; version=0.0.4");
   });
-  http_.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
+  post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
     const json body = parse_json_body(req.body);
     const json& content = required_field(body, "content", &json::is_string, "a string");
     bool add_special = false, with_pieces = false;  // llama-server's defaults (its /tokenize)
@@ -319,7 +360,7 @@ void http_server::routes() {
       tokens.push_back(with_pieces ? token_piece_json(id, tok_->token_to_piece(id, /*special=*/true)) : json(id));
     res.set_content(dump({{"tokens", tokens}}), "application/json");
   });
-  http_.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
+  post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
     const json body = parse_json_body(req.body);
     std::vector<int32_t> ids;
     for (const json& t : required_field(body, "tokens", &json::is_array, "a list of token ids")) {
@@ -338,7 +379,7 @@ void http_server::routes() {
     }
     res.set_content(dump({{"content", tok_->decode(ids)}}), "application/json");
   });
-  http_.Post("/apply-template", [this](const httplib::Request& req, httplib::Response& res) {
+  post("/apply-template", [this](const httplib::Request& req, httplib::Response& res) {
     const json body = parse_json_body(req.body);
     const completion_request r = parse_completion_request(body, true);
     if (!template_) throw api_error(400, template_note_, "invalid_request_error", "", "no_chat_template");
@@ -350,8 +391,8 @@ void http_server::routes() {
       fail_request("messages", e.what(), "invalid_value");
     }
   });
-  http_.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) { completion(req, res, false); });
-  http_.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) { completion(req, res, true); });
+  post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) { completion(req, res, false); });
+  post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) { completion(req, res, true); });
 }
 
 void http_server::completion(const httplib::Request& req, httplib::Response& res, bool chat) {
@@ -378,7 +419,13 @@ void http_server::completion(const httplib::Request& req, httplib::Response& res
   sr.stop = r.stop;
   sr.ignore_eos = r.ignore_eos;
   const int n_prompt = (int)sr.prompt.size();
-  std::shared_ptr<seq_job> job = sched_->submit(sr);  // throws 400 / 503
+  std::shared_ptr<seq_job> job;
+  try {
+    job = sched_->submit(sr);  // throws 400 / 503
+  } catch (api_error& e) {
+    if (chat && e.param == "prompt") e.param = "messages";  // the rendered messages are the prompt
+    throw;
+  }
 
   const std::string id = (chat ? "chatcmpl-" : "cmpl-") + id_prefix_ + std::to_string(next_id_++);
   const int64_t created = unix_now();

@@ -390,5 +390,38 @@ TEST(Scheduler, KvBudgetHoldsTheStagingRowsQ4) {
   EXPECT_EQ(mt.kv_bytes_used, 0u);
 }
 
+// A budget that holds more than every slot at n_ctx: the pool stops at what the slots can hold, and
+// that includes each slot's staging pages until it is calibrated (q4's K channel scale keeps its first
+// 256 positions in f32 rows that take pages). The cap left them out, so q4 at -c 512 with 64-token
+// pages was refused at any budget ("holds 32 pages ... fewer than the 40 one sequence may hold: raise
+// --kv-budget to at least" a figure below the budget given), found by a new user running
+// bench_serving.py --ctx 512.
+TEST(Scheduler, KvBudgetCapCountsTheStagingPagesQ4) {
+  KVQ_REQUIRE_MODEL(path, kQwen);
+  auto m = model::load(path);
+  auto tok = tokenizer::from_gguf(m->gguf());
+  scheduler_params sp;
+  sp.n_ctx = 512;
+  sp.n_parallel = 4;
+  sp.n_batch = 64;
+  sp.kv_page = 64;
+  sp.n_threads = 2;
+  sp.cache.type_k = sp.cache.type_v = parse_kv_cache_type("q4");
+  sp.kv_budget_bytes = 256u << 20;  // far more than the 4 slots can hold
+  scheduler s(*m, *tok, sp);
+  const scheduler_metrics m0 = s.metrics();
+  EXPECT_GT(m0.pages_total, 4 * 8) << "the body pages of 4 slots at 512 positions, and staging pages";
+  EXPECT_LE(m0.kv_bytes, sp.kv_budget_bytes);
+  seq_request r;
+  r.prompt = tok->encode("def fibonacci(n):", tok->add_bos_default(), true);
+  r.max_tokens = 8;
+  r.sampling.temp = 0;
+  r.ignore_eos = true;
+  const seq_update u = test::wait_done(*s.submit(r));
+  EXPECT_EQ(u.finish_reason, "length") << u.error;
+  EXPECT_EQ(u.n_generated, 8);
+  EXPECT_EQ(s.metrics().pages_in_use, 0);
+}
+
 }  // namespace
 }  // namespace kvq::server_detail

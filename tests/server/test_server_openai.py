@@ -208,6 +208,8 @@ def test_f16_with(srv, c):
         ("POST", "/v1/completions", {"prompt": "x", "n": 2}, None, 400, "n"),
         ("POST", "/v1/completions", {"prompt": "x", "stop": 5}, None, 400, "stop"),
         ("POST", "/v1/completions", {"prompt": "word " * 400, "max_tokens": 4}, None, 400, "prompt"),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 400}], "max_tokens": 4},
+         None, 400, "messages"),
         ("POST", "/v1/completions", {"prompt": [1, 10 ** 9]}, None, 400, "prompt"),
         ("POST", "/v1/chat/completions", {"messages": "hi"}, None, 400, "messages"),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, None, 400, "messages[0].content"),
