@@ -269,13 +269,7 @@ void http_server::routes() {
                                             "'Content-Type: application/json' (up to 16 MiB)"
                                           : "request body too large (at most 16 MiB)",
                                 "invalid_request_error", "", "payload_too_large"));
-    } else if (res.status == 400 && req.method == "POST" && !req.has_header("Content-Length") &&
-               !req.has_header("Transfer-Encoding"))  // cpp-httplib refuses such a POST before routing it
-      send_error(res, api_error(400,
-                                "a POST request needs a JSON body with a Content-Length header (or chunked "
-                                "Transfer-Encoding); this one had neither (curl: -d '{...}')",
-                                "invalid_request_error", "", "missing_body"));
-    else send_error(res, api_error(res.status, "HTTP " + std::to_string(res.status), "invalid_request_error"));
+    } else send_error(res, api_error(res.status, "HTTP " + std::to_string(res.status), "invalid_request_error"));
   });
   http_.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
     if (res.status < 400) return;
