@@ -230,6 +230,10 @@ void http_server::routes() {
     ++http_requests_;
     const bool body = req.has_header("Transfer-Encoding") ||
                       (req.has_header("Content-Length") && req.get_header_value("Content-Length") != "0");
+    if (!body && !authorized(req)) {
+      send_error(res, unauthorized(req));
+      return httplib::Server::HandlerResponse::Handled;
+    }
     // a POST without Content-Length or chunked encoding has no body (HTTP/1.1); cpp-httplib 0.11
     // would wait for one until its read timeout (30 s)
     if (req.method == "POST" && !req.has_header("Content-Length") && !req.has_header("Transfer-Encoding")) {
@@ -239,9 +243,7 @@ void http_server::routes() {
                                 "invalid_request_error", "", "missing_body"));
       return httplib::Server::HandlerResponse::Handled;
     }
-    if (authorized(req) || body) return httplib::Server::HandlerResponse::Unhandled;
-    send_error(res, unauthorized(req));
-    return httplib::Server::HandlerResponse::Handled;
+    return httplib::Server::HandlerResponse::Unhandled;
   });
   http_.set_exception_handler([this](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
     try {
