@@ -29,7 +29,8 @@ inline std::string format_certified_report(const certified_report& r, const std:
                 s.partial ? (double)s.tokens_recomputed / s.partial : 0.0, (unsigned long long)s.exact,
                 100.0 * s.exact / n);
   out += prefix + buf;
-  std::snprintf(buf, sizeof buf, "bound / ||output||: median %.3g, p99 %.3g\n", s.rel_bound_median, s.rel_bound_p99);
+  std::snprintf(buf, sizeof buf, "bound / ||output||: median %.3g, p99 %.3g; value term %.1f%% of the bound (mean)\n",
+                s.rel_bound_median, s.rel_bound_p99, 100.0 * s.value_share_mean);
   out += prefix + buf;
   if (r.measure) {
     std::snprintf(buf, sizeof buf,
@@ -66,6 +67,7 @@ inline nlohmann::json certified_json(const certified_report& r) {
                    {"certified_pct", 100.0 * s.certified / n}, {"partial_pct", 100.0 * s.partial / n},
                    {"exact_pct", 100.0 * s.exact / n}, {"tokens_recomputed", s.tokens_recomputed},
                    {"rel_bound_median", s.rel_bound_median}, {"rel_bound_p99", s.rel_bound_p99},
+                   {"value_share_mean", s.value_share_mean},
                    {"heads_upgraded", s.heads_upgraded}, {"upgrades", r.upgrades}, {"measure", r.measure}};
   if (r.measure) {
     j["measured"] = s.measured;

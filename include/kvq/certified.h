@@ -40,6 +40,9 @@ struct certified_stats {
   double rel_bound_median = 0, rel_bound_p99 = 0;  // bound_fast / ||ô|| (log-histogram, ~4% bins)
   int heads_upgraded = 0;          // (layer, kv head, side) upgrades of the adaptive precision
   int upgrades_refused = 0;        // upgrades the byte budget refused (kv_cache_params::certify_budget)
+  // the value term's share of the fast tier's bound, value / (key + cross + value) (docs/certified.md
+  // "Output error"), averaged over the steps with a nonzero bound: what a tighter value term could gain
+  double value_share_mean = 0;
   // measure mode only:
   uint64_t measured = 0;           // steps whose compressed output had a nonzero actual error
   double ratio_median = 0, ratio_p99 = 0, ratio_min = 0;  // bound_fast / error_fast

@@ -198,6 +198,8 @@ class kv_cache_certified_impl final : public kv_cache_certified {
   kv_cache_stats base_stats_;
   certified_stats cs_;
   log_hist rel_hist_, ratio_hist_;
+  double value_share_sum_ = 0;  // certified_stats::value_share_mean's sum and count
+  uint64_t value_share_n_ = 0;
   std::vector<std::string> upgrades_;
   std::vector<cert_step> last_steps_;  // [batch tokens, n_head] of the last attend / attend_batch
   std::vector<attend_plan_seq> plan_in_;  // attend scratch (one call at a time per cache)
@@ -564,6 +566,11 @@ void kv_cache_certified_impl::record(int il, int n_head) {
     a.sum_rel += std::min(rel, 1e30);
     ++a.win_steps;
     a.win_fallbacks += fell;
+    const double terms = s.key_term + s.cross_term + s.value_term;
+    if (terms > 0 && std::isfinite(terms)) {
+      value_share_sum_ += s.value_term / terms;
+      ++value_share_n_;
+    }
     if (s.norm_fast > 0) {
       a.win_key += std::min((s.key_term + s.cross_term) / s.norm_fast, 1e30);
       a.win_value += std::min(s.value_term / s.norm_fast, 1e30);
@@ -654,6 +661,7 @@ certified_stats kv_cache_certified_impl::certified_statistics() const {
   s.rel_bound_p99 = rel_hist_.quantile(0.99);
   s.ratio_median = ratio_hist_.quantile(0.5);
   s.ratio_p99 = ratio_hist_.quantile(0.99);
+  s.value_share_mean = value_share_n_ ? value_share_sum_ / (double)value_share_n_ : 0.0;
   return s;
 }
 

@@ -424,6 +424,25 @@ TEST(CertifiedCache, Statistics) {
   EXPECT_GE(s.rel_bound_p99, s.rel_bound_median);
 }
 
+// value_share_mean, the value term's share of the fast tier's bound: near 1 when only V is
+// quantized (K in f16: its scores move by f16 rounding only) and near 0 when only K is (V in f16).
+TEST(CertifiedCache, ValueShareFollowsTheQuantizedSide) {
+  thread_pool pool(2);
+  small_case d(21);
+  std::vector<float> out((size_t)d.n * d.n_head() * d.hd);
+  double share[2] = {0, 0};
+  const char* sides[2][2] = {{"f16", "q4"}, {"q4", "f16"}};
+  for (int i = 0; i < 2; ++i) {
+    kv_cache_params p = cert_params(d.nkv, d.hd, d.n, 1e-2, sides[i][0], sides[i][1]);
+    auto c = make_kv_cache_certified(p);
+    c->append(0, 0, d.n, d.k.data(), d.v.data());
+    c->attend(0, 0, 0, d.n, d.n_head(), d.q.data(), 0.2f, out.data(), pool);
+    share[i] = c->certified_statistics().value_share_mean;
+  }
+  EXPECT_GT(share[0], 0.95) << "K f16 / V q4";
+  EXPECT_LT(share[1], 0.05) << "K q4 / V f16";
+}
+
 // The report perplexity() / generate() / bench() return for each certified cache they create
 // (append_certified_report): live statistics, tier bytes and peaks after a clear; a cache that
 // never stored a token and a non-certified cache add nothing. The runtime calls themselves:
