@@ -101,21 +101,15 @@ scheduler::scheduler(model& m, const tokenizer& tok, const scheduler_params& p)
                  "statistics, sliding-window rings): raise --kv-budget or lower --parallel");
     prefix_budget_ = outside > 0 ? (p_.kv_budget_bytes - outside) / 16 : 0;
     const size_t pool_bytes = p_.kv_budget_bytes - outside - prefix_budget_;
-    // at most what every slot can hold at n_ctx: its body pages, and its staging pages until it is
-    // calibrated (known once a cache exists: the engine is made again with those added)
-    const int64_t full = (int64_t)p_.n_parallel * ((p_.n_ctx + p_.kv_page - 1) / p_.kv_page);
-    const int64_t afford = page_bytes == 0 ? 0 : (int64_t)(pool_bytes / page_bytes);
-    cp.n_pages = (int)std::min<int64_t>(full, afford);
+    // at most what every slot can hold at n_ctx: the cache's own pool without a budget (n_pages 0),
+    // each slot's body pages and its staging pages until it is calibrated (sized without allocating)
+    kv_cache_params every = cp;
+    every.n_pages = 0;
+    const int64_t full = page_bytes == 0 ? 0 : (int64_t)((kv_bytes_at_ctx(every) - outside) / page_bytes);
+    cp.n_pages = page_bytes == 0 ? 0 : (int)std::min<int64_t>(full, (int64_t)(pool_bytes / page_bytes));
     if (page_bytes > 0 && cp.n_pages == 0)
       fail_input("[server] --kv-budget " + gib((double)p_.kv_budget_bytes) + " holds no page of " +
                  std::to_string(p_.kv_page) + " tokens (" + std::to_string(page_bytes) + " bytes each)");
-    engine_ = make_cpu_step_engine(m_, cp);
-    const int64_t with_stage = full + (int64_t)p_.n_parallel * engine_->stage_pages_for(p_.n_ctx);
-    if (cp.n_pages < std::min(with_stage, afford)) {
-      cp.n_pages = (int)std::min(with_stage, afford);
-      engine_.reset();
-      engine_ = make_cpu_step_engine(m_, cp);
-    }
   }
   if (!engine_) engine_ = make_cpu_step_engine(m_, cp);
   split_free_ = engine_->split_free();
