@@ -228,9 +228,9 @@ struct model_runner::impl {
   bool graphs = false;
   // what this step's tokens need (run()): step_staged, a token below cal_n (staging rows and
   // staged_attention); step_paged, a token at or past cal_n (or no channel scale: the append into
-  // the pages and the paged attention kernel). Kernels with nothing to do are not launched: below
-  // the window a q8 / q4 step launches what an f16 step does (issues 16 / 19: each launch over
-  // nothing cost a step its launch and its pass over the batch's tables).
+  // the pages and the paged attention kernel), i.e. one of the parts is paged. Kernels with nothing
+  // to do are not launched: below the window a q8 / q4 step launches what an f16 step does (issues
+  // 16 / 19: each launch over nothing cost a step its launch and its pass over the batch's tables).
   bool step_staged = false, step_paged = true;
   int n_instantiated = 0, n_captured = 0;
   // set_step_profile: the last run()'s host phases and its span on the stream (two events)
@@ -707,8 +707,7 @@ struct model_runner::impl {
     }
     cal_tables();
     step_staged = false;
-    step_paged = cal_n == 0;
-    for (int t = 0; t < n && cal_n > 0; ++t) (h_pos[t] < cal_n ? step_staged : step_paged) = true;
+    for (int t = 0; t < n && !step_staged; ++t) step_staged = h_pos[t] < cal_n;
     // a step that calibrates launches more kernels than the others: run it directly
     graph_step = graph_step && h_cross.empty();
     // The attention of the step in up to two parts, each with its own plan and page-table entries:
@@ -757,6 +756,7 @@ struct model_runner::impl {
     };
     if (n0 > 0) add_part(0, n0, false);
     add_part(n0, n, tiled);
+    step_paged = parts[0].paged || (n_parts == 2 && parts[1].paged);
     prof_begin();
     // the tables through pinned memory, asynchronously on the stream (ordered before the step)
     auto up = pinned_uploader();
