@@ -178,14 +178,17 @@ void append_kivi(const paged_kv_view& kv, const void* k, const void* v, kv_elem 
 // ([n_slots][n_kv_head][cap][head_dim] f16 bits, device), and go to page slot dst_slots[j] (page *
 // page_size + row0, row0 a multiple of 32; device int64 [n_groups]): codes, channel scales and zeros
 // of quantize_channel_group_ref (least squared error clipping and refits, kv_quantize_ref.cpp),
-// bit for bit (compiled without FMA contraction, one thread per channel). One launch.
+// bit for bit (compiled without FMA contraction, one thread per channel). An entry with
+// dst_slots[j] < 0 is padding and writes nothing (a step's launches then do not depend on how many
+// groups it completes: CUDA graphs). One launch.
 void quantize_kivi_groups(const paged_kv_view& kv, const uint16_t* exact_k, int cap, const int64_t* src_rows,
                           const int64_t* dst_slots, int n_groups, void* stream = nullptr);
 
 // Moves exact rows down within their slots (the KIVI residual after its groups were quantized): for
 // each of n moves (device int32 [n][4] {slot, dst_row, src_row, n_rows}, dst_row <= src_row) the
 // rows [src_row, src_row + n_rows) of k and v ([n_slots][n_kv_head][cap][head_dim] f16, device) of
-// every kv head go to [dst_row, ..), in row order (overlap allowed). One launch.
+// every kv head go to [dst_row, ..), in row order (overlap allowed); a move of 0 rows is padding.
+// One launch.
 void move_exact_rows(uint16_t* k, uint16_t* v, int n_kv_head, int head_dim, int cap, const int32_t* moves, int n,
                      void* stream = nullptr);
 

@@ -911,7 +911,7 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
       check(cudaFuncSetAttribute(merge_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, s.merge_smem),
             "cudaFuncSetAttribute(merge)");
     });
-    occ = kivi_decode_blocks_per_sm(f.head_dim);
+    occ = kivi_decode_blocks_per_sm(f.head_dim, s.ng);
   } else
     dispatch_format_hd(to_dfmt(f.format), f.head_dim, [&](auto fc, auto hc) {
       constexpr dfmt F = decltype(fc)::value;

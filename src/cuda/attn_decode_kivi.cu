@@ -2,13 +2,17 @@
 //
 // Grid (work item, kv head) as attn_decode.cu's decode_kernel (same split-KV items, same attn_state
 // workspace, folded by its merge_kernel with the exact sink / residual rows); 4 warps per block, a
-// warp takes 32-token chunks of the item, one token per lane:
-//   scores  lane t: q · k_t with k_t[c] = s_c u_tc + z_c, the per-channel scale and zero of t's
-//           group (K is unrotated, so the query is used as given), f32 on the CUDA cores, for the
-//           GQA group's <= 8 query heads;
-//   P·V     lane c (channels c, c + 32, ..): sum_t p_t (s_tg u_tc + z_tg), V's per-token q4a scale
-//           and zero, in V's rotated basis (the merge undoes the rotation).
-// Online softmax per warp in log2 units; the warps' states merge in shared memory.
+// warp takes 32-token chunks of the item aligned to K's groups of 32 (the first chunk of an item
+// may start before it, its tokens masked), so a chunk has one set of channel scales and zeros:
+//   scores  k_t[c] = s_c u_tc + z_c gives q · k_t = (q ⊙ s) · u_t + q · z: per chunk the warp forms
+//           q ⊙ s and q · z for the GQA group's <= 8 query heads (K is unrotated, so the query is
+//           used as given), then lane t takes token t's codes against q ⊙ s, f32 on the CUDA cores;
+//   P·V     v_t[c] = s_tg u_tc + z_tg (V's per-token q4a scale and zero of channel group g):
+//           sum_t p_t v_t[c] = sum_t (p_t s_tg) u_tc + sum_t p_t z_tg. Lane t writes p_t s_tg and
+//           p_t z_tg and its V codes row to shared memory; lane l then owns 2 PB channels of one
+//           group (code bytes [PB l, PB l + PB) of a row) and runs over the chunk's 32 tokens.
+// A code u in [0, 15] becomes the float 2^23 + u by a byte permute, minus 2^23 (exact; no integer
+// conversion). Online softmax per warp in log2 units; the warps' states merge in shared memory.
 #include <cmath>
 #include <string>
 
@@ -24,64 +28,148 @@ constexpr unsigned kFull = 0xffffffffu;
 
 __device__ __forceinline__ float softcap_log2(float x, float c2) { return c2 > 0.0f ? c2 * tanhf(x / c2) : x; }
 
+// byte k (a value in [0, 15]) of x as a float, exactly: 0x4B0000xx is 2^23 + xx
+__device__ __forceinline__ float code_f(uint32_t x, int k) {
+  return __int_as_float((int)__byte_perm(x, 0x4B000000u, 0x7540u | (unsigned)k)) - 8388608.0f;
+}
+
+// Shared memory: the block's queries [ngp][HD] f32, then per warp: q ⊙ s [ngp][HD] (the warp's o for
+// the merge at the end), the chunk's K and V codes [32][HD / 2 + 16] each (cp.async; rows padded so
+// that a lane's 16-byte reads of its own row do not share banks), p s and p z [32][NB][2][ngp], {m,
+// d} [ngp]; ngp = the GQA group rounded up to 4 or 8.
+__host__ __device__ constexpr int kd_ngp(int ng) { return ng <= 4 ? 4 : 8; }
 template <int HD>
-constexpr int smem_bytes() {
-  return kMaxGroup * HD * 4 + kWarps * kMaxGroup * HD * 4 + kWarps * kMaxGroup * 8;
+__host__ __device__ constexpr int kd_warp_bytes(int ngp) {
+  return ngp * HD * 4 + 2 * 32 * (HD / 2 + 16) + 32 * (HD / 32) * 2 * ngp * 4 + ngp * 8;
+}
+template <int HD>
+constexpr int smem_bytes(int ng) {
+  return kd_ngp(ng) * HD * 4 + kWarps * kd_warp_bytes<HD>(kd_ngp(ng));
 }
 
 template <int HD>
-__global__ void __launch_bounds__(kKiviDecodeThreads) kivi_decode_kernel(kivi_decode_args a) {
-  constexpr int NB = HD / 32;  // 32-element code blocks per row (V: one q4a group each)
+__global__ void __launch_bounds__(kKiviDecodeThreads, 4) kivi_decode_kernel(kivi_decode_args a) {
+  constexpr int NB = HD / 32, RB = HD / 2;  // 32-element code blocks (V: one q4a group each), bytes per row
+  constexpr int RS = RB + 16;               // shared row stride
+  constexpr int PB = HD == 256 ? 4 : 2;     // P·V: code bytes per lane (2 PB channels of one group)
+  constexpr int PV_LANES = RB / PB;         // 16 / 24 / 32 / 32 lanes hold channels
   extern __shared__ __align__(16) float ks_smem[];
-  float* qf = ks_smem;                                                    // [8][HD] queries (f32)
-  float* ow = qf + kMaxGroup * HD;                                        // [warp][8][HD]
-  float2* mdw = reinterpret_cast<float2*>(ow + kWarps * kMaxGroup * HD);  // [warp][8]
+  const int ng = a.ng, ngp = kd_ngp(ng);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float* qf = ks_smem;  // [ngp][HD]
+  auto warp_area = [&](int w) { return reinterpret_cast<uint8_t*>(qf + ngp * HD) + w * kd_warp_bytes<HD>(ngp); };
+  uint8_t* wa = warp_area(warp);
+  float* qs = reinterpret_cast<float*>(wa);              // [ngp][HD]
+  uint8_t* krow = wa + ngp * HD * 4;                     // [32][RS]
+  uint8_t* vrow = krow + 32 * RS;                        // [32][RS]
+  float* wz = reinterpret_cast<float*>(vrow + 32 * RS);  // [32][NB][2][ngp]
+  auto md_of = [&](int w) { return reinterpret_cast<float2*>(warp_area(w) + kd_warp_bytes<HD>(ngp) - ngp * 8); };
+  float2* md = md_of(warp);  // [ngp]
+  // P·V: this lane's bytes [PB lane, ..) of a row: channels c0 + e and c0 + 16 + e (e < PB) of group pg
+  const int pbyte = PB * lane, pg = pbyte / 16, pc0 = 32 * pg + pbyte % 16;
+  const bool pv_lane = lane < PV_LANES;
   for (int work = blockIdx.x; work < a.n_work; work += gridDim.x) {
     const int4 it = a.items[work / a.n_kv_head];
     const int seq = it.x, t0 = it.y, t1 = it.z, h = work % a.n_kv_head;
     const int32_t* pages = a.indices + it.w;
     const int lo = a.seq_lo ? a.seq_lo[seq] : 0;
-    for (int i = threadIdx.x; i < a.ng * HD; i += kKiviDecodeThreads) {
+    for (int i = threadIdx.x; i < ng * HD; i += kKiviDecodeThreads) {
       const int hh = i / HD, c = i % HD;
-      qf[i] = load_elem(a.q, ((int64_t)seq * a.n_head + (int64_t)h * a.ng + hh) * HD + c, a.q_bf16 != 0);
+      qf[i] = load_elem(a.q, ((int64_t)seq * a.n_head + (int64_t)h * ng + hh) * HD + c, a.q_bf16 != 0);
     }
     __syncthreads();
-    float m[kMaxGroup], d[kMaxGroup], o[kMaxGroup][NB];
+    float m[kMaxGroup], d[kMaxGroup], zc[kMaxGroup], o[kMaxGroup][2 * PB];
 #pragma unroll
     for (int hh = 0; hh < kMaxGroup; ++hh) {
       m[hh] = -INFINITY;
       d[hh] = 0.0f;
+      zc[hh] = 0.0f;
 #pragma unroll
-      for (int k = 0; k < NB; ++k) o[hh][k] = 0.0f;
+      for (int e = 0; e < 2 * PB; ++e) o[hh][e] = 0.0f;
     }
     const uint8_t* head_base = a.pool + (int64_t)h * a.geo.head_bytes;
-    for (int c0 = t0 + 32 * warp; c0 < t1; c0 += 32 * kWarps) {
-      const int t = c0 + lane;
-      const bool valid = t < t1 && t >= lo;
-      const uint8_t* blk = nullptr;
-      int row = 0;
+    for (int c0 = (t0 & ~31) + 32 * warp; c0 < t1; c0 += 32 * kWarps) {
+      const uint8_t* blk = head_base + (int64_t)pages[c0 >> a.geo.page_shift] * a.geo.page_bytes;
+      const int row0 = c0 & (a.geo.page_size - 1);  // a multiple of 32: one K group
+      const int t = c0 + lane, row = row0 + lane;
+      const bool valid = t >= t0 && t < t1 && t >= lo;
+      // this lane's token: K and V codes into shared memory (zeros for a masked token), V's scales and
+      // zeros into registers (loads first, used below)
+      {
+        const uint8_t* kc = blk + a.geo.k_codes + row * RB;
+        const uint8_t* vc = blk + a.geo.v_codes + row * RB;
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+          cp_async<16>(krow + lane * RS + 16 * b, kc + 16 * b, valid);
+          cp_async<16>(vrow + lane * RS + 16 * b, vc + 16 * b, valid);
+        }
+        cp_async_commit();
+      }
+      float vs[NB], vz[NB];
+      if (valid) {
+        const __half* vsc = reinterpret_cast<const __half*>(blk + a.geo.v_scales) + row * 2 * NB;
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+          vs[b] = __half2float(vsc[b]);
+          vz[b] = __half2float(vsc[NB + b]);
+        }
+      }
+      // q ⊙ s and q · z of the chunk's K group (lane: channels lane + 32 i)
+      const __half* ksc = reinterpret_cast<const __half*>(blk + a.geo.k_scales) + (row0 >> 5) * 2 * HD;
+      float bz[kMaxGroup];
+#pragma unroll
+      for (int hh = 0; hh < kMaxGroup; ++hh) bz[hh] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < NB; ++i) {
+        const int c = lane + 32 * i;
+        const float sk = __half2float(ksc[c]), zk = __half2float(ksc[HD + c]);
+#pragma unroll
+        for (int hh = 0; hh < kMaxGroup; ++hh)
+          if (hh < ng) {
+            const float q = qf[hh * HD + c];
+            qs[hh * HD + c] = q * sk;
+            bz[hh] = fmaf(q, zk, bz[hh]);
+          }
+      }
+#pragma unroll
+      for (int hh = 0; hh < kMaxGroup; ++hh)
+        if (hh < ng) bz[hh] = warp_sum(bz[hh]);
+      cp_async_wait<0>();
+      __syncwarp();
       float sc[kMaxGroup];
 #pragma unroll
       for (int hh = 0; hh < kMaxGroup; ++hh) sc[hh] = 0.0f;
       if (valid) {
-        blk = head_base + (int64_t)pages[t >> a.geo.page_shift] * a.geo.page_bytes;
-        row = t & (a.geo.page_size - 1);
-        const uint8_t* kc = blk + a.geo.k_codes + row * (HD / 2);
-        const __half* ksc = reinterpret_cast<const __half*>(blk + a.geo.k_scales) + (row >> 5) * 2 * HD;
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
-          const uint4 w = *reinterpret_cast<const uint4*>(kc + 16 * b);
-          const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+          const uint4 kw = reinterpret_cast<const uint4*>(krow + lane * RS)[b];
+          const uint32_t ws[4] = {kw.x, kw.y, kw.z, kw.w};
 #pragma unroll
-          for (int i = 0; i < 16; ++i) {
-            const uint32_t byte = (ws[i >> 2] >> (8 * (i & 3))) & 0xffu;
-            const int c_lo = 32 * b + i, c_hi = c_lo + 16;
-            const float klo = fmaf(__half2float(ksc[c_lo]), (float)(byte & 15u), __half2float(ksc[HD + c_lo]));
-            const float khi = fmaf(__half2float(ksc[c_hi]), (float)(byte >> 4), __half2float(ksc[HD + c_hi]));
+          for (int wi = 0; wi < 4; ++wi) {
+            // bytes 4 wi .. 4 wi + 3 of block b: channels cl + k (low nibbles) and cl + 16 + k (high)
+            const uint32_t lo4 = ws[wi] & 0x0F0F0F0Fu, hi4 = (ws[wi] >> 4) & 0x0F0F0F0Fu;
+            const int cl = 32 * b + 4 * wi;
+            float ul[4], uh[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              ul[k] = code_f(lo4, k);
+              uh[k] = code_f(hi4, k);
+            }
 #pragma unroll
             for (int hh = 0; hh < kMaxGroup; ++hh)
-              if (hh < a.ng) sc[hh] = fmaf(qf[hh * HD + c_hi], khi, fmaf(qf[hh * HD + c_lo], klo, sc[hh]));
+              if (hh < ng) {
+                const float4 ql = *reinterpret_cast<const float4*>(qs + hh * HD + cl);
+                const float4 qh = *reinterpret_cast<const float4*>(qs + hh * HD + cl + 16);
+                float x = sc[hh];
+                x = fmaf(ql.x, ul[0], x);
+                x = fmaf(ql.y, ul[1], x);
+                x = fmaf(ql.z, ul[2], x);
+                x = fmaf(ql.w, ul[3], x);
+                x = fmaf(qh.x, uh[0], x);
+                x = fmaf(qh.y, uh[1], x);
+                x = fmaf(qh.z, uh[2], x);
+                sc[hh] = fmaf(qh.w, uh[3], x);
+              }
           }
         }
       }
@@ -90,63 +178,101 @@ __global__ void __launch_bounds__(kKiviDecodeThreads) kivi_decode_kernel(kivi_de
 #pragma unroll
       for (int hh = 0; hh < kMaxGroup; ++hh) {
         p[hh] = 0.0f;
-        if (hh >= a.ng) continue;
-        const float s = valid ? softcap_log2(sc[hh] * a.sm_scale_log2, a.softcap_log2) : -INFINITY;
+        if (hh >= ng) continue;
+        const float s = valid ? softcap_log2((sc[hh] + bz[hh]) * a.sm_scale_log2, a.softcap_log2) : -INFINITY;
         const float mn = fmaxf(m[hh], warp_max(s));
         if (mn == -INFINITY) continue;  // nothing visible yet
         const float alpha = ex2(m[hh] - mn);
         p[hh] = valid ? ex2(s - mn) : 0.0f;
         d[hh] = d[hh] * alpha + warp_sum(p[hh]);
+        zc[hh] *= alpha;
 #pragma unroll
-        for (int k = 0; k < NB; ++k) o[hh][k] *= alpha;
+        for (int e = 0; e < 2 * PB; ++e) o[hh][e] *= alpha;
         m[hh] = mn;
       }
-      // P·V: lane owns channels 32 k + lane (byte 16 k + lane % 16 of a row, low / high nibble)
-      unsigned vmask = __ballot_sync(kFull, valid);
-      const unsigned long long bl = reinterpret_cast<unsigned long long>(blk);
-      while (vmask) {
-        const int j = __ffs(vmask) - 1;
-        vmask &= vmask - 1;
-        const uint8_t* bj = reinterpret_cast<const uint8_t*>(__shfl_sync(kFull, bl, j));
-        const int rj = __shfl_sync(kFull, row, j);
-        const uint8_t* vc = bj + a.geo.v_codes + rj * (HD / 2) + (lane & 15);
-        const __half* vs = reinterpret_cast<const __half*>(bj + a.geo.v_scales) + rj * 2 * NB;
-        float pj[kMaxGroup];
+      // p s, p z of this token per V group (zeros for a masked token)
 #pragma unroll
-        for (int hh = 0; hh < kMaxGroup; ++hh) pj[hh] = __shfl_sync(kFull, p[hh], j);
+      for (int b = 0; b < NB; ++b) {
+        float* w = wz + (lane * NB + b) * 2 * ngp;
+        const float sb = valid ? vs[b] : 0.0f, zb = valid ? vz[b] : 0.0f;
 #pragma unroll
-        for (int k = 0; k < NB; ++k) {
-          const uint32_t byte = vc[16 * k];
-          const float u = (float)(lane < 16 ? byte & 15u : byte >> 4);
-          const float v = fmaf(__half2float(vs[k]), u, __half2float(vs[NB + k]));
+        for (int q4 = 0; q4 < kMaxGroup / 4; ++q4)
+          if (4 * q4 < ngp) {
+            reinterpret_cast<float4*>(w)[q4] =
+                make_float4(p[4 * q4] * sb, p[4 * q4 + 1] * sb, p[4 * q4 + 2] * sb, p[4 * q4 + 3] * sb);
+            reinterpret_cast<float4*>(w + ngp)[q4] =
+                make_float4(p[4 * q4] * zb, p[4 * q4 + 1] * zb, p[4 * q4 + 2] * zb, p[4 * q4 + 3] * zb);
+          }
+      }
+      __syncwarp();
+      if (pv_lane) {
+#pragma unroll 4
+        for (int j = 0; j < 32; ++j) {
+          uint32_t cw;
+          if constexpr (PB == 2)
+            cw = *reinterpret_cast<const uint16_t*>(vrow + j * RS + pbyte);
+          else
+            cw = *reinterpret_cast<const uint32_t*>(vrow + j * RS + pbyte);
+          const uint32_t lo4 = cw & 0x0F0F0F0Fu, hi4 = (cw >> 4) & 0x0F0F0F0Fu;
+          const float* w = wz + (j * NB + pg) * 2 * ngp;
+          float ws[kMaxGroup], zs[kMaxGroup];
 #pragma unroll
-          for (int hh = 0; hh < kMaxGroup; ++hh) o[hh][k] = fmaf(pj[hh], v, o[hh][k]);
+          for (int q4 = 0; q4 < kMaxGroup / 4; ++q4)
+            if (4 * q4 < ngp) {
+              const float4 x = reinterpret_cast<const float4*>(w)[q4], y = reinterpret_cast<const float4*>(w + ngp)[q4];
+              ws[4 * q4] = x.x, ws[4 * q4 + 1] = x.y, ws[4 * q4 + 2] = x.z, ws[4 * q4 + 3] = x.w;
+              zs[4 * q4] = y.x, zs[4 * q4 + 1] = y.y, zs[4 * q4 + 2] = y.z, zs[4 * q4 + 3] = y.w;
+            } else {
+              ws[4 * q4] = ws[4 * q4 + 1] = ws[4 * q4 + 2] = ws[4 * q4 + 3] = 0.0f;
+              zs[4 * q4] = zs[4 * q4 + 1] = zs[4 * q4 + 2] = zs[4 * q4 + 3] = 0.0f;
+            }
+#pragma unroll
+          for (int e = 0; e < PB; ++e) {
+            const float ul = code_f(lo4, e), uh = code_f(hi4, e);
+#pragma unroll
+            for (int hh = 0; hh < kMaxGroup; ++hh)
+              if (hh < ng) {
+                o[hh][e] = fmaf(ws[hh], ul, o[hh][e]);
+                o[hh][PB + e] = fmaf(ws[hh], uh, o[hh][PB + e]);
+              }
+          }
+#pragma unroll
+          for (int hh = 0; hh < kMaxGroup; ++hh)
+            if (hh < ng) zc[hh] += zs[hh];
         }
       }
+      __syncwarp();  // krow, vrow, wz and qs are rewritten by the next chunk
     }
-    // ---- merge the warps' states ----
+    // ---- merge the warps' states (each warp's o into its q ⊙ s area) ----
+    if (pv_lane) {
 #pragma unroll
-    for (int hh = 0; hh < kMaxGroup; ++hh) {
-      if (hh >= a.ng) continue;
+      for (int hh = 0; hh < kMaxGroup; ++hh)
+        if (hh < ng) {
 #pragma unroll
-      for (int k = 0; k < NB; ++k) ow[(warp * kMaxGroup + hh) * HD + 32 * k + lane] = o[hh][k];
-      if (lane == 0) mdw[warp * kMaxGroup + hh] = make_float2(m[hh], d[hh]);
+          for (int e = 0; e < PB; ++e) {
+            qs[hh * HD + pc0 + e] = o[hh][e] + zc[hh];
+            qs[hh * HD + pc0 + 16 + e] = o[hh][PB + e] + zc[hh];
+          }
+        }
     }
+#pragma unroll
+    for (int hh = 0; hh < kMaxGroup; ++hh)
+      if (hh < ng && lane == 0) md[hh] = make_float2(m[hh], d[hh]);
     __syncthreads();
-    const int64_t wsb = (int64_t)work * a.ng;
-    for (int i = threadIdx.x; i < a.ng * HD; i += kKiviDecodeThreads) {
+    const int64_t wsb = (int64_t)work * ng;
+    for (int i = threadIdx.x; i < ng * HD; i += kKiviDecodeThreads) {
       const int hh = i / HD, c = i % HD;
       float M = -INFINITY;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) M = fmaxf(M, mdw[w * kMaxGroup + hh].x);
+      for (int w = 0; w < kWarps; ++w) M = fmaxf(M, md_of(w)[hh].x);
       float oo = 0.0f, dd = 0.0f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
-        const float2 md = mdw[w * kMaxGroup + hh];
-        if (md.x != -INFINITY) {
-          const float e = ex2(md.x - M);
-          oo += e * ow[(w * kMaxGroup + hh) * HD + c];
-          dd += e * md.y;
+        const float2 mdw = md_of(w)[hh];
+        if (mdw.x != -INFINITY) {
+          const float e = ex2(mdw.x - M);
+          oo += e * reinterpret_cast<const float*>(warp_area(w))[hh * HD + c];
+          dd += e * mdw.y;
         }
       }
       a.ws_o[(wsb + hh) * HD + c] = oo;
@@ -295,14 +421,15 @@ void by_hd(int hd, Fn&& fn) {
 
 }  // namespace
 
-int kivi_decode_blocks_per_sm(int hd) {
+int kivi_decode_blocks_per_sm(int hd, int ng) {
   int occ = 0;
   by_hd(hd, [&](auto hc) {
     constexpr int HD = decltype(hc)::value;
-    check(cudaFuncSetAttribute(kivi_decode_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<HD>()),
+    check(cudaFuncSetAttribute(kivi_decode_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               smem_bytes<HD>(kMaxGroup)),
           "cudaFuncSetAttribute(kivi decode)");
     check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kivi_decode_kernel<HD>, kKiviDecodeThreads,
-                                                        smem_bytes<HD>()),
+                                                        smem_bytes<HD>(ng)),
           "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   });
   return occ;
@@ -329,7 +456,7 @@ void kivi_tiles_launch(int hd, const kivi_tiles_args& a, cudaStream_t st) {
 void kivi_decode_launch(int hd, const kivi_decode_args& a, int grid, cudaStream_t st) {
   by_hd(hd, [&](auto hc) {
     constexpr int HD = decltype(hc)::value;
-    kivi_decode_kernel<HD><<<(unsigned)grid, kKiviDecodeThreads, smem_bytes<HD>(), st>>>(a);
+    kivi_decode_kernel<HD><<<(unsigned)grid, kKiviDecodeThreads, smem_bytes<HD>(a.ng), st>>>(a);
   });
   check_launch("attn_decode (kivi_decode_kernel)");
 }

@@ -23,8 +23,9 @@ struct kivi_decode_args {
 };
 
 constexpr int kKiviDecodeThreads = 128;
-// Blocks per SM of the kernel for head_dim hd (64, 96, 128, 256) with its shared memory.
-int kivi_decode_blocks_per_sm(int hd);
+// Blocks per SM of the kernel for head_dim hd (64, 96, 128, 256) and GQA group ng (<= 8) with its
+// shared memory.
+int kivi_decode_blocks_per_sm(int hd, int ng);
 void kivi_decode_launch(int hd, const kivi_decode_args& a, int grid, cudaStream_t st);
 
 }  // namespace kvq::cuda::detail

@@ -227,6 +227,7 @@ __global__ void __launch_bounds__(HD) kivi_group_kernel(kivi_group_args a) {
   __shared__ uint8_t us[kGroup][HD];
   const int j = blockIdx.x, h = blockIdx.y, c = threadIdx.x;
   const int64_t es = a.src[j], slot = a.dst[j];
+  if (slot < 0) return;  // a padding entry (the whole block)
   const uint16_t* rows = a.ek + ((es / a.cap * a.n_kv_head + h) * a.cap + es % a.cap) * HD;
   float x[kGroup];
   for (int i = 0; i < kGroup; ++i) x[i] = of_h(rows[(int64_t)i * HD + c]);

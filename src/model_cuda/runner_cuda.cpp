@@ -549,9 +549,12 @@ struct model_runner::impl {
 
   // KIVI: the tables of the step h_seq / h_pos (each sequence's tokens consecutive, at most kv_chunk
   // of them): page and exact slots of the appended rows, the groups the step completes, each token's
-  // attention entry (body pages, exact rows and gap), the residual's moves; uploaded with `up`.
+  // attention entry (body pages, exact rows and gap), the residual's moves; uploaded with `up`. pad > 0
+  // (a decode step under a CUDA graph: one token per sequence, so at most one group and one move
+  // each): the groups and moves padded with no-op entries to `pad` each, so that the step's launches
+  // are the same whichever sequences complete a group.
   template <class Up>
-  void kivi_tables(bool attention, Up&& up) {
+  void kivi_tables(bool attention, Up&& up, int pad = 0) {
     const int n = (int)h_seq.size();
     const int P = fmt.page_size;
     h_slots.resize(n);
@@ -579,6 +582,12 @@ struct model_runner::impl {
       const int rest = n1 - sink - c1;  // residual rows after the step
       if (c1 > c0 && rest > 0) h_moves.insert(h_moves.end(), {sq, sink, sink + c1 - kv_base[sq], rest});
       h_new_base.emplace_back(sq, c1);
+    }
+    if (pad > 0) {
+      KVQ_ASSERT((int)h_src.size() <= pad && (int)h_moves.size() <= 4 * pad);
+      h_src.resize(pad, 0);
+      h_dst.resize(pad, -1);               // (quantize_kivi_groups skips it)
+      h_moves.resize((size_t)4 * pad, 0);  // {slot 0, rows 0 -> 0, 0 rows}
     }
     KVQ_ASSERT((int)h_src.size() <= kv_groups_max);
     if (attention) {
@@ -638,26 +647,51 @@ struct model_runner::impl {
     for (const auto& [sq, b] : h_new_base) kv_base[sq] = b;
   }
 
-  void run_kivi(float* out, int32_t* ids) {
+  // A KIVI step (forward chunk or decode step). graph_step: a decode step (one token per sequence) as
+  // a CUDA graph, one per (tokens, output rows, argmax) shape as run()'s: its groups and moves padded
+  // to one per token (kivi_tables), its decode plan kept in the graph entry and updated in place.
+  void run_kivi(float* out, int32_t* ids, bool graph_step) {
     const int n = (int)h_tok.size();
     const int n_out = (int)h_rows.size();
+    const bool want_ids = ids != nullptr;
     auto up = pinned_uploader();
     up(tokens, h_tok.data(), n * sizeof(int32_t));
     up(pos, h_pos.data(), n * sizeof(int32_t));
     up(rows, h_rows.data(), n_out * sizeof(int32_t));
-    kivi_tables(true, up);
     decode_params dp = kv_decode_params();
     // a prompt chunk of one sequence: its queries in tiles that read each key tile once
     dp.kivi_tiles = tiled_prefill && n >= kKiviTilesMin &&
                     std::all_of(h_seq.begin(), h_seq.end(), [&](int32_t sq) { return sq == h_seq[0]; });
-    const decode_plan plan(fmt, dp, h_indptr.data(), h_last.data(), n, kv_cap);
+    graph_step = graph_step && !dp.kivi_tiles;
+    kivi_tables(true, up, graph_step ? n : 0);
     n_tiled += dp.kivi_tiles;
     n_parts = 1;
     parts[0] = attn_part{};
     parts[0].rows = parts[0].entries = n;
-    parts[0].dplan = &plan;
-    enqueue(n, n_out, ids != nullptr);
-    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before the plan's buffers go
+    parts[0].paged = true;
+    step_staged = false;
+    step_paged = true;
+    graph_entry* g = graph_step ? graph_of_step(n, n_out, want_ids) : nullptr;
+    if (g) {
+      std::unique_ptr<decode_plan>& d = g->plans.d[0];
+      const bool kept = d && g->plans.entries[0] == n && d->update(h_indptr.data(), h_last.data(), stream);
+      if (!kept) {
+        d.reset();
+        d = std::make_unique<decode_plan>(fmt, dp, h_indptr.data(), h_last.data(), n, kv_cap);
+        g->plans.entries[0] = n;
+      }
+      parts[0].dplan = d.get();
+      if (!kept || !g->exec) {
+        trim_graphs(g);
+        capture(*g, n, n_out, want_ids);
+      }
+      check_cuda(cudaGraphLaunch(g->exec, stream), "cudaGraphLaunch");
+    } else {
+      const decode_plan plan(fmt, dp, h_indptr.data(), h_last.data(), n, kv_cap);
+      parts[0].dplan = &plan;
+      enqueue(n, n_out, want_ids);
+      check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // before the plan's buffers go
+    }
     kivi_step_done();
     for (int t = 0; t < n; ++t) seq_pos[h_seq[t]] = std::max(seq_pos[h_seq[t]], h_pos[t] + 1);
     finish(out, ids, n_out);
@@ -692,7 +726,7 @@ struct model_runner::impl {
   // h_pos[t], one sequence's positions consecutive and continuing its cache), with logits for the
   // tokens h_rows. Copies the logits to `out` and / or the argmax ids to `ids` (either may be null).
   void run(float* out, int32_t* ids, bool graph_step = false) {
-    if (kivi) return run_kivi(out, ids);
+    if (kivi) return run_kivi(out, ids, graph_step);
     const int n = (int)h_tok.size();
     const int n_out = (int)h_rows.size();
     const int P = fmt.page_size;

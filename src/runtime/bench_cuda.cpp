@@ -45,7 +45,7 @@ void measure(cuda::model_runner& r, const model_hparams& hp, int n_seq, int dept
   std::iota(seqs.begin(), seqs.end(), 0);
   std::mt19937 rng((uint32_t)p.seed);
   for (int32_t& t : toks) t = (int32_t)(rng() % (uint32_t)hp.n_vocab);
-  const int P = 16;
+  const int P = r.page_info().page_size;  // (kivi4: 32)
   row.kv_bytes_read = (size_t)n_seq * (size_t)((depth + 1 + P - 1) / P) * r.kv_bytes_per_page();
   auto steps = [&] {
     std::vector<double> ms;
@@ -153,11 +153,6 @@ bench_cuda_result bench_cuda(const model_hparams& hp, const model* m, const benc
     cp.n_kv_head = hp.n_kv_head;
     cp.head_dim = hp.head_dim;
     cuda::check_supported(hp, cp, 1);  // every format before any work
-    // the GPU's KIVI steps run without CUDA graphs (docs/cuda.md "KIVI pages"): a graph column would
-    // time the same path twice
-    if (f.type_k == kv_cache_type::kivi4 && p.graphs)
-      fail_unsupported("[bench] --cuda-graphs with -ctk kivi4: the GPU's KIVI cache has no CUDA graphs yet (time "
-                       "its decode steps without them)");
   }
   cuda::require();
 
