@@ -282,6 +282,263 @@ __global__ void __launch_bounds__(kKiviDecodeThreads, 4) kivi_decode_kernel(kivi
   }
 }
 
+// ---- the same on the tensor cores (head_dim <= 128) ----
+//
+// Per warp and 32-token chunk (one K group), as FlashAttention-2's decode step with the codes as the
+// matrix operands (mma m16n8k16, f16 x f16 -> f32; rows 0..7 of A are the GQA group's heads, rows
+// 8..15 the f16 residual of the same values, so that hi + lo carries ~22 bits; C rows g and g + 8
+// are summed at the end):
+//   scores  A = (q ⊙ s) 2^e (hi, lo) over channels, B = the codes u (exact in f16), C + (q · z) in
+//           f32. e: a power of two from max|q| max|s| that keeps q ⊙ s 2^e below 2^15. The k slots of
+//           an MMA are channels 32 b + 16 hf + 4 t + {0, 1} (2t, 2t+1) and + {2, 3} (8 + 2t, 9 + 2t):
+//           lane (g, t)'s B is one 32-bit word of token g's code row (bytes 4t..4t+3 of block b, low
+//           nibbles for hf 0, high for hf 1).
+//   P·V     A = p (hi, lo) straight from the scores' C fragments, B = s_tb u_tc in f16 (one rounding,
+//           no offset: V's zero enters separately), plus one tile whose B column b holds z_tb, so
+//           that C gives sum_t p_t z_tb per V group b, added to the group's channels at the end.
+//           Output tile (b, x, nib) holds channels 32 b + 16 nib + 8 x + n: B (k = tokens 2t, 2t+1,
+//           8+2t, 9+2t; n = g) is byte 16 b + 8 x + g of those four code rows.
+template <int HD>
+__host__ __device__ constexpr int km_qs_stride() {
+  return HD + 16;  // floats: rows 64 bytes apart in the banks (lane (g, t) reads row g)
+}
+template <int HD>
+__host__ __device__ constexpr int km_warp_bytes() {
+  return kMaxGroup * km_qs_stride<HD>() * 4 + 2 * 32 * (HD / 2 + 16) + 2 * (HD / 32) * 32 * 2 + kMaxGroup * 4 +
+         kMaxGroup * 8;
+}
+template <int HD>
+constexpr int km_smem_bytes() {
+  return kMaxGroup * HD * 4 + kWarps * km_warp_bytes<HD>();
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kKiviDecodeThreads, 3) kivi_decode_mma_kernel(kivi_decode_args a) {
+  static_assert(HD <= 128, "head_dim 256 takes kivi_decode_kernel");
+  constexpr int NB = HD / 32, RB = HD / 2, RS = RB + 16, QS = km_qs_stride<HD>();
+  constexpr int NT = 4 * NB;  // P·V output tiles of 8 channels
+  constexpr uint32_t k1024 = 0x64006400u;  // half2 (1024, 1024)
+  extern __shared__ __align__(16) float km_smem[];
+  const int ng = a.ng;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  float* qf = km_smem;  // [8][HD] queries, rows >= ng zero
+  auto warp_area = [&](int w) { return reinterpret_cast<uint8_t*>(qf + kMaxGroup * HD) + w * km_warp_bytes<HD>(); };
+  uint8_t* wa = warp_area(warp);
+  float* qs = reinterpret_cast<float*>(wa);                  // [8][QS] (q ⊙ s) 2^e; o for the merge
+  uint8_t* krow = wa + kMaxGroup * QS * 4;                   // [32][RS]
+  uint8_t* vrow = krow + 32 * RS;                            // [32][RS]
+  uint16_t* vsb = reinterpret_cast<uint16_t*>(vrow + 32 * RS);  // [NB][32] V scales
+  uint16_t* vzb = vsb + NB * 32;                             // [NB][32] V zeros
+  float* bzs = reinterpret_cast<float*>(vzb + NB * 32);      // [8] q · z
+  auto md_of = [&](int w) { return reinterpret_cast<float2*>(warp_area(w) + km_warp_bytes<HD>() - kMaxGroup * 8); };
+  for (int i = lane; i < kMaxGroup * QS; i += 32) qs[i] = 0.0f;  // rows >= ng stay zero
+  for (int work = blockIdx.x; work < a.n_work; work += gridDim.x) {
+    const int4 it = a.items[work / a.n_kv_head];
+    const int seq = it.x, t0 = it.y, t1 = it.z, h = work % a.n_kv_head;
+    const int32_t* pages = a.indices + it.w;
+    const int tlo = max(t0, a.seq_lo ? a.seq_lo[seq] : 0);
+    for (int i = threadIdx.x; i < kMaxGroup * HD; i += kKiviDecodeThreads) {
+      const int hh = i / HD, c = i % HD;
+      qf[i] = hh < ng ? load_elem(a.q, ((int64_t)seq * a.n_head + (int64_t)h * ng + hh) * HD + c, a.q_bf16 != 0) : 0.0f;
+    }
+    __syncthreads();
+    float qmax = 0.0f;
+    for (int i = lane; i < ng * HD; i += 32) qmax = fmaxf(qmax, fabsf(qf[i]));
+    qmax = warp_max(qmax);
+    float m = -INFINITY, d = 0.0f;  // head g (lane's row)
+    float o[NT][4], zo[4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    zo[0] = zo[1] = zo[2] = zo[3] = 0.0f;
+    const uint8_t* head_base = a.pool + (int64_t)h * a.geo.head_bytes;
+    for (int c0 = (t0 & ~31) + 32 * warp; c0 < t1; c0 += 32 * kWarps) {
+      const uint8_t* blk = head_base + (int64_t)pages[c0 >> a.geo.page_shift] * a.geo.page_bytes;
+      const int row0 = c0 & (a.geo.page_size - 1);  // a multiple of 32: one K group
+      {  // token lane: codes (zeros when masked), V's scales and zeros
+        const bool valid = c0 + lane >= tlo && c0 + lane < t1;
+        const int row = row0 + lane;
+        const uint8_t* kc = blk + a.geo.k_codes + row * RB;
+        const uint8_t* vc = blk + a.geo.v_codes + row * RB;
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+          cp_async<16>(krow + lane * RS + 16 * b, kc + 16 * b, valid);
+          cp_async<16>(vrow + lane * RS + 16 * b, vc + 16 * b, valid);
+        }
+        cp_async_commit();
+        const uint16_t* vsc = reinterpret_cast<const uint16_t*>(blk + a.geo.v_scales) + row * 2 * NB;
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+          vsb[b * 32 + lane] = valid ? vsc[b] : (uint16_t)0;
+          vzb[b * 32 + lane] = valid ? vsc[NB + b] : (uint16_t)0;
+        }
+      }
+      // (q ⊙ s) 2^e and q · z of the chunk's K group (lane: channels lane + 32 i)
+      const __half* ksc = reinterpret_cast<const __half*>(blk + a.geo.k_scales) + (row0 >> 5) * 2 * HD;
+      float sk[NB], zk[NB], smax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < NB; ++i) {
+        sk[i] = __half2float(ksc[lane + 32 * i]);
+        zk[i] = __half2float(ksc[HD + lane + 32 * i]);
+        smax = fmaxf(smax, fabsf(sk[i]));
+      }
+      const float bound = qmax * warp_max(smax);
+      int ex = 0;
+      (void)frexpf(bound, &ex);  // bound < 2^ex
+      const float qscale = bound > 0.0f ? ldexpf(1.0f, 15 - ex) : 1.0f, qunscale = 1.0f / qscale;  // powers of two
+#pragma unroll
+      for (int hh = 0; hh < kMaxGroup; ++hh) {
+        if (hh >= ng) break;
+        float bz = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+          const float q = qf[hh * HD + lane + 32 * i];
+          qs[hh * QS + lane + 32 * i] = q * sk[i] * qscale;
+          bz = fmaf(q, zk[i], bz);
+        }
+        bz = warp_sum(bz);
+        if (lane == 0) bzs[hh] = bz;
+      }
+      cp_async_wait<0>();
+      __syncwarp();
+      // scores: S[g][8 nt + 2t + e] = (c[nt][e] + c[nt][2 + e]) / qscale + q · z
+      float c[4][4];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
+#pragma unroll
+      for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const float4 qv = *reinterpret_cast<const float4*>(qs + g * QS + 32 * b + 16 * hf + 4 * t);
+          const __half2 h01 = __floats2half2_rn(qv.x, qv.y), h23 = __floats2half2_rn(qv.z, qv.w);
+          const float2 f01 = __half22float2(h01), f23 = __half22float2(h23);
+          const uint32_t a0 = *reinterpret_cast<const uint32_t*>(&h01), a2 = *reinterpret_cast<const uint32_t*>(&h23);
+          const uint32_t a1 = pack_half2(qv.x - f01.x, qv.y - f01.y), a3 = pack_half2(qv.z - f23.x, qv.w - f23.y);
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            const uint32_t w = *reinterpret_cast<const uint32_t*>(krow + (8 * nt + g) * RS + 16 * b + 4 * t);
+            const uint32_t x4 = hf ? (w >> 4) & 0x0F0F0F0Fu : w & 0x0F0F0F0Fu;
+            const uint32_t b0 = hsub2_u32(__byte_perm(x4, 0x64646464u, 0x4140u), k1024);
+            const uint32_t b1 = hsub2_u32(__byte_perm(x4, 0x64646464u, 0x4342u), k1024);
+            mma_f16(c[nt], a0, a1, a2, a3, b0, b1);
+          }
+        }
+      // online softmax of head g over the chunk (the quad t = 0..3 holds its 32 tokens)
+      const float bzg = g < ng ? bzs[g] : 0.0f;
+      float p[4][2], mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = c0 + 8 * nt + 2 * t + e;
+          const float sv = (c[nt][e] + c[nt][2 + e]) * qunscale + bzg;
+          p[nt][e] = tok >= tlo && tok < t1 ? softcap_log2(sv * a.sm_scale_log2, a.softcap_log2) : -INFINITY;
+          mx = fmaxf(mx, p[nt][e]);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+      const float mn = fmaxf(m, mx);
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          p[nt][e] = mn == -INFINITY || p[nt][e] == -INFINITY ? 0.0f : ex2(p[nt][e] - mn);
+          sum += p[nt][e];
+        }
+      sum += __shfl_xor_sync(kFull, sum, 1);
+      sum += __shfl_xor_sync(kFull, sum, 2);
+      if (mn != -INFINITY) {
+        const float alpha = ex2(m - mn);
+        d = d * alpha + sum;
+        m = mn;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) o[n][0] *= alpha, o[n][1] *= alpha, o[n][2] *= alpha, o[n][3] *= alpha;
+        zo[0] *= alpha, zo[1] *= alpha, zo[2] *= alpha, zo[3] *= alpha;
+      }
+      // P·V over the chunk's two k steps of 16 tokens
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        const __half2 h01 = __floats2half2_rn(p[2 * ks][0], p[2 * ks][1]);
+        const __half2 h23 = __floats2half2_rn(p[2 * ks + 1][0], p[2 * ks + 1][1]);
+        const float2 f01 = __half22float2(h01), f23 = __half22float2(h23);
+        const uint32_t a0 = *reinterpret_cast<const uint32_t*>(&h01), a2 = *reinterpret_cast<const uint32_t*>(&h23);
+        const uint32_t a1 = pack_half2(p[2 * ks][0] - f01.x, p[2 * ks][1] - f01.y);
+        const uint32_t a3 = pack_half2(p[2 * ks + 1][0] - f23.x, p[2 * ks + 1][1] - f23.y);
+        const int j0 = 16 * ks + 2 * t, j2 = j0 + 8;  // tokens j0, j0 + 1 (b0) and j2, j2 + 1 (b1)
+        // V zeros: column b of the tile, rows j
+        {
+          const uint32_t z0 = g < NB ? *reinterpret_cast<const uint32_t*>(vzb + g * 32 + j0) : 0u;
+          const uint32_t z1 = g < NB ? *reinterpret_cast<const uint32_t*>(vzb + g * 32 + j2) : 0u;
+          mma_f16(zo, a0, a1, a2, a3, z0, z1);
+        }
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+          const uint32_t s01 = *reinterpret_cast<const uint32_t*>(vsb + b * 32 + j0);
+          const uint32_t s23 = *reinterpret_cast<const uint32_t*>(vsb + b * 32 + j2);
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            const int col = 16 * b + 8 * x + g;
+            const uint32_t r0 = vrow[j0 * RS + col], r1 = vrow[(j0 + 1) * RS + col];
+            const uint32_t r2 = vrow[j2 * RS + col], r3 = vrow[(j2 + 1) * RS + col];
+            const uint32_t w = __byte_perm(__byte_perm(r0, r1, 0x0040u), __byte_perm(r2, r3, 0x0040u), 0x5410u);
+#pragma unroll
+            for (int nib = 0; nib < 2; ++nib) {
+              const uint32_t x4 = nib ? (w >> 4) & 0x0F0F0F0Fu : w & 0x0F0F0F0Fu;
+              const uint32_t u01 = hsub2_u32(__byte_perm(x4, 0x64646464u, 0x4140u), k1024);
+              const uint32_t u23 = hsub2_u32(__byte_perm(x4, 0x64646464u, 0x4342u), k1024);
+              mma_f16(o[4 * b + 2 * nib + x], a0, a1, a2, a3, hmul2_u32(u01, s01), hmul2_u32(u23, s23));
+            }
+          }
+        }
+      }
+      __syncwarp();  // krow, vrow, the scales and qs are rewritten by the next chunk
+    }
+    // ---- this warp's state: o (rows g and g + 8 summed, V's zeros added per group) into qs ----
+    float zg[NB];  // sum_t p_t z_tb of head g: held by lane (g, b / 2), entry b % 2 (+ its lo row)
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      const float z01 = (b & 1) ? zo[1] + zo[3] : zo[0] + zo[2];
+      zg[b] = __shfl_sync(kFull, z01, (lane & ~3) | (b >> 1));
+    }
+    if (g < ng) {
+#pragma unroll
+      for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int nib = 0; nib < 2; ++nib)
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            const float* ot = o[4 * b + 2 * nib + x];
+            const int ch = 32 * b + 16 * nib + 8 * x + 2 * t;
+            qs[g * QS + ch] = ot[0] + ot[2] + zg[b];
+            qs[g * QS + ch + 1] = ot[1] + ot[3] + zg[b];
+          }
+      if (t == 0) md_of(warp)[g] = make_float2(m, d);
+    }
+    __syncthreads();
+    const int64_t wsb = (int64_t)work * ng;
+    for (int i = threadIdx.x; i < ng * HD; i += kKiviDecodeThreads) {
+      const int hh = i / HD, ch = i % HD;
+      float M = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) M = fmaxf(M, md_of(w)[hh].x);
+      float oo = 0.0f, dd = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float2 mdw = md_of(w)[hh];
+        if (mdw.x != -INFINITY) {
+          const float e = ex2(mdw.x - M);
+          oo += e * reinterpret_cast<const float*>(warp_area(w))[hh * QS + ch];
+          dd += e * mdw.y;
+        }
+      }
+      a.ws_o[(wsb + hh) * HD + ch] = oo;
+      if (ch == 0) a.ws_md[wsb + hh] = make_float2(M, dd);
+    }
+    __syncthreads();  // shared memory is reused by the next work item
+    // (qs rows < ng are rewritten by every chunk; rows >= ng were never written)
+  }
+}
+
 // ---- tiles of a prompt chunk's queries (kivi_tiles_args) ----
 constexpr int kTileKeys = 32;
 template <int HD>
@@ -425,12 +682,21 @@ int kivi_decode_blocks_per_sm(int hd, int ng) {
   int occ = 0;
   by_hd(hd, [&](auto hc) {
     constexpr int HD = decltype(hc)::value;
-    check(cudaFuncSetAttribute(kivi_decode_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               smem_bytes<HD>(kMaxGroup)),
-          "cudaFuncSetAttribute(kivi decode)");
-    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kivi_decode_kernel<HD>, kKiviDecodeThreads,
-                                                        smem_bytes<HD>(ng)),
-          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    if constexpr (HD <= 128) {
+      check(cudaFuncSetAttribute(kivi_decode_mma_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 km_smem_bytes<HD>()),
+            "cudaFuncSetAttribute(kivi decode)");
+      check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kivi_decode_mma_kernel<HD>, kKiviDecodeThreads,
+                                                          km_smem_bytes<HD>()),
+            "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    } else {
+      check(cudaFuncSetAttribute(kivi_decode_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 smem_bytes<HD>(kMaxGroup)),
+            "cudaFuncSetAttribute(kivi decode)");
+      check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kivi_decode_kernel<HD>, kKiviDecodeThreads,
+                                                          smem_bytes<HD>(ng)),
+            "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    }
   });
   return occ;
 }
@@ -456,7 +722,10 @@ void kivi_tiles_launch(int hd, const kivi_tiles_args& a, cudaStream_t st) {
 void kivi_decode_launch(int hd, const kivi_decode_args& a, int grid, cudaStream_t st) {
   by_hd(hd, [&](auto hc) {
     constexpr int HD = decltype(hc)::value;
-    kivi_decode_kernel<HD><<<(unsigned)grid, kKiviDecodeThreads, smem_bytes<HD>(a.ng), st>>>(a);
+    if constexpr (HD <= 128)
+      kivi_decode_mma_kernel<HD><<<(unsigned)grid, kKiviDecodeThreads, km_smem_bytes<HD>(), st>>>(a);
+    else
+      kivi_decode_kernel<HD><<<(unsigned)grid, kKiviDecodeThreads, smem_bytes<HD>(a.ng), st>>>(a);
   });
   check_launch("attn_decode (kivi_decode_kernel)");
 }
