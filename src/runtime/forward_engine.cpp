@@ -14,8 +14,12 @@ void forward_engine_check(const model& m, const kv_cache_params& cp, compute_dev
 
 forward_engine::forward_engine(model& m, const kv_cache_params& cp, compute_device d, int max_batch)
     : m_(m), device_(d) {
-  if (d == compute_device::cuda) runner_ = std::make_unique<cuda::model_runner>(m, cp, max_batch);
-  else cache_ = make_kv_cache(cp);
+  if (d == compute_device::cuda) {
+    runner_ = std::make_unique<cuda::model_runner>(m, cp, max_batch);
+    runner_->set_cuda_graphs(true);  // decode steps (below) replay one graph
+  } else {
+    cache_ = make_kv_cache(cp);
+  }
 }
 
 forward_engine::~forward_engine() = default;
@@ -24,6 +28,12 @@ int forward_engine::forward(std::span<const int32_t> tokens, int pos0, std::span
                             float* logits, thread_pool& pool) {
   const bool masked = std::find_if(output.begin(), output.end(), [](uint8_t o) { return o != 0; }) != output.end();
   if (runner_) {
+    // a decode step (one token whose logits are wanted) through decode(): the runner's CUDA graph
+    if (tokens.size() == 1 && (output.empty() || masked) && pos0 == runner_->n_pos(0)) {
+      const int32_t seq = 0;
+      runner_->decode(std::span<const int32_t>(&seq, 1), tokens, logits, nullptr);
+      return masked ? 1 : 0;
+    }
     const int rows = runner_->forward(tokens, pos0, masked ? output : std::span<const uint8_t>{}, logits);
     return masked ? rows : 0;
   }

@@ -26,7 +26,8 @@ class forward_engine {
  public:
   // cpu: make_kv_cache(cp); cuda: cuda::model_runner(m, cp, max_batch) (weights uploaded, paged
   // cache allocated; unsupported "[cuda] not supported ..." without CUDA or "[cuda] no GPU
-  // visible ..." without a GPU). cp: shapes as model::cache_params fills them; max_batch >= the
+  // visible ..." without a GPU), whose decode steps (a forward of one token with its logits) run
+  // as one CUDA graph (model_runner::decode with set_cuda_graphs). cp: shapes as model::cache_params fills them; max_batch >= the
   // tokens of any forward(). m must outlive the engine.
   forward_engine(model& m, const kv_cache_params& cp, compute_device d, int max_batch);
   ~forward_engine();
