@@ -974,6 +974,7 @@ decode_plan::decode_plan(const paged_kv_format& f, const decode_params& p, const
                    " (the entries must be a prompt chunk's queries in order)");
     split = std::max<int64_t>(64, round16(maxlen));  // one work item per entry
   }
+  if (split == 0 && !s.tiles && split_tokens_env() > 0) split = std::max<int64_t>(64, round16(split_tokens_env()));
   if (split == 0) {
     constexpr int64_t kFixed = 96;  // per-item cost in token equivalents (query prep, pipeline fill, merge)
     double best = 1e300;

@@ -59,6 +59,10 @@ inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 // the next kernel be scheduled in turn. What a step computes is unchanged, bit for bit.
 // KVQ_CUDA_PDL=0 in the environment (read once) launches them plainly: the benchmarks' A/B.
 bool pdl_on();
+// KVQ_CUDA_DECODE_SPLIT=T in the environment (read once): decode plans whose caller leaves the split
+// to the plan (decode_params::split_tokens 0) take split-KV items of T tokens (rounded to 16, at
+// least 64) instead of the plan's cost model: the benchmarks' sweep. 0 when unset.
+int64_t split_tokens_env();
 __device__ __forceinline__ void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -20,6 +20,13 @@ bool pdl_on() {
   }();
   return on;
 }
+int64_t split_tokens_env() {
+  static const int64_t v = [] {
+    const char* e = std::getenv("KVQ_CUDA_DECODE_SPLIT");
+    return e ? std::max<int64_t>(0, std::atoll(e)) : (int64_t)0;
+  }();
+  return v;
+}
 }  // namespace detail
 
 using detail::check;
