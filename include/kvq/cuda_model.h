@@ -23,10 +23,10 @@
 //  - KIVI (-ctk kivi4 -ctv q4a / kivi4): kivi4 pages of 32 body positions (position - sink), the
 //    sink and the residual in exact f16 rows per (layer, sequence); append_kivi, quantize_kivi_groups
 //    for the groups a step completes, then every query (prompt or decode) through the decode kernel
-//    with its own exact residual, as the CPU cache's attend (docs/cuda.md "KIVI pages"), a forward()
-//    of >= 16 tokens in query tiles (decode_params::kivi_tiles; set_tiled_prefill(false): one
-//    entry per query); a forward() runs in steps of at most 1024 - sink - (min_tail + 31) tokens;
-//    no CUDA graphs (set_cuda_graphs does not apply to KIVI steps).
+//    with its own exact residual, as the CPU cache's attend (docs/cuda.md "KIVI pages"), one entry
+//    per query (a forward() of >= 16 tokens in query tiles with set_kivi_query_tiles); a forward()
+//    runs in steps of at most 1024 - sink - (min_tail + 31) tokens; decode() steps as CUDA graphs
+//    with set_cuda_graphs (the groups and moves of a step padded to one per sequence).
 // Sequences: the runner holds cp.n_seq sequences of up to cp.n_ctx positions each, their pages
 // (16 positions of every kv head of one layer) drawn from one pool of n_seq * ceil(n_ctx / 16)
 // pages per layer (or cp.n_pages, when smaller: a server's --kv-budget) through a free list, so
@@ -135,8 +135,8 @@ class model_runner {
   // kernels work row by row. logits: host [rows][n_vocab], the decode rows then the piece's output
   // rows; argmax: nullptr or host [n_decode]: the decode rows' greedy ids (as decode()) and then only
   // the piece's rows of `logits` are written. Returns the rows (n_decode + the piece's output rows).
-  // Not one pass (decode() then forward(), the same results): KIVI (its prompt chunks attend in
-  // query tiles of one sequence). n_decode == 0: forward(). Throws invalid_input (nothing appended)
+  // Not one pass (decode() then forward(), the same results): KIVI (its prompt steps and their
+  // exact residual rows are per sequence). n_decode == 0: forward(). Throws invalid_input (nothing appended)
   // for what decode() and forward() refuse, n > max_batch, n_decode outside [0, n), a second
   // sequence among the piece's rows or the piece's sequence among the decode rows.
   int step(std::span<const int32_t> seq_ids, std::span<const int32_t> tokens, int n_decode,
@@ -164,8 +164,12 @@ class model_runner {
   void set_tiled_prefill(bool on);
   bool tiled_prefill() const;
   // prompt chunks that took the tiled path: the tiled prefill kernel, or, when every query of the
-  // chunk is below the K channel scale's window, staged_attention alone
+  // chunk is below the K channel scale's window, staged_attention alone (KIVI: the query tiles)
   int tiled_prefills() const;
+  // KIVI prompt chunks (>= 16 tokens of one sequence) through the query tiles (decode_params::
+  // kivi_tiles) when on and set_tiled_prefill is on; off by default: the per-query decode kernel on
+  // the tensor cores is faster at every prompt length measured (docs/perf.md "KIVI prefill").
+  void set_kivi_query_tiles(bool on);
 
   // Batch-invariant decode attention (off by default; the server turns it on): every decode plan
   // cuts a sequence's keys into split-KV items of 256 tokens, so a row's attention, and with it its

@@ -265,8 +265,9 @@ struct model_runner::impl {
   // prompts of >= kTiledMin tokens attend through prefill_plan (set_tiled_prefill); shorter ones, and
   // every token when it is off, through decode_plan with one "sequence" per token
   static constexpr int kTiledMin = 64;
-  static constexpr int kKiviTilesMin = 16;  // KIVI: forwards of >= 16 tokens attend in query tiles
+  static constexpr int kKiviTilesMin = 16;  // KIVI with set_kivi_query_tiles: forwards of >= 16 tokens in query tiles
   bool tiled_prefill = true;
+  bool kivi_query_tiles = false;  // set_kivi_query_tiles
   int n_tiled = 0;
   // set_batch_invariant: split-KV items of this many tokens in every decode plan (0: the plan's
   // choice, which weighs the whole batch)
@@ -660,7 +661,7 @@ struct model_runner::impl {
     up(rows, h_rows.data(), n_out * sizeof(int32_t));
     decode_params dp = kv_decode_params();
     // a prompt chunk of one sequence: its queries in tiles that read each key tile once
-    dp.kivi_tiles = tiled_prefill && n >= kKiviTilesMin &&
+    dp.kivi_tiles = kivi_query_tiles && tiled_prefill && n >= kKiviTilesMin &&
                     std::all_of(h_seq.begin(), h_seq.end(), [&](int32_t sq) { return sq == h_seq[0]; });
     graph_step = graph_step && !dp.kivi_tiles;
     kivi_tables(true, up, graph_step ? n : 0);
@@ -1323,7 +1324,7 @@ int model_runner::step(std::span<const int32_t> seq_ids, std::span<const int32_t
   if (n_decode == 0) return forward(piece, s.seq_pos_checked(sq), output, logits, sq);
   const auto dec_seq = seq_ids.first(n_decode), dec_tok = tokens.first(n_decode);
   if (s.kivi) {
-    // KIVI: apart (its prompt chunks attend in query tiles of one sequence: docs/cuda.md "KIVI pages")
+    // KIVI: apart (its prompt steps and exact residual rows are per sequence: docs/cuda.md "KIVI pages")
     s.check_pages(s.check_decode(dec_seq, dec_tok, "step") + s.check_forward(piece, s.seq_pos_checked(sq), output, sq));
     decode(dec_seq, dec_tok, argmax ? nullptr : logits, argmax);
     return n_decode + forward(piece, s.seq_pos[sq], output, logits ? logits + (size_t)n_decode * s.hp.n_vocab : nullptr,
@@ -1355,6 +1356,7 @@ int model_runner::step(std::span<const int32_t> seq_ids, std::span<const int32_t
 
 void model_runner::set_cuda_graphs(bool on) { p_->graphs = on; }
 void model_runner::set_tiled_prefill(bool on) { p_->tiled_prefill = on; }
+void model_runner::set_kivi_query_tiles(bool on) { p_->kivi_query_tiles = on; }
 void model_runner::set_batch_invariant(bool on) { p_->split_fixed = on ? impl::kInvariantSplit : 0; }
 bool model_runner::batch_invariant() const { return p_->split_fixed > 0; }
 bool model_runner::tiled_prefill() const { return p_->tiled_prefill; }

@@ -102,6 +102,7 @@ bench_cuda_prefill_row measure_prefill(const model_hparams& hp, const model* m, 
     return std::chrono::duration<double>(clock::now() - t0).count();
   };
   r->set_tiled_prefill(true);
+  r->set_kivi_query_tiles(true);  // KIVI: its query tiles in this column (the default prompt path is per-token's)
   r->clear();
   r->forward(std::span<const int32_t>(toks.data(), row.chunk), 0, {}, lg_tiled.data());  // warm-up (cuBLAS, clocks)
   const int before = r->tiled_prefills();

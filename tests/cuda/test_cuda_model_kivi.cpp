@@ -169,14 +169,15 @@ TEST_P(CudaModelKivi, MatchCpuEngine) {
       c16.rel);
   EXPECT_LE(d.rel, 6e-2);
   EXPECT_LT(d.rel, d16.rel);
-  EXPECT_EQ(r.tiled_prefills() > 0, tc.n_prefill >= 16) << "prompts of >= 16 tokens attend in query tiles";
+  EXPECT_EQ(r.tiled_prefills(), 0) << "KIVI prompts attend through the per-query kernel unless the tiles are asked for";
   if (tc.n_prefill == 200 && tc.sink == 4) {
-    // the prompt through the per-entry kernel instead of the tiles: the same codes, other float
-    // order (a value near an f16 or code boundary may then round the other way in a later layer)
+    // the prompt through the query tiles instead of the per-query kernel: the same codes, other
+    // float order (a value near an f16 or code boundary may then round the other way in a later layer)
     r.clear();
-    r.set_tiled_prefill(false);
-    std::vector<float> per((size_t)tc.n_prefill * V), tiled(gpu.begin(), gpu.begin() + (size_t)tc.n_prefill * V);
-    ASSERT_EQ(r.forward(std::span<const int32_t>(ids.data(), tc.n_prefill), 0, all, per.data()), tc.n_prefill);
+    r.set_kivi_query_tiles(true);
+    std::vector<float> tiled((size_t)tc.n_prefill * V), per(gpu.begin(), gpu.begin() + (size_t)tc.n_prefill * V);
+    ASSERT_EQ(r.forward(std::span<const int32_t>(ids.data(), tc.n_prefill), 0, all, tiled.data()), tc.n_prefill);
+    EXPECT_GT(r.tiled_prefills(), 0);
     const diff dt = compare(tiled, per, V);
     std::printf("[ kivi tiles vs per-entry prompt ] rel rms %.3e, argmax same %d/%d\n", dt.rel, dt.argmax_same,
                 dt.rows);

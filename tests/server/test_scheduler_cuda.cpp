@@ -85,6 +85,8 @@ scheduler_params gpu_params(const char* type) {
 // n_batch 16 (chunks below the tiled kernel's 64), 32, 64 (the tiled kernel); n_ctx 128, or 4 chunks.
 // With q4 every position stays below the K channel scale's window (channel_calib 256 >= n_ctx):
 // staged rows and staged_attention only.
+// kivi4: K per-channel and V kivi4 (unrotated) in 32-token pages; its mixed steps run as decode()
+// then forward(), its prompt chunks of >= 16 tokens in query tiles.
 void check_batch_invariance(const char* type, int n_batch = 16) {
   KVQ_REQUIRE_GPU();
   KVQ_REQUIRE_DATA(path, kTinylit);
@@ -124,7 +126,7 @@ void check_batch_invariance(const char* type, int n_batch = 16) {
     EXPECT_EQ(mt.finished, 48u);
     EXPECT_EQ(mt.kv_bytes_used, 0u);
     EXPECT_EQ(mt.pages_in_use, 0);
-    EXPECT_EQ(mt.page_size, 16);
+    EXPECT_EQ(mt.page_size, std::string(type) == "kivi4" ? 32 : 16);
     EXPECT_FALSE(mt.prefix_reuse);
     EXPECT_GT(mt.batch_tokens, mt.steps * 4);  // the batched passes really were batched
   }
@@ -144,6 +146,8 @@ TEST(SchedulerCuda, GreedyTokensDoNotDependOnTheBatchF16Chunk32) { check_batch_i
 TEST(SchedulerCuda, GreedyTokensDoNotDependOnTheBatchQ4Chunk32) { check_batch_invariance("q4", 32); }
 TEST(SchedulerCuda, GreedyTokensDoNotDependOnTheBatchF16Chunk64) { check_batch_invariance("f16", 64); }
 TEST(SchedulerCuda, GreedyTokensDoNotDependOnTheBatchQ4Chunk64) { check_batch_invariance("q4", 64); }
+TEST(SchedulerCuda, GreedyTokensDoNotDependOnTheBatchKivi4) { check_batch_invariance("kivi4"); }
+TEST(SchedulerCuda, GreedyTokensDoNotDependOnTheBatchKivi4Chunk32) { check_batch_invariance("kivi4", 32); }
 
 // A cancelled request gives its pages back: four requests decoding (pages in use), cancelled
 // while they run: no active sequence, no page in use, zero KV bytes in use.
