@@ -27,6 +27,7 @@ int model_runner::graph_captures() const { return 0; }
 void model_runner::set_step_profile(bool) {}
 model_runner::step_profile model_runner::last_step_profile() const { return {}; }
 void model_runner::set_tiled_prefill(bool) {}
+void model_runner::set_kivi_query_tiles(bool) {}
 void model_runner::set_batch_invariant(bool) {}
 bool model_runner::batch_invariant() const { return false; }
 bool model_runner::tiled_prefill() const { return false; }
