@@ -47,6 +47,32 @@ constexpr int smem_bytes(int ng) {
   return kd_ngp(ng) * HD * 4 + kWarps * kd_warp_bytes<HD>(kd_ngp(ng));
 }
 
+// The block's warps' states of work item `work` folded into one attn_state per GQA head (ws_o, ws_md):
+// warp w's o of head hh at o_of(w)[hh * stride + c], its {m, d} at md_of(w)[hh]. Both kernels below.
+template <int HD, class OOf, class MdOf>
+__device__ __forceinline__ void merge_warp_states(const kivi_decode_args& a, int work, int ng, int stride, OOf&& o_of,
+                                                  MdOf&& md_of) {
+  const int64_t wsb = (int64_t)work * ng;
+  for (int i = threadIdx.x; i < ng * HD; i += kKiviDecodeThreads) {
+    const int hh = i / HD, c = i % HD;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, md_of(w)[hh].x);
+    float oo = 0.0f, dd = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float2 mdw = md_of(w)[hh];
+      if (mdw.x != -INFINITY) {
+        const float e = ex2(mdw.x - M);
+        oo += e * o_of(w)[hh * stride + c];
+        dd += e * mdw.y;
+      }
+    }
+    a.ws_o[(wsb + hh) * HD + c] = oo;
+    if (c == 0) a.ws_md[wsb + hh] = make_float2(M, dd);
+  }
+}
+
 template <int HD>
 __global__ void __launch_bounds__(kKiviDecodeThreads, 4) kivi_decode_kernel(kivi_decode_args a) {
   constexpr int NB = HD / 32, RB = HD / 2;  // 32-element code blocks (V: one q4a group each), bytes per row
@@ -259,25 +285,7 @@ __global__ void __launch_bounds__(kKiviDecodeThreads, 4) kivi_decode_kernel(kivi
     for (int hh = 0; hh < kMaxGroup; ++hh)
       if (hh < ng && lane == 0) md[hh] = make_float2(m[hh], d[hh]);
     __syncthreads();
-    const int64_t wsb = (int64_t)work * ng;
-    for (int i = threadIdx.x; i < ng * HD; i += kKiviDecodeThreads) {
-      const int hh = i / HD, c = i % HD;
-      float M = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) M = fmaxf(M, md_of(w)[hh].x);
-      float oo = 0.0f, dd = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float2 mdw = md_of(w)[hh];
-        if (mdw.x != -INFINITY) {
-          const float e = ex2(mdw.x - M);
-          oo += e * reinterpret_cast<const float*>(warp_area(w))[hh * HD + c];
-          dd += e * mdw.y;
-        }
-      }
-      a.ws_o[(wsb + hh) * HD + c] = oo;
-      if (c == 0) a.ws_md[wsb + hh] = make_float2(M, dd);
-    }
+    merge_warp_states<HD>(a, work, ng, HD, [&](int w) { return reinterpret_cast<const float*>(warp_area(w)); }, md_of);
     __syncthreads();  // shared memory is reused by the next work item
   }
 }
@@ -515,25 +523,7 @@ __global__ void __launch_bounds__(kKiviDecodeThreads, 3) kivi_decode_mma_kernel(
       if (t == 0) md_of(warp)[g] = make_float2(m, d);
     }
     __syncthreads();
-    const int64_t wsb = (int64_t)work * ng;
-    for (int i = threadIdx.x; i < ng * HD; i += kKiviDecodeThreads) {
-      const int hh = i / HD, ch = i % HD;
-      float M = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) M = fmaxf(M, md_of(w)[hh].x);
-      float oo = 0.0f, dd = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float2 mdw = md_of(w)[hh];
-        if (mdw.x != -INFINITY) {
-          const float e = ex2(mdw.x - M);
-          oo += e * reinterpret_cast<const float*>(warp_area(w))[hh * QS + ch];
-          dd += e * mdw.y;
-        }
-      }
-      a.ws_o[(wsb + hh) * HD + ch] = oo;
-      if (ch == 0) a.ws_md[wsb + hh] = make_float2(M, dd);
-    }
+    merge_warp_states<HD>(a, work, ng, QS, [&](int w) { return reinterpret_cast<const float*>(warp_area(w)); }, md_of);
     __syncthreads();  // shared memory is reused by the next work item
     // (qs rows < ng are rewritten by every chunk; rows >= ng were never written)
   }
