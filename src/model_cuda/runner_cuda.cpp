@@ -674,15 +674,8 @@ struct model_runner::impl {
     step_paged = true;
     graph_entry* g = graph_step ? graph_of_step(n, n_out, want_ids) : nullptr;
     if (g) {
-      std::unique_ptr<decode_plan>& d = g->plans.d[0];
-      const bool kept = d && g->plans.entries[0] == n && d->update(h_indptr.data(), h_last.data(), stream);
-      if (!kept) {
-        d.reset();
-        d = std::make_unique<decode_plan>(fmt, dp, h_indptr.data(), h_last.data(), n, kv_cap);
-        g->plans.entries[0] = n;
-      }
-      parts[0].dplan = d.get();
-      if (!kept || !g->exec) {
+      // as run(): the entry's plan updated in place and the graph replayed, else the step captured anew
+      if (!(part_plans(g->plans, dp, true) && g->exec)) {
         trim_graphs(g);
         capture(*g, n, n_out, want_ids);
       }
@@ -892,7 +885,8 @@ struct model_runner::impl {
   // prefill plan for a tiled part; else a decode plan. A plan of the same shape in ps is updated in
   // place (prefill_plan::update, always; decode_plan::update when update_decode: with fixed split-KV
   // items, or under a graph, whose replays keep the captured split) when that gives the launch a new
-  // plan would; otherwise a new plan is made. Returns whether every plan was updated in place.
+  // plan would; otherwise a new plan is made (its exact window: the sink rows, or KIVI's exact slot of
+  // kv_cap rows). Returns whether every plan was updated in place.
   bool part_plans(plan_set& ps, const decode_params& dp, bool update_decode) {
     bool all_kept = true;
     for (int i = 0; i < n_parts; ++i) {
@@ -920,7 +914,7 @@ struct model_runner::impl {
         std::unique_ptr<decode_plan>& d = ps.d[i];
         if (!(update_decode && d && ps.entries[i] == a.entries && d->update(indptr, last, stream))) {
           d.reset();
-          d = std::make_unique<decode_plan>(fmt, dp, indptr, last, a.entries, sink);
+          d = std::make_unique<decode_plan>(fmt, dp, indptr, last, a.entries, kivi ? kv_cap : sink);
           ps.entries[i] = a.entries;
           all_kept = false;
         }
